@@ -1,0 +1,1 @@
+"""The split channel: the only gRPC code of splitfed."""

@@ -1,0 +1,334 @@
+"""The client side of the split channel: :class:`TrunkClient` and the :class:`RemoteTrunk` module.
+
+``RemoteTrunk`` is a plain ``nn.Module``: its forward sends the activation to
+the trunk server and its autograd backward sends the gradient and returns the
+gradient for the bottom part, so client training code stays
+``loss.backward(); optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+from torch import nn
+
+from splitfed.channel import split_channel_pb2 as pb
+from splitfed.channel import split_channel_pb2_grpc as pb_grpc
+from splitfed.channel.server import CLIENT_ID_KEY, SERVICE_NAME, ChannelLimits
+from splitfed.channel.wire import (
+    assemble,
+    decode_single,
+    encode,
+    encode_state,
+    frames,
+    from_proto,
+    payload_bytes,
+    to_proto,
+)
+from splitfed.codec import EncodedTensor, TensorLimits, WireDType, wire_dtype
+from splitfed.errors import ChannelError, ConfigError
+from splitfed.split.base import CutState
+
+log = logging.getLogger(__name__)
+
+_OUTCOME_NAMES = {v: k for k, v in pb.UpdateOutcome.items()}
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """gRPC retry policy for transient failures, declared in the channel's service config.
+
+    Retries use capped exponential backoff and apply to UNAVAILABLE (and the
+    other codes listed). ``timeout_s`` bounds each call as a whole, retries
+    included: past it the call fails with DEADLINE_EXCEEDED and the client
+    raises :class:`~splitfed.errors.ChannelError`.
+    """
+
+    max_attempts: int = 5
+    initial_backoff_s: float = 0.2
+    max_backoff_s: float = 5.0
+    backoff_multiplier: float = 2.0
+    retryable_codes: tuple[str, ...] = ("UNAVAILABLE",)
+    timeout_s: float = 300.0
+
+    def service_config(self) -> str:
+        """The JSON service config gRPC reads."""
+        policy = {
+            "maxAttempts": max(2, min(self.max_attempts, 5)),
+            "initialBackoff": f"{self.initial_backoff_s}s",
+            "maxBackoff": f"{self.max_backoff_s}s",
+            "backoffMultiplier": self.backoff_multiplier,
+            "retryableStatusCodes": list(self.retryable_codes),
+        }
+        return json.dumps({"methodConfig": [{"name": [{"service": SERVICE_NAME}], "retryPolicy": policy}]})
+
+
+@dataclass
+class BackwardReply:
+    """The gradient for the bottom part and what the trunk did with its own gradient."""
+
+    grad: torch.Tensor
+    outcome: str
+    trunk_version: int
+    staleness: int
+
+
+class TrunkClient:
+    """One client's connection to a trunk server.
+
+    Args:
+        address: ``host:port`` of the trunk server.
+        client_id: this client's name on the server (default: a random id);
+            ignored by servers that identify clients by ``token``.
+        insecure: use plaintext; required unless ``credentials`` are given.
+        credentials: ``grpc.ChannelCredentials`` for TLS (see :mod:`splitfed.channel.security`).
+        token: bearer token sent as ``authorization`` metadata.
+        wire_dtype: dtype floating activations and gradients travel in (fp32, fp16, bf16).
+        limits: message sizes and the unary/stream threshold.
+        retry: retry policy and overall timeout per call.
+        compression: gRPC compression for every call (e.g. ``grpc.Compression.Gzip``).
+    """
+
+    def __init__(self, address: str, *, client_id: str | None = None, insecure: bool = False,
+                 credentials: grpc.ChannelCredentials | None = None, token: str | None = None,
+                 wire_dtype: str | WireDType = "fp32", limits: ChannelLimits = ChannelLimits(),
+                 retry: RetryPolicy = RetryPolicy(), compression: grpc.Compression | None = None,
+                 options: Sequence[tuple[str, Any]] = ()) -> None:
+        if credentials is None and not insecure:
+            raise ConfigError("the trunk client needs TLS credentials, or insecure=True for plaintext")
+        self.address = address
+        self.client_id = client_id or uuid.uuid4().hex[:12]
+        self.wire_dtype = globals()["wire_dtype"](wire_dtype)
+        self.limits = limits
+        self.retry = retry
+        self.compression = compression
+        self.tensor_limits = TensorLimits(max_bytes=limits.max_tensor_bytes)
+        opts: list[tuple[str, Any]] = limits.grpc_options() + [
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", retry.service_config()),
+            ("grpc.per_rpc_retry_buffer_size", 2 * limits.max_message_bytes),
+            *options,
+        ]
+        if credentials is not None:
+            self._channel = grpc.secure_channel(address, credentials, options=opts)
+        else:
+            self._channel = grpc.insecure_channel(address, options=opts)
+        self._stub = pb_grpc.SplitChannelStub(self._channel)
+        self._metadata: list[tuple[str, str]] = [(CLIENT_ID_KEY, self.client_id)]
+        if token is not None:
+            self._metadata.append(("authorization", f"Bearer {token}"))
+        self._reply_needs_stream = False
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.calls = 0
+
+    # -- plumbing ------------------------------------------------------------------
+    def set_token(self, token: str | None) -> None:
+        """Replace the bearer token sent with every call."""
+        self._metadata = [(k, v) for k, v in self._metadata if k != "authorization"]
+        if token is not None:
+            self._metadata.append(("authorization", f"Bearer {token}"))
+
+    def _invoke(self, name: str, fn: Callable[..., Any], request: Any, extra: Sequence[tuple[str, str]] = ()) -> Any:
+        try:
+            return fn(request, timeout=self.retry.timeout_s, metadata=self._metadata + list(extra),
+                      compression=self.compression)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+            details = exc.details() if hasattr(exc, "details") else str(exc)
+            raise ChannelError(f"{name} to trunk server {self.address} failed with {code.name}: {details}",
+                               code=code.name) from None
+
+    def _account(self, sent: int, received: int) -> None:
+        with self._lock:
+            self.bytes_sent += sent
+            self.bytes_received += received
+            self.calls += 1
+
+    def _stream_call(self, name: str, fn: Callable[..., Iterator[pb.Frame]], header: pb.Frame, field: str,
+                     encs: list[EncodedTensor], reply_field: str, extra: Sequence[tuple[str, str]] = ()) -> Any:
+        request = frames(header, field, encs, self.limits.chunk_bytes)
+        replies = self._invoke(name, fn, request, extra)
+        try:
+            return assemble(replies, reply_field, self.limits.max_tensor_bytes)
+        except grpc.RpcError as exc:
+            raise ChannelError(f"{name} to trunk server {self.address} failed with {exc.code().name}: "
+                               f"{exc.details()}", code=exc.code().name) from None
+
+    # -- RPCs ----------------------------------------------------------------------
+    def info(self) -> pb.InfoReply:
+        """The server's model, cuts, trunk mode, version and limits."""
+        return self._invoke("Info", self._stub.Info, pb.InfoRequest())
+
+    def join(self) -> int:
+        """Enter the trunk's step group; returns the group size."""
+        return self._invoke("Join", self._stub.Join, pb.JoinRequest()).group_size
+
+    def leave(self) -> int:
+        """Leave the trunk's step group; returns the group size."""
+        return self._invoke("Leave", self._stub.Leave, pb.LeaveRequest()).group_size
+
+    def forward(self, state: CutState, *, activation_id: str | None = None, train: bool = True,
+                num_examples: int | None = None, session_id: str = "") -> tuple[torch.Tensor, int]:
+        """Send a cut state; returns the trunk's output hidden state and the trunk version it saw."""
+        activation_id = activation_id or uuid.uuid4().hex
+        encs = encode_state(state, self.wire_dtype)
+        n = int(num_examples if num_examples is not None else state.hidden.shape[0])
+        req = pb.ForwardRequest(activation_id=activation_id, train=train, reply_dtype=int(self.wire_dtype),
+                                num_examples=n, session_id=session_id)
+        sent = payload_bytes(encs)
+        if sent <= self.limits.stream_threshold_bytes and not self._reply_needs_stream:
+            req.tensors.extend(to_proto(e) for e in encs)
+            try:
+                reply = self._invoke("Forward", self._stub.Forward, req)
+                out = [from_proto(t) for t in reply.tensors]
+            except ChannelError as exc:
+                if exc.code != "RESOURCE_EXHAUSTED" or "use ForwardStream" not in str(exc):
+                    raise
+                self._reply_needs_stream = True  # the trunk's output outgrows its input
+                del req.tensors[:]
+                return self.forward(state, activation_id=activation_id, train=train, num_examples=n,
+                                    session_id=session_id)
+        else:
+            asm = self._stream_call("ForwardStream", self._stub.ForwardStream, pb.Frame(forward_request=req),
+                                    "forward_request", encs, "forward_reply")
+            reply, out = asm.header, asm.tensors
+        hidden = decode_single(out, "hidden", self.tensor_limits)
+        self._account(sent, payload_bytes(out))
+        return hidden, reply.trunk_version
+
+    def backward(self, activation_id: str, grad: torch.Tensor) -> BackwardReply:
+        """Send the gradient of the loss w.r.t. a forward's output; returns the gradient w.r.t. its input."""
+        encs = [encode("grad", grad, self.wire_dtype)]
+        req = pb.BackwardRequest(activation_id=activation_id, reply_dtype=int(self.wire_dtype))
+        sent = payload_bytes(encs)
+        if sent <= self.limits.stream_threshold_bytes:
+            req.tensors.extend(to_proto(e) for e in encs)
+            reply = self._invoke("Backward", self._stub.Backward, req)
+            out = [from_proto(t) for t in reply.tensors]
+        else:
+            asm = self._stream_call("BackwardStream", self._stub.BackwardStream, pb.Frame(backward_request=req),
+                                    "backward_request", encs, "backward_reply")
+            reply, out = asm.header, asm.tensors
+        grad_in = decode_single(out, "grad", self.tensor_limits)
+        self._account(sent, payload_bytes(out))
+        return BackwardReply(grad_in, _OUTCOME_NAMES.get(reply.outcome, "UNKNOWN"), reply.trunk_version,
+                             reply.staleness)
+
+    def open_session(self, max_length: int, batch_size: int = 1) -> tuple[str, float]:
+        """Open an inference session (server-side KV cache); returns its id and idle TTL."""
+        reply = self._invoke("OpenSession", self._stub.OpenSession,
+                             pb.OpenSessionRequest(max_length=max_length, batch_size=batch_size))
+        return reply.session_id, reply.idle_ttl_s
+
+    def close_session(self, session_id: str) -> None:
+        """Close an inference session and free its cache."""
+        self._invoke("CloseSession", self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Block until the channel connects, or raise :class:`ChannelError`."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise ChannelError(f"trunk server {self.address} not reachable within {timeout}s; is it running "
+                               "and is the address right?", code="UNAVAILABLE") from None
+
+    def close(self) -> None:
+        """Close the underlying gRPC channel."""
+        self._channel.close()
+
+    def __enter__(self) -> TrunkClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _owned(t: torch.Tensor, like: torch.Tensor, device: torch.device | None = None,
+           dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` on ``like``'s device and dtype, in memory of its own (decoded tensors share read-only bytes)."""
+    out = t.to(device=device or like.device, dtype=dtype or like.dtype)
+    return out.clone() if out.data_ptr() == t.data_ptr() else out
+
+
+class _RemoteTrunkFunction(torch.autograd.Function):
+    """Forward: send the activation. Backward: send its gradient, return the input's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, anchor: torch.Tensor, remote: RemoteTrunk,
+                state: CutState) -> torch.Tensor:
+        activation_id = uuid.uuid4().hex
+        out, version = remote.client.forward(state.with_hidden(hidden.detach()), activation_id=activation_id,
+                                             train=True, num_examples=remote._num_examples(state))
+        ctx.remote, ctx.activation_id = remote, activation_id
+        ctx.in_dtype, ctx.device = hidden.dtype, hidden.device
+        remote.last_version = version
+        return _owned(out, hidden)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        reply = ctx.remote.client.backward(ctx.activation_id, grad_out.contiguous())
+        ctx.remote._record(reply)
+        return _owned(reply.grad, grad_out, ctx.device, ctx.in_dtype), None, None, None
+
+
+class RemoteTrunk(nn.Module):
+    """The trunk as a module on the client: ``CutState -> CutState`` through the split channel.
+
+    In training mode with gradients enabled, forwards are kept by the server
+    for their backward, which autograd sends when ``loss.backward()`` runs. In
+    eval mode or under ``torch.no_grad()``, forwards are evaluation-only.
+
+    Args:
+        client: a :class:`TrunkClient`, or an address (then ``client_kwargs`` build one).
+    """
+
+    def __init__(self, client: TrunkClient | str, **client_kwargs: Any) -> None:
+        super().__init__()
+        self.client = client if isinstance(client, TrunkClient) else TrunkClient(client, **client_kwargs)
+        self.num_examples: int | None = None
+        self.last_version = 0
+        self.outcomes: dict[str, int] = {}
+
+    def _num_examples(self, state: CutState) -> int:
+        return self.num_examples if self.num_examples is not None else int(state.hidden.shape[0])
+
+    def _record(self, reply: BackwardReply) -> None:
+        self.outcomes[reply.outcome] = self.outcomes.get(reply.outcome, 0) + 1
+        self.last_version = reply.trunk_version
+
+    def forward(self, state: CutState) -> CutState:
+        """Run the remote trunk on ``state``."""
+        if self.training and torch.is_grad_enabled():
+            # The anchor makes the output require grad even when the bottom is frozen,
+            # so the trunk and top still train.
+            anchor = torch.empty(0, requires_grad=True)
+            out = _RemoteTrunkFunction.apply(state.hidden, anchor, self, state)
+            return state.with_hidden(out)
+        out, version = self.client.forward(state.with_hidden(state.hidden.detach()), train=False)
+        self.last_version = version
+        return state.with_hidden(_owned(out, state.hidden))
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.client.close()
+
+
+def wait_for_server(address: str, timeout: float = 30.0, **client_kwargs: Any) -> None:
+    """Block until a trunk server answers at ``address``."""
+    deadline = time.monotonic() + timeout
+    client = TrunkClient(address, **client_kwargs)
+    try:
+        client.wait_ready(max(deadline - time.monotonic(), 0.1))
+    finally:
+        client.close()

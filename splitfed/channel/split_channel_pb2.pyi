@@ -1,0 +1,198 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    BOOL: _ClassVar[DType]
+    UINT8: _ClassVar[DType]
+
+class UpdateOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    UPDATE_OUTCOME_UNSPECIFIED: _ClassVar[UpdateOutcome]
+    APPLIED: _ClassVar[UpdateOutcome]
+    DOWNWEIGHTED: _ClassVar[UpdateOutcome]
+    REJECTED_STALE: _ClassVar[UpdateOutcome]
+    REJECTED_GUARD: _ClassVar[UpdateOutcome]
+    NOT_TRAINED: _ClassVar[UpdateOutcome]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT16: DType
+BFLOAT16: DType
+INT64: DType
+INT32: DType
+BOOL: DType
+UINT8: DType
+UPDATE_OUTCOME_UNSPECIFIED: UpdateOutcome
+APPLIED: UpdateOutcome
+DOWNWEIGHTED: UpdateOutcome
+REJECTED_STALE: UpdateOutcome
+REJECTED_GUARD: UpdateOutcome
+NOT_TRAINED: UpdateOutcome
+
+class Tensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("activation_id", "train", "tensors", "reply_dtype", "num_examples", "session_id")
+    ACTIVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    activation_id: str
+    train: bool
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    reply_dtype: DType
+    num_examples: int
+    session_id: str
+    def __init__(self, activation_id: _Optional[str] = ..., train: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., num_examples: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class ForwardReply(_message.Message):
+    __slots__ = ("activation_id", "tensors", "trunk_version")
+    ACTIVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TRUNK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    activation_id: str
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    trunk_version: int
+    def __init__(self, activation_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., trunk_version: _Optional[int] = ...) -> None: ...
+
+class BackwardRequest(_message.Message):
+    __slots__ = ("activation_id", "tensors", "reply_dtype")
+    ACTIVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    activation_id: str
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    reply_dtype: DType
+    def __init__(self, activation_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class BackwardReply(_message.Message):
+    __slots__ = ("activation_id", "tensors", "trunk_version", "outcome", "staleness")
+    ACTIVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TRUNK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    activation_id: str
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    trunk_version: int
+    outcome: UpdateOutcome
+    staleness: int
+    def __init__(self, activation_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., trunk_version: _Optional[int] = ..., outcome: _Optional[_Union[UpdateOutcome, str]] = ..., staleness: _Optional[int] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("forward_request", "forward_reply", "backward_request", "backward_reply", "chunk")
+    FORWARD_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_REPLY_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_REPLY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    forward_request: ForwardRequest
+    forward_reply: ForwardReply
+    backward_request: BackwardRequest
+    backward_reply: BackwardReply
+    chunk: Chunk
+    def __init__(self, forward_request: _Optional[_Union[ForwardRequest, _Mapping]] = ..., forward_reply: _Optional[_Union[ForwardReply, _Mapping]] = ..., backward_request: _Optional[_Union[BackwardRequest, _Mapping]] = ..., backward_reply: _Optional[_Union[BackwardReply, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoReply(_message.Message):
+    __slots__ = ("model", "cuts", "trunk_mode", "trunk_version", "max_message_bytes", "stream_threshold_bytes", "auth_required", "server_version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CUTS_FIELD_NUMBER: _ClassVar[int]
+    TRUNK_MODE_FIELD_NUMBER: _ClassVar[int]
+    TRUNK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_THRESHOLD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    AUTH_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    cuts: _containers.RepeatedScalarFieldContainer[int]
+    trunk_mode: str
+    trunk_version: int
+    max_message_bytes: int
+    stream_threshold_bytes: int
+    auth_required: bool
+    server_version: str
+    def __init__(self, model: _Optional[str] = ..., cuts: _Optional[_Iterable[int]] = ..., trunk_mode: _Optional[str] = ..., trunk_version: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., stream_threshold_bytes: _Optional[int] = ..., auth_required: _Optional[bool] = ..., server_version: _Optional[str] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("trunk_version", "group_size")
+    TRUNK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    trunk_version: int
+    group_size: int
+    def __init__(self, trunk_version: _Optional[int] = ..., group_size: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ("group_size",)
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    group_size: int
+    def __init__(self, group_size: _Optional[int] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("max_length", "batch_size")
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    max_length: int
+    batch_size: int
+    def __init__(self, max_length: _Optional[int] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class OpenSessionReply(_message.Message):
+    __slots__ = ("session_id", "idle_ttl_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    idle_ttl_s: float
+    def __init__(self, session_id: _Optional[str] = ..., idle_ttl_s: _Optional[float] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,77 @@
+"""SplitFed's typed errors: one root, specific subclasses, messages that say what to do next."""
+
+from __future__ import annotations
+
+
+class SplitFedError(Exception):
+    """Root of every error splitfed raises on purpose."""
+
+
+class ConfigError(SplitFedError, ValueError):
+    """A configuration value is missing or out of range; the message names the key."""
+
+
+class UnsupportedModelError(SplitFedError, TypeError):
+    """The model's architecture has no splitter; the message lists the supported ones."""
+
+
+class SplitError(SplitFedError, ValueError):
+    """The cut points do not fit the model (out of range or in the wrong order)."""
+
+
+class CodecError(SplitFedError, ValueError):
+    """A tensor on the wire is malformed: unknown dtype, bad shape, wrong byte count, too large."""
+
+
+class TensorValueError(CodecError):
+    """A tensor holds NaN or Inf, is empty, or has the wrong shape or dtype for its role."""
+
+
+class ActivationNotFoundError(SplitFedError, KeyError):
+    """A Backward names an activation the server does not hold (unknown, expired or evicted)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ActivationStateError(SplitFedError):
+    """An activation exists but cannot be used this way (already used, evaluation-only, in flight)."""
+
+
+class DuplicateActivationError(SplitFedError):
+    """A Forward reuses an activation id that belongs to a different request."""
+
+
+class PermissionDeniedError(SplitFedError):
+    """A client touched an activation or session that belongs to another client."""
+
+
+class AuthError(SplitFedError):
+    """A token is missing, malformed, expired, replayed or signed with another key."""
+
+
+class ResourceExhaustedError(SplitFedError):
+    """A server limit (message size, saved-forward budget, sessions, cache memory) was hit."""
+
+
+class SessionNotFoundError(SplitFedError, KeyError):
+    """An inference session is unknown, expired or was evicted; open a new one."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class GradientRejectedError(SplitFedError):
+    """A gradient failed the guard (NaN/Inf or a norm above the configured limit)."""
+
+
+class ChannelError(SplitFedError):
+    """The split channel failed after retries; ``code`` is the gRPC status name."""
+
+    def __init__(self, message: str, code: str = "UNKNOWN") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ModelLoadError(SplitFedError):
+    """A model or checkpoint could not be found or read; the message says where it looked."""

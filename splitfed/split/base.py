@@ -1,0 +1,196 @@
+"""What crosses a cut, the three parts' common interface, and the local three-part model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitfed.errors import SplitError
+
+Role = Literal["bottom", "trunk", "top"]
+Task = Literal["causal-lm", "classification"]
+
+#: Names of the tensors a :class:`CutState` carries on the wire.
+CUT_FIELDS = ("hidden", "attention_mask", "position_ids")
+
+
+@dataclass
+class CutState:
+    """What crosses a cut: the hidden state plus what the next part needs.
+
+    ``attention_mask`` is the 2-D padding mask (1 = token, 0 = padding) over the
+    whole sequence seen so far (past tokens of a KV cache included);
+    ``position_ids`` are the positions of the tokens in ``hidden``. Both are
+    ``None`` for models that do not use them (the CNN). Each part rebuilds its
+    own 4-D mask and rotary embeddings from these.
+    """
+
+    hidden: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The non-empty fields by name, in :data:`CUT_FIELDS` order."""
+        out = {"hidden": self.hidden}
+        if self.attention_mask is not None:
+            out["attention_mask"] = self.attention_mask
+        if self.position_ids is not None:
+            out["position_ids"] = self.position_ids
+        return out
+
+    def with_hidden(self, hidden: torch.Tensor) -> CutState:
+        """The same state around a new hidden tensor."""
+        return replace(self, hidden=hidden)
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """How a part's parameters are named in the full (unsplit) model's state dict.
+
+    ``prefixes`` maps a prefix of the part's own state-dict keys to the prefix
+    the same tensors have in the full model, e.g. ``("layers.0.", "model.layers.4.")``.
+    """
+
+    role: Role
+    arch: str
+    first_layer: int
+    num_layers: int
+    prefixes: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+    def full_key(self, part_key: str) -> str:
+        """The full model's key for one of this part's state-dict keys."""
+        for mine, theirs in self.prefixes:
+            if part_key.startswith(mine):
+                return theirs + part_key[len(mine):]
+        raise KeyError(f"{self.role} key {part_key!r} has no counterpart in the full model")
+
+    def part_key(self, full_key: str) -> str | None:
+        """This part's key for a full-model key, or None when the part does not own it."""
+        for mine, theirs in self.prefixes:
+            if full_key.startswith(theirs):
+                return mine + full_key[len(theirs):]
+        return None
+
+
+class Part(nn.Module):
+    """Base of every part: carries its :class:`PartSpec`."""
+
+    spec: PartSpec
+
+    @property
+    def role(self) -> Role:
+        """``bottom``, ``trunk`` or ``top``."""
+        return self.spec.role
+
+
+def check_cuts(cuts: tuple[int, int] | list[int], num_layers: int) -> tuple[int, int]:
+    """Validate ``(a, b)`` against ``num_layers``: ``0 <= a < b <= num_layers``."""
+    if len(cuts) != 2:
+        raise SplitError(f"cuts must be two layer indices (a, b), got {cuts!r}")
+    a, b = int(cuts[0]), int(cuts[1])
+    if not 0 <= a < b <= num_layers:
+        raise SplitError(f"cuts {(a, b)} do not fit a model of {num_layers} blocks: need "
+                         f"0 <= a < b <= {num_layers} so the trunk holds at least one block")
+    return a, b
+
+
+def reindex_layers(layers: nn.ModuleList) -> None:
+    """Number the attention modules of ``layers`` 0..k-1 so a part owns its own KV cache."""
+    for i, layer in enumerate(layers):
+        for module in layer.modules():
+            if isinstance(getattr(module, "layer_idx", None), int):
+                module.layer_idx = i
+
+
+@dataclass
+class SplitOutput:
+    """Logits, and the loss when labels were given."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, mean over labels that are not -100 (as transformers computes it)."""
+    labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device),
+                           ignore_index=-100)
+
+
+def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross entropy for class labels; mean squared error when there is one output."""
+    if logits.shape[-1] == 1:
+        return F.mse_loss(logits.squeeze(-1).float(), labels.float())
+    return F.cross_entropy(logits.float(), labels.to(logits.device))
+
+
+class SplitModel(nn.Module):
+    """Bottom, trunk and top run in sequence; the trunk may be local or a :class:`RemoteTrunk`.
+
+    ``forward`` takes what the unsplit model takes (token ids or images, an
+    optional padding mask and labels) and returns a :class:`SplitOutput`.
+    """
+
+    def __init__(self, bottom: nn.Module, trunk: nn.Module, top: nn.Module, task: Task,
+                 config: Any = None) -> None:
+        super().__init__()
+        self.bottom = bottom
+        self.trunk = trunk
+        self.top = top
+        self.task = task
+        self.config = config
+
+    def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> SplitOutput:
+        """Run the three parts; compute the task's loss when ``labels`` is given."""
+        state = self.bottom(inputs, attention_mask=attention_mask, position_ids=position_ids)
+        state = self.trunk(state)
+        logits = self.top(state)
+        loss = None
+        if labels is not None:
+            loss = causal_lm_loss(logits, labels) if self.task == "causal-lm" else classification_loss(logits, labels)
+        return SplitOutput(logits=logits, loss=loss)
+
+    def client_modules(self) -> nn.ModuleDict:
+        """Bottom and top together, as the client holds them (tied weights stay tied)."""
+        return nn.ModuleDict({"bottom": self.bottom, "top": self.top})
+
+
+def unique_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters (tied ones once) and persistent buffers of ``module``, by state-dict name.
+
+    This is what travels in Flower messages: a tied embedding/head pair is sent
+    once, under the first name it appears with.
+    """
+    state = module.state_dict(keep_vars=True)
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        key = id(tensor)
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach()
+    return out
+
+
+def load_unique_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a :func:`unique_state` dict back; tied duplicates receive the same values."""
+    own = module.state_dict(keep_vars=True)
+    expected = unique_state(module)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise SplitError(f"state does not match the module: missing {missing[:5]}, unexpected {unexpected[:5]}; "
+                         "were both sides built with the same model and cuts?")
+    with torch.no_grad():
+        for name, value in state.items():
+            target = own[name]
+            if target.shape != value.shape:
+                raise SplitError(f"{name}: shape {tuple(value.shape)} does not match the module's "
+                                 f"{tuple(target.shape)}")
+            target.copy_(value)

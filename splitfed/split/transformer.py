@@ -1,0 +1,243 @@
+"""Exact three-way splits of Hugging Face transformers (transformers 5.x conventions).
+
+Supported: GPT-2 (causal LM), the Llama family (Llama, Mistral, Qwen2, Qwen3,
+Gemma; causal LM) and BERT (sequence classification). Each part owns a
+contiguous run of blocks, re-indexed from 0 so that it can hold its own
+``DynamicCache``, and a copy of the model config whose ``num_hidden_layers``
+(and ``layer_types``) describe just those blocks. Masks and rotary embeddings
+are rebuilt per part from the 2-D padding mask and the position ids that cross
+the cut, so a split model computes exactly what the unsplit model computes.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.masking_utils import (
+    create_bidirectional_mask,
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+)
+
+from splitfed.split.base import CutState, Part, PartSpec, Role, reindex_layers
+
+LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma"})
+GPT2_FAMILY = frozenset({"gpt2"})
+BERT_FAMILY = frozenset({"bert"})
+
+
+def part_config(config: Any, first: int, count: int) -> Any:
+    """A copy of ``config`` describing only blocks ``[first, first + count)``."""
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = count
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        cfg.layer_types = list(layer_types[first:first + count])
+    return cfg
+
+
+def default_positions(hidden: torch.Tensor, past: int) -> torch.Tensor:
+    """Position ids of shape (B, T): ``past + arange(T)``, as the unsplit models use by default.
+
+    Left-padded generation passes explicit positions instead (see :func:`left_padded_positions`).
+    """
+    batch, length = hidden.shape[:2]
+    return (torch.arange(length, device=hidden.device) + past).unsqueeze(0).expand(batch, length)
+
+
+def left_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: ``cumsum(mask) - 1``, 0 on padding (what ``generate`` uses)."""
+    mask = attention_mask.long()
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+class TransformerPart(Part):
+    """A run of transformer blocks plus, by role, the embeddings or the final norm and head."""
+
+    def __init__(self, spec: PartSpec, config: Any, layers: list[nn.Module], *, embed: nn.Module | None = None,
+                 norm: nn.Module | None = None, head: nn.Module | None = None,
+                 rotary: nn.Module | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.config = part_config(config, spec.first_layer, spec.num_layers)
+        self.layers = nn.ModuleList(layers)
+        reindex_layers(self.layers)
+        self.embed = embed
+        self.norm = norm
+        self.head = head
+        # Buffer-only (cos/sin tables): each part gets its own copy.
+        self.rotary = copy.deepcopy(rotary) if rotary is not None else None
+        family = config.model_type
+        if family in GPT2_FAMILY:
+            self._runner: _Runner = _GPT2Runner()
+        elif family in BERT_FAMILY:
+            self._runner = _BertRunner()
+        else:
+            self._runner = _LlamaRunner()
+
+    def run_layers(self, state: CutState, cache: Any = None, use_cache: bool = False) -> torch.Tensor:
+        """Run this part's blocks on ``state.hidden``."""
+        if not len(self.layers):
+            return state.hidden
+        return self._runner.run(self, state, cache, use_cache)
+
+    def new_cache(self) -> Any:
+        """A fresh KV cache sized for this part's blocks."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+
+class TransformerBottom(TransformerPart):
+    """Embeddings and the first blocks; turns token ids into a :class:`CutState`."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cache: Any = None, use_cache: bool = False) -> CutState:
+        """Embed ``input_ids`` and run the bottom blocks."""
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = default_positions(input_ids, past)
+        hidden = self._runner.embed(self, input_ids, position_ids)
+        state = CutState(hidden, attention_mask, position_ids if self._runner.uses_positions else None)
+        return state.with_hidden(self.run_layers(state, cache, use_cache))
+
+
+class TransformerTrunk(TransformerPart):
+    """The middle blocks: a :class:`CutState` in, a :class:`CutState` out."""
+
+    def forward(self, state: CutState, cache: Any = None, use_cache: bool = False) -> CutState:
+        """Run the trunk blocks."""
+        return state.with_hidden(self.run_layers(state, cache, use_cache))
+
+
+class TransformerTop(TransformerPart):
+    """The last blocks, the final norm and the head; returns logits."""
+
+    def forward(self, state: CutState, cache: Any = None, use_cache: bool = False) -> torch.Tensor:
+        """Run the top blocks and the head."""
+        hidden = self.run_layers(state, cache, use_cache)
+        return self._runner.head(self, hidden)
+
+
+class _Runner:
+    """Per-family calling convention of blocks, masks, embeddings and heads."""
+
+    uses_positions = True
+
+    def embed(self, part: TransformerPart, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def run(self, part: TransformerPart, state: CutState, cache: Any, use_cache: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head(self, part: TransformerPart, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = part.norm(hidden) if part.norm is not None else hidden
+        logits = part.head(hidden)
+        cap = getattr(part.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+class _GPT2Runner(_Runner):
+    def embed(self, part: TransformerPart, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        emb = part.embed
+        return emb.drop(emb.wte(input_ids) + emb.wpe(position_ids))
+
+    def run(self, part: TransformerPart, state: CutState, cache: Any, use_cache: bool) -> torch.Tensor:
+        hidden = state.hidden
+        mask = create_causal_mask(config=part.config, inputs_embeds=hidden, attention_mask=state.attention_mask,
+                                  cache=cache, position_ids=state.position_ids)
+        for block in part.layers:
+            hidden = block(hidden, cache, mask, use_cache=use_cache, position_ids=state.position_ids)
+        return hidden
+
+
+class _LlamaRunner(_Runner):
+    def embed(self, part: TransformerPart, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return part.embed(input_ids)
+
+    def run(self, part: TransformerPart, state: CutState, cache: Any, use_cache: bool) -> torch.Tensor:
+        hidden, pos = state.hidden, state.position_ids
+        kwargs = dict(config=part.config, inputs_embeds=hidden, attention_mask=state.attention_mask, cache=cache,
+                      position_ids=pos)
+        layer_types = getattr(part.config, "layer_types", None) or ["full_attention"] * len(part.layers)
+        masks = {"full_attention": create_causal_mask(**kwargs)} if "full_attention" in layer_types else {}
+        if "sliding_attention" in layer_types:
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+        position_embeddings = part.rotary(hidden, position_ids=pos)
+        for layer, kind in zip(part.layers, layer_types):
+            hidden = layer(hidden, attention_mask=masks[kind], position_embeddings=position_embeddings,
+                           position_ids=pos, cache=cache, use_cache=use_cache)
+        return hidden
+
+
+class _BertRunner(_Runner):
+    uses_positions = False  # absolute positions are added inside the embeddings
+
+    def embed(self, part: TransformerPart, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return part.embed(input_ids=input_ids)
+
+    def run(self, part: TransformerPart, state: CutState, cache: Any, use_cache: bool) -> torch.Tensor:
+        hidden = state.hidden
+        mask = create_bidirectional_mask(config=part.config, inputs_embeds=hidden, attention_mask=state.attention_mask)
+        for layer in part.layers:
+            hidden = layer(hidden, mask)
+        return hidden
+
+    def head(self, part: TransformerPart, hidden: torch.Tensor) -> torch.Tensor:
+        pooled = part.norm(hidden)  # BertPooler: first token, dense, tanh
+        return part.head(pooled)
+
+
+def _spec(role: Role, arch: str, first: int, count: int, pairs: list[tuple[str, str]],
+          layer_prefix: str) -> PartSpec:
+    layers = [(f"layers.{i}.", f"{layer_prefix}{first + i}.") for i in range(count)]
+    return PartSpec(role=role, arch=arch, first_layer=first, num_layers=count, prefixes=tuple(pairs + layers))
+
+
+def split_transformer(model: nn.Module, a: int, b: int) -> tuple[TransformerBottom, TransformerTrunk, TransformerTop]:
+    """Cut a supported transformers model into parts sharing the model's modules (no copies).
+
+    The parts re-index their attention layers, so the original model object
+    should not be used with a KV cache afterwards.
+    """
+    config = model.config
+    family = config.model_type
+    if family in GPT2_FAMILY:
+        base, n = model.transformer, config.num_hidden_layers
+        embed = nn.Module()
+        embed.wte, embed.wpe, embed.drop = base.wte, base.wpe, base.drop
+        layers, prefix = list(base.h), "transformer.h."
+        emb_pairs = [("embed.wte.", "transformer.wte."), ("embed.wpe.", "transformer.wpe.")]
+        norm, head = base.ln_f, model.lm_head
+        top_pairs = [("norm.", "transformer.ln_f."), ("head.", "lm_head.")]
+        rotary = None
+    elif family in LLAMA_FAMILY:
+        base, n = model.model, config.num_hidden_layers
+        embed, layers, prefix = base.embed_tokens, list(base.layers), "model.layers."
+        emb_pairs = [("embed.", "model.embed_tokens.")]
+        norm, head = base.norm, model.lm_head
+        top_pairs = [("norm.", "model.norm."), ("head.", "lm_head.")]
+        rotary = base.rotary_emb
+    elif family in BERT_FAMILY:
+        base, n = model.bert, config.num_hidden_layers
+        if base.pooler is None:
+            raise NotImplementedError("BERT without a pooler has no classification head to split")
+        embed, layers, prefix = base.embeddings, list(base.encoder.layer), "bert.encoder.layer."
+        emb_pairs = [("embed.", "bert.embeddings.")]
+        norm = base.pooler
+        head = nn.Sequential(model.dropout, model.classifier)
+        top_pairs = [("norm.", "bert.pooler."), ("head.1.", "classifier.")]
+        rotary = None
+    else:  # pragma: no cover - guarded by the registry
+        raise NotImplementedError(family)
+    bottom = TransformerBottom(_spec("bottom", family, 0, a, emb_pairs, prefix), config, layers[:a],
+                               embed=embed, rotary=rotary)
+    trunk = TransformerTrunk(_spec("trunk", family, a, b - a, [], prefix), config, layers[a:b], rotary=rotary)
+    top = TransformerTop(_spec("top", family, b, n - b, top_pairs, prefix), config, layers[b:],
+                         norm=norm, head=head, rotary=rotary)
+    return bottom, trunk, top

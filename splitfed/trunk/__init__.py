@@ -1,0 +1,1 @@
+"""Trunk runtime and aggregation: pure torch, no gRPC, no Flower."""

@@ -1,0 +1,362 @@
+"""The trunk runtime: forward and backward of the middle blocks for many clients, and the trunk's optimizer.
+
+Pure torch: the gRPC servicer decodes requests, calls :meth:`TrunkRuntime.forward`
+and :meth:`TrunkRuntime.backward`, and encodes what they return.
+
+Concurrency: trunk computation and optimizer steps run under one lock, so a
+step never changes weights under a running forward. A forward whose backward
+has not arrived when the trunk steps (``async`` and ``quorum`` modes) is
+*rebased*: its graph is dropped and the weights it saw are kept, so its
+backward recomputes the forward on those weights (same RNG state) and the
+gradient is exactly that of the version the client saw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from splitfed.errors import (
+    ActivationStateError,
+    DuplicateActivationError,
+    PermissionDeniedError,
+    TensorValueError,
+)
+from splitfed.split.base import CutState
+from splitfed.trunk.aggregation import Contribution, Grads, Outcome, Result, SyncAggregator, TrunkAggregator
+from splitfed.trunk.store import DoneBackward, ForwardStore, SavedForward, StoreLimits
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GradientGuard:
+    """Refuse trunk gradients that are non-finite or whose L2 norm exceeds ``max_norm`` (None: no bound)."""
+
+    max_norm: float | None = None
+
+    def check(self, grads: Grads) -> str | None:
+        """Return why ``grads`` are refused, or None when they pass."""
+        sq = 0.0
+        for g in grads:
+            if g is not None:
+                sq += float(g.detach().float().pow(2).sum())
+        norm = math.sqrt(sq) if math.isfinite(sq) else math.inf
+        if not math.isfinite(norm):
+            return "non-finite trunk gradient"
+        if self.max_norm is not None and norm > self.max_norm:
+            return f"trunk gradient norm {norm:.3g} above the guard's {self.max_norm:.3g}"
+        return None
+
+
+@dataclass(frozen=True)
+class BackwardResult:
+    """The gradient for the client's bottom part, and what happened to the trunk's gradient."""
+
+    grad_in: torch.Tensor
+    result: Result
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves for backward, leaving out the parameters' own storage."""
+
+    def __init__(self, param_ptrs: set[int]) -> None:
+        self.param_ptrs = param_ptrs
+        self.seen: set[int] = set()
+        self.nbytes = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.param_ptrs and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.nbytes += storage.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+class TrunkRuntime:
+    """Hosts the trunk, its optimizer and the saved forwards of every client.
+
+    Args:
+        trunk: the middle part (a ``CutState -> CutState`` module).
+        optimizer: the trunk's optimizer (over its trainable parameters), or None
+            for a frozen trunk (forward and input gradients only).
+        aggregator: decides when gradients update the trunk (default: sync).
+        limits: TTL and byte budget of saved forwards.
+        guard: refuses non-finite or exploding trunk gradients.
+        device: where the trunk computes (default: where its parameters are).
+        autocast_dtype: e.g. ``torch.bfloat16`` for mixed precision (fp32 weights).
+    """
+
+    def __init__(self, trunk: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 aggregator: TrunkAggregator | None = None, limits: StoreLimits = StoreLimits(),
+                 guard: GradientGuard = GradientGuard(), device: torch.device | str | None = None,
+                 autocast_dtype: torch.dtype | None = None) -> None:
+        self.trunk = trunk
+        self.optimizer = optimizer
+        self.aggregator = aggregator or SyncAggregator()
+        self.store = ForwardStore(limits)
+        self.guard = guard
+        params = list(trunk.parameters())
+        self.device = torch.device(device) if device is not None else (params[0].device if params else
+                                                                         torch.device("cpu"))
+        self.dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
+        self.autocast_dtype = autocast_dtype
+        self._names = [n for n, p in trunk.named_parameters() if p.requires_grad]
+        self._trainable = [p for p in trunk.parameters() if p.requires_grad]
+        self._lock = threading.RLock()
+        self._inflight: dict[str, threading.Event] = {}
+        self._version = 0
+        self.aggregator.bind(self._apply_update, lambda: self._version)
+        self.stats: dict[str, int] = {"forwards": 0, "backwards": 0, "rebased": 0, "recomputed": 0}
+
+    # -- properties --------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """Optimizer steps the trunk has taken."""
+        return self._version
+
+    @property
+    def trains(self) -> bool:
+        """Whether the trunk has an optimizer and trainable parameters."""
+        return self.optimizer is not None and bool(self._trainable)
+
+    # -- group membership ----------------------------------------------------
+    def join(self, client_id: str) -> int:
+        """Add a client to the step group (sync/quorum count it)."""
+        return self.aggregator.join(client_id)
+
+    def leave(self, client_id: str) -> int:
+        """Remove a client from the step group and free its saved forwards."""
+        with self._lock:
+            self.store.drop_client(client_id)
+        return self.aggregator.leave(client_id)
+
+    # -- forward -------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _prepare(self, state: CutState, train: bool) -> tuple[CutState, torch.Tensor | None]:
+        """Move the input to the trunk's device and dtype.
+
+        Returns the state the trunk runs on and, when training, the leaf whose
+        gradient goes back to the client. The trunk gets a writable copy (a
+        non-leaf when training) so that in-place first layers work as in the
+        unsplit model and the wire's read-only bytes are never written.
+        """
+        hidden = state.hidden
+        if not hidden.is_floating_point():
+            raise TensorValueError(f"hidden must be a floating tensor, got {hidden.dtype}")
+        hidden = hidden.to(self.device, self.dtype)
+        leaf = None
+        if train:
+            leaf = hidden.detach().requires_grad_(True)
+            hidden = leaf.clone()
+        else:
+            hidden = hidden.clone()
+        move = (lambda t: None if t is None else t.to(self.device))
+        return CutState(hidden, move(state.attention_mask), move(state.position_ids)), leaf
+
+    def forward(self, client_id: str, activation_id: str, state: CutState, *, train: bool, num_examples: int = 1,
+                retry: bool = False) -> tuple[torch.Tensor, int]:
+        """Run the trunk on ``state``; keep what a backward needs when ``train``.
+
+        Returns the output hidden state and the trunk version it was computed on.
+        A retried request (``retry``) for a forward the server already holds is
+        answered from the saved result; any other reuse of an activation id is
+        refused.
+        """
+        if train and self.trains:
+            self.aggregator.join(client_id)
+        with self._lock:
+            if train:
+                existing = self.store.find(activation_id)
+                if existing is not None or self.store.done(activation_id) is not None:
+                    if retry and existing is not None and existing.client_id == client_id:
+                        return existing.out_value, existing.version
+                    raise DuplicateActivationError(
+                        f"activation id {activation_id!r} is already in use; use a fresh id per forward")
+                self.store.admit(client_id, 2 * state.hidden.numel() * state.hidden.element_size())
+            inputs, leaf = self._prepare(state, train)
+            self.stats["forwards"] += 1
+            if not train:
+                with torch.no_grad(), self._autocast():
+                    return self.trunk(inputs).hidden, self._version
+            counter = _SavedBytes({p.untyped_storage().data_ptr() for p in self.trunk.parameters()})
+            rng = _rng_state(self.device)
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), self._autocast():
+                output = self.trunk(inputs).hidden
+            out_value = output.detach()
+            nbytes = counter.nbytes + out_value.numel() * out_value.element_size()
+            self.store.admit(client_id, nbytes)
+            self.store.add(SavedForward(activation_id, client_id, self._version, inputs.with_hidden(leaf), output,
+                                        out_value, nbytes, max(int(num_examples), 1), rng))
+            return out_value, self._version
+
+    # -- backward ------------------------------------------------------------
+    def backward(self, client_id: str, activation_id: str, grad: torch.Tensor, *, retry: bool = False) -> BackwardResult:
+        """Gradient of the loss w.r.t. the forward's input; hand the trunk's gradient to the aggregator."""
+        if retry:
+            answered = self._answer_retry(client_id, activation_id)
+            if answered is not None:
+                return answered
+        with self._lock:
+            entry = self.store.get(activation_id, client_id)
+            if tuple(grad.shape) != tuple(entry.out_value.shape):
+                raise TensorValueError(f"gradient shape {list(grad.shape)} differs from the forward's output "
+                                       f"shape {list(entry.out_value.shape)}")
+            if not grad.is_floating_point():
+                raise TensorValueError(f"gradient must be a floating tensor, got {grad.dtype}")
+            grads = self._gradients(entry, grad.to(self.device, entry.out_value.dtype))
+            self.store.pop(activation_id)
+            self._inflight[activation_id] = threading.Event()
+            self.stats["backwards"] += 1
+        grad_in, trunk_grads = grads[0], list(grads[1:])
+        try:
+            result = self._submit(client_id, entry, trunk_grads)
+            with self._lock:
+                self.store.remember(activation_id, DoneBackward(client_id, grad_in, result))
+        finally:
+            with self._lock:
+                self._inflight.pop(activation_id).set()
+        return BackwardResult(grad_in, result)
+
+    def _answer_retry(self, client_id: str, activation_id: str) -> BackwardResult | None:
+        """The remembered answer to a retried Backward (waiting for the first attempt if it is in flight)."""
+        with self._lock:
+            event = self._inflight.get(activation_id)
+        if event is not None:
+            event.wait(self.aggregator.timeout * 2)
+        with self._lock:
+            done = self.store.done(activation_id)
+        if done is None:
+            return None
+        if done.client_id != client_id:
+            raise PermissionDeniedError(f"activation {activation_id} belongs to another client")
+        return BackwardResult(done.grad_in, done.result)
+
+    def _gradients(self, entry: SavedForward, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        inputs = [entry.inputs.hidden]
+        if entry.output is not None:
+            output = entry.output
+            targets = inputs + self._trainable
+        else:  # rebased: recompute on the weights this forward saw
+            self.stats["recomputed"] += 1
+            assert entry.frozen_params is not None
+            params = dict(zip(self._names, entry.frozen_params))
+            with torch.random.fork_rng(devices=_rng_devices(self.device)), self._autocast():
+                _set_rng_state(self.device, entry.rng_state)
+                state = entry.inputs.with_hidden(entry.inputs.hidden.clone())
+                output = functional_call(self.trunk, params, (state,)).hidden
+            targets = inputs + list(entry.frozen_params)
+        if not self.trains:
+            targets = inputs
+        try:
+            grads = torch.autograd.grad(output, targets, grad, allow_unused=True)
+        except RuntimeError as exc:  # pragma: no cover - would be a bug in rebasing
+            raise ActivationStateError(f"backward of {entry.activation_id} failed: {exc}") from exc
+        if grads[0] is None:
+            grads = (torch.zeros_like(entry.inputs.hidden),) + grads[1:]
+        return grads
+
+    def _submit(self, client_id: str, entry: SavedForward, trunk_grads: Grads) -> Result:
+        if not self.trains:
+            return Result(Outcome.NOT_TRAINED, self._version, 0, 0.0)
+        refused = self.guard.check(trunk_grads)
+        if refused is not None:
+            log.warning("gradient guard refused client %s's gradient: %s", client_id, refused)
+            trunk_grads = None  # type: ignore[assignment]
+        return self.aggregator.submit(Contribution(client_id, entry.version, trunk_grads, entry.num_examples))
+
+    # -- optimizer step --------------------------------------------------------
+    def _apply_update(self, update: Grads) -> None:
+        """Set the trunk's gradients to ``update`` and take one optimizer step (called by the aggregator)."""
+        assert self.optimizer is not None
+        with self._lock:
+            self._rebase_pending()
+            for p, g in zip(self._trainable, update):
+                p.grad = None if g is None else g.to(p.dtype)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self._version += 1
+
+    def _rebase_pending(self) -> None:
+        pending = [e for e in self.store.entries() if e.output is not None]
+        if not pending:
+            return
+        frozen = [p.detach().clone().requires_grad_(True) for p in self._trainable]
+        for entry in pending:
+            entry.output = None
+            entry.frozen_params = frozen
+        self.stats["rebased"] += len(pending)
+        log.debug("rebased %d pending forwards before trunk step %d", len(pending), self._version + 1)
+
+    def forget(self, client_id: str, activation_id: str) -> None:
+        """Drop a saved forward whose reply could not be delivered (the client resends it)."""
+        with self._lock:
+            if self.store.find(activation_id) is not None:
+                self.store.get(activation_id, client_id)
+                self.store.pop(activation_id)
+
+    # -- maintenance -------------------------------------------------------------
+    def sweep(self) -> int:
+        """Evict expired saved forwards; returns how many were evicted."""
+        with self._lock:
+            return self.store.sweep()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Trunk weights, optimizer state and version, for checkpoints."""
+        with self._lock:
+            return {"trunk": self.trunk.state_dict(), "version": self._version,
+                    "optimizer": None if self.optimizer is None else self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        with self._lock:
+            self.trunk.load_state_dict(state["trunk"])
+            if self.optimizer is not None and state.get("optimizer") is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
+            self._version = int(state["version"])
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Wait until no backward is in flight (for clean shutdowns and tests)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                events = list(self._inflight.values())
+            if not events:
+                return True
+            events[0].wait(max(deadline - time.monotonic(), 0))
+        return False
+
+
+def _rng_devices(device: torch.device) -> list[int]:
+    return [device.index or 0] if device.type == "cuda" else []
+
+
+def _rng_state(device: torch.device) -> Any:
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return cpu, cuda
+
+
+def _set_rng_state(device: torch.device, state: Any) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
