@@ -155,12 +155,13 @@ def decode(enc: EncodedTensor, limits: TensorLimits = TensorLimits()) -> torch.T
     treat it as read-only, or clone it before writing into it.
     """
     tdtype = torch_dtype(enc.dtype)
+    dtype_name = WireDType(enc.dtype).name
     nbytes = declared_nbytes(enc.dtype, enc.shape)
     if nbytes > limits.max_bytes:
         raise CodecError(f"tensor {enc.name!r} declares {nbytes} bytes, above the limit of "
                          f"{limits.max_bytes}; send smaller batches or raise the server's limit")
     if len(enc.data) != nbytes:
-        raise CodecError(f"tensor {enc.name!r} declares shape {list(enc.shape)} of {enc.dtype.name} "
+        raise CodecError(f"tensor {enc.name!r} declares shape {list(enc.shape)} of {dtype_name} "
                          f"({nbytes} bytes) but carries {len(enc.data)} bytes")
     if nbytes == 0:
         if not limits.allow_empty:

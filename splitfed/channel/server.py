@@ -120,6 +120,49 @@ def metadata(context: grpc.ServicerContext) -> dict[str, str]:
     return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
 
 
+class Malformed:
+    """Stands in for a request whose bytes do not parse; the servicer answers INVALID_ARGUMENT."""
+
+    def __init__(self, kind: str, error: Exception) -> None:
+        self.kind = kind
+        self.error = error
+
+
+def _safe_parser(message: type) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message.FromString(data)
+        except Exception as exc:  # protobuf raises DecodeError, and others on hostile bytes
+            return Malformed(message.__name__, exc)
+    return parse
+
+
+def method_handlers(servicer: SplitChannelServicer) -> grpc.GenericRpcHandler:
+    """The service's handlers, with request parsers that turn unparseable bytes into INVALID_ARGUMENT.
+
+    (gRPC's generated registration answers such requests with INTERNAL.)
+    """
+    unary = {"Info": pb.InfoRequest, "Join": pb.JoinRequest, "Leave": pb.LeaveRequest,
+             "Forward": pb.ForwardRequest, "Backward": pb.BackwardRequest,
+             "OpenSession": pb.OpenSessionRequest, "CloseSession": pb.CloseSessionRequest}
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for name, request in unary.items():
+        reply = getattr(pb, request.__name__.replace("Request", "Reply"))
+        handlers[name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name), request_deserializer=_safe_parser(request),
+            response_serializer=reply.SerializeToString)
+    for name in ("ForwardStream", "BackwardStream"):
+        handlers[name] = grpc.stream_stream_rpc_method_handler(
+            getattr(servicer, name), request_deserializer=_safe_parser(pb.Frame),
+            response_serializer=pb.Frame.SerializeToString)
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def _check_parsed(message: Any) -> None:
+    if isinstance(message, Malformed):
+        raise CodecError(f"request is not a valid {message.kind} message: {message.error}")
+
+
 class SplitChannelServicer(pb_grpc.SplitChannelServicer):
     """Decodes, calls the runtime, encodes; every error becomes a precise status."""
 
@@ -143,8 +186,9 @@ class SplitChannelServicer(pb_grpc.SplitChannelServicer):
         client = md.get(CLIENT_ID_KEY) or context.peer()
         return client, retry
 
-    def _call(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+    def _call(self, context: grpc.ServicerContext, fn: Callable[[], T], request: Any = None) -> T:
         try:
+            _check_parsed(request)
             return fn()
         except SplitFedError as exc:
             code = status_for(exc)
@@ -154,12 +198,16 @@ class SplitChannelServicer(pb_grpc.SplitChannelServicer):
             # Raised by the trunk for inputs that passed the codec but do not fit the model.
             log.warning("INVALID_ARGUMENT: the trunk could not process the input: %s", exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the trunk could not process the input: {exc}")
+        except Exception as exc:  # a bug: say so, keep serving
+            log.exception("internal error while serving a request")
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error in the trunk server: {exc!r}")
         raise AssertionError("unreachable")  # pragma: no cover
 
     # -- RPCs --------------------------------------------------------------------
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
         from splitfed import __version__
 
+        self._call(context, lambda: None, request)
         return pb.InfoReply(model=self.model_name, cuts=list(self.cuts or ()),
                             trunk_mode=self.runtime.aggregator.mode, trunk_version=self.runtime.version,
                             max_message_bytes=self.limits.max_message_bytes,
@@ -171,13 +219,13 @@ class SplitChannelServicer(pb_grpc.SplitChannelServicer):
             client, _ = self._identity(context)
             size = self.runtime.join(client)
             return pb.JoinReply(trunk_version=self.runtime.version, group_size=size)
-        return self._call(context, run)
+        return self._call(context, run, request)
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         def run() -> pb.LeaveReply:
             client, _ = self._identity(context)
             return pb.LeaveReply(group_size=self.runtime.leave(client))
-        return self._call(context, run)
+        return self._call(context, run, request)
 
     def _forward(self, context: grpc.ServicerContext, req: pb.ForwardRequest, tensors: list, unary: bool
                  ) -> tuple[pb.ForwardReply, list]:
@@ -217,19 +265,24 @@ class SplitChannelServicer(pb_grpc.SplitChannelServicer):
             reply, encs = self._forward(context, request, [from_proto(t) for t in request.tensors], unary=True)
             reply.tensors.extend(to_proto(e) for e in encs)
             return reply
-        return self._call(context, run)
+        return self._call(context, run, request)
 
     def Backward(self, request: pb.BackwardRequest, context: grpc.ServicerContext) -> pb.BackwardReply:
         def run() -> pb.BackwardReply:
             reply, encs = self._backward(context, request, [from_proto(t) for t in request.tensors])
             reply.tensors.extend(to_proto(e) for e in encs)
             return reply
-        return self._call(context, run)
+        return self._call(context, run, request)
 
     def _stream(self, request_iterator: Iterable[pb.Frame], context: grpc.ServicerContext, field: str,
                 reply_field: str, handler: Callable[..., tuple[Any, list]]) -> Iterator[pb.Frame]:
+        def checked() -> Iterator[pb.Frame]:
+            for frame in request_iterator:
+                _check_parsed(frame)
+                yield frame
+
         def run() -> list[pb.Frame]:
-            msg = assemble(request_iterator, field, self.limits.max_tensor_bytes)
+            msg = assemble(checked(), field, self.limits.max_tensor_bytes)
             reply, encs = handler(context, msg.header, msg.tensors)
             header = pb.Frame(**{reply_field: reply})
             return list(frames(header, reply_field, encs, self.limits.chunk_bytes))
@@ -252,7 +305,7 @@ class SplitChannelServicer(pb_grpc.SplitChannelServicer):
             session_id, ttl = self.sessions.open(client, max_length=request.max_length,
                                                  batch_size=max(request.batch_size, 1))
             return pb.OpenSessionReply(session_id=session_id, idle_ttl_s=ttl)
-        return self._call(context, run)
+        return self._call(context, run, request)
 
     def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext
                      ) -> pb.CloseSessionReply:
@@ -262,7 +315,7 @@ class SplitChannelServicer(pb_grpc.SplitChannelServicer):
                 raise SessionNotFoundError("this server does not serve inference sessions")
             self.sessions.close(client, request.session_id)
             return pb.CloseSessionReply()
-        return self._call(context, run)
+        return self._call(context, run, request)
 
 
 class TrunkServer:
@@ -312,7 +365,7 @@ class TrunkServer:
                                                               thread_name_prefix="splitfed-trunk"),
                                    options=limits.grpc_options(), interceptors=interceptors or [],
                                    maximum_concurrent_rpcs=max_workers * 4)
-        pb_grpc.add_SplitChannelServicer_to_server(self.servicer, self._server)
+        self._server.add_generic_rpc_handlers((method_handlers(self.servicer),))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),

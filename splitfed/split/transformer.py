@@ -78,6 +78,12 @@ class TransformerPart(Part):
         else:
             self._runner = _LlamaRunner()
 
+    def check_input(self, state: CutState) -> None:
+        """Raise ``ValueError`` if ``state`` cannot be this part's input (wrong rank or hidden size)."""
+        h = state.hidden
+        if h.dim() != 3 or h.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"hidden must be (batch, length, {self.config.hidden_size}), got {list(h.shape)}")
+
     def run_layers(self, state: CutState, cache: Any = None, use_cache: bool = False) -> torch.Tensor:
         """Run this part's blocks on ``state.hidden``."""
         if not len(self.layers):
@@ -162,6 +168,8 @@ class _LlamaRunner(_Runner):
 
     def run(self, part: TransformerPart, state: CutState, cache: Any, use_cache: bool) -> torch.Tensor:
         hidden, pos = state.hidden, state.position_ids
+        if pos is None:
+            pos = default_positions(hidden, cache.get_seq_length() if cache is not None else 0)
         kwargs = dict(config=part.config, inputs_embeds=hidden, attention_mask=state.attention_mask, cache=cache,
                       position_ids=pos)
         layer_types = getattr(part.config, "layer_types", None) or ["full_attention"] * len(part.layers)

@@ -162,6 +162,12 @@ class TrunkRuntime:
         hidden = state.hidden
         if not hidden.is_floating_point():
             raise TensorValueError(f"hidden must be a floating tensor, got {hidden.dtype}")
+        check = getattr(self.trunk, "check_input", None)
+        if check is not None:
+            try:
+                check(state)
+            except ValueError as exc:
+                raise TensorValueError(str(exc)) from None
         hidden = hidden.to(self.device, self.dtype)
         leaf = None
         if train:

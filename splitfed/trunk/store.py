@@ -157,7 +157,7 @@ class ForwardStore:
         for key in [k for k, e in self._items.items() if now - e.created > self.limits.ttl_s]:
             entry = self.pop(key)
             evicted += 1
-            log.warning("evicted forward %s of client %s: no backward within %.0fs", key, entry.client_id,
+            log.warning("evicted forward %s of client %s: no backward within %.1fs", key, entry.client_id,
                         self.limits.ttl_s)
         for key in [k for k, d in self._done.items() if now - d.finished > self.limits.done_ttl_s]:
             del self._done[key]

@@ -1,0 +1,96 @@
+"""The codec: exact round trips, precise refusals, and fuzzing of hostile inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from splitfed.channel import split_channel_pb2 as pb
+from splitfed.codec import EncodedTensor, TensorLimits, WireDType, decode, encode, wire_dtype
+from splitfed.errors import CodecError, TensorValueError
+
+
+def test_wire_dtype_numbers_match_the_proto() -> None:
+    for member in WireDType:
+        name = "DTYPE_UNSPECIFIED" if member is WireDType.UNSPECIFIED else member.name
+        assert pb.DType.Value(name) == int(member)
+    assert set(pb.DType.keys()) == {"DTYPE_UNSPECIFIED"} | {m.name for m in WireDType if m.value}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                                   torch.bool, torch.uint8])
+def test_round_trip_is_exact(dtype: torch.dtype) -> None:
+    t = (torch.randn(3, 4, 5) * 10).to(dtype)
+    enc = encode("x", t)
+    assert enc.nbytes == len(enc.data) == t.numel() * t.element_size()
+    back = decode(enc)
+    assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+def test_decode_is_zero_copy() -> None:
+    enc = encode("x", torch.randn(64, 64))
+    back = decode(enc)
+    assert back.untyped_storage().data_ptr() == torch.frombuffer(enc.data, dtype=torch.uint8).data_ptr()
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_floats_travel_in_the_wire_dtype(name: str) -> None:
+    t = torch.randn(8, 16)
+    enc = encode("h", t, name)
+    assert enc.dtype == wire_dtype(name) and len(enc.data) == t.numel() * 2
+    assert torch.allclose(decode(enc).float(), t, atol=1e-2, rtol=1e-2)
+
+
+def test_non_contiguous_and_scalar_tensors() -> None:
+    t = torch.randn(4, 6).t()
+    assert torch.equal(decode(encode("t", t)), t)
+    s = torch.tensor(3.5)
+    assert torch.equal(decode(encode("s", s)), s)
+
+
+@pytest.mark.parametrize(
+    "enc, error, match",
+    [
+        (EncodedTensor("x", WireDType.UNSPECIFIED, (2,), b"\0" * 8), CodecError, "dtype"),
+        (EncodedTensor("x", 99, (2,), b"\0" * 8), CodecError, "dtype"),  # type: ignore[arg-type]
+        (EncodedTensor("x", WireDType.FLOAT32, (2, 3), b"\0" * 20), CodecError, "carries 20 bytes"),
+        (EncodedTensor("x", WireDType.FLOAT32, (2, -3), b""), CodecError, "negative"),
+        (EncodedTensor("x", WireDType.FLOAT32, (1,) * 9, b"\0" * 4), CodecError, "dimensions"),
+        (EncodedTensor("x", WireDType.FLOAT32, (1 << 40, 1 << 20), b"\0" * 4), CodecError, "above the limit"),
+        (EncodedTensor("x", WireDType.FLOAT32, (0, 4), b""), TensorValueError, "empty"),
+        (encode("x", torch.tensor([1.0, float("nan")])), TensorValueError, "NaN"),
+        (encode("x", torch.tensor([float("inf"), 1.0])), TensorValueError, "NaN or Inf"),
+        (encode("x", torch.tensor([float("-inf")], dtype=torch.bfloat16)), TensorValueError, "NaN or Inf"),
+    ],
+)
+def test_bad_tensors_are_refused(enc: EncodedTensor, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        decode(enc)
+
+
+def test_large_finite_values_whose_sum_overflows_are_accepted() -> None:
+    t = torch.full((4,), 3e38)
+    assert torch.equal(decode(encode("big", t)), t)
+
+
+def test_limits_can_allow_empty_and_non_finite() -> None:
+    limits = TensorLimits(allow_empty=True, require_finite=False)
+    assert decode(EncodedTensor("e", WireDType.FLOAT32, (0, 3), b""), limits).shape == (0, 3)
+    assert torch.isnan(decode(encode("n", torch.tensor([float("nan")])), limits)).all()
+
+
+@settings(max_examples=300, deadline=None)
+@given(dtype=st.integers(-5, 12), shape=st.lists(st.integers(-3, 1 << 20), max_size=10),
+       data=st.binary(max_size=256))
+def test_fuzzed_tensors_decode_or_fail_cleanly(dtype: int, shape: list[int], data: bytes) -> None:
+    """Any (dtype, shape, bytes) either decodes consistently or raises a CodecError, never anything else."""
+    limits = TensorLimits(max_bytes=1 << 16)
+    try:
+        enc = EncodedTensor("f", dtype, tuple(shape), data)  # type: ignore[arg-type]
+        t = decode(enc, limits)
+    except CodecError:
+        return
+    assert t.numel() * t.element_size() == len(data)
+    assert list(t.shape) == shape
