@@ -14,11 +14,15 @@ import sys
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from splitfed.errors import CodecError, TensorValueError
 
 MAX_NDIM = 8
+
+# Decoded tensors view the received bytes; torch warns that such buffers are read-only.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 class WireDType(enum.IntEnum):
@@ -85,7 +89,7 @@ class EncodedTensor:
     name: str
     dtype: WireDType
     shape: tuple[int, ...]
-    data: bytes
+    data: bytes | memoryview
 
     @property
     def nbytes(self) -> int:
@@ -113,15 +117,19 @@ def declared_nbytes(dtype: WireDType | int, shape: tuple[int, ...] | list[int]) 
     return math.prod(int(d) for d in shape) * itemsize
 
 
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """Raw little-endian C-order bytes of a CPU tensor (one copy)."""
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A read-only view of a CPU tensor's raw little-endian C-order bytes (no copy for contiguous CPU tensors).
+
+    The view keeps the tensor's memory alive; do not modify the tensor in place
+    until the bytes have been sent.
+    """
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
     if t.numel() == 0:
-        return b""
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).toreadonly()
 
 
 def encode(name: str, tensor: torch.Tensor, dtype: WireDType | str | None = None) -> EncodedTensor:
@@ -136,13 +144,22 @@ def encode(name: str, tensor: torch.Tensor, dtype: WireDType | str | None = None
     return EncodedTensor(name, wdt, tuple(tensor.shape), tensor_bytes(tensor))
 
 
+_NUMPY_FLOATS = {torch.float32: np.float32, torch.float16: np.float16}
+_SMALL = 1 << 20  # elements; below this a single-threaded numpy reduction beats waking torch's thread pool
+
+
 def check_finite(name: str, tensor: torch.Tensor) -> None:
     """Raise :class:`TensorValueError` if a floating tensor holds NaN or Inf."""
     if not tensor.dtype.is_floating_point or tensor.numel() == 0:
         return
     # One reduction instead of an elementwise pass: any NaN/Inf makes the sum
     # non-finite; a finite tensor whose sum overflows is confirmed exactly.
-    if torch.isfinite(tensor.sum(dtype=torch.float32)) or bool(torch.isfinite(tensor).all()):
+    if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_FLOATS and tensor.numel() < _SMALL:
+        flat = tensor.detach().reshape(-1).numpy()
+        total = float(np.add.reduce(flat, dtype=np.float32))
+    else:
+        total = float(tensor.detach().sum(dtype=torch.float32))
+    if math.isfinite(total) or bool(torch.isfinite(tensor).all()):
         return
     raise TensorValueError(f"tensor {name!r} holds NaN or Inf values; the sender must stop or lower its "
                            "learning rate before sending again")
@@ -168,9 +185,7 @@ def decode(enc: EncodedTensor, limits: TensorLimits = TensorLimits()) -> torch.T
             raise TensorValueError(f"tensor {enc.name!r} is empty (shape {list(enc.shape)}); send at least "
                                    "one element")
         return torch.empty(enc.shape, dtype=tdtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the buffer is read-only bytes
-        flat = torch.frombuffer(enc.data, dtype=torch.uint8)
+    flat = torch.frombuffer(enc.data, dtype=torch.uint8)
     if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
         flat = flat.clone()
     tensor = flat.view(tdtype).reshape(enc.shape)

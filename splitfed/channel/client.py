@@ -21,26 +21,23 @@ import grpc
 import torch
 from torch import nn
 
+from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel import split_channel_pb2_grpc as pb_grpc
 from splitfed.channel.server import CLIENT_ID_KEY, SERVICE_NAME, ChannelLimits
-from splitfed.channel.wire import (
-    assemble,
-    decode_single,
-    encode,
-    encode_state,
-    frames,
-    from_proto,
-    payload_bytes,
-    to_proto,
-)
+from splitfed.channel.wire import assemble, decode_single, encode, encode_state, frames, payload_bytes
 from splitfed.codec import EncodedTensor, TensorLimits, WireDType, wire_dtype
+from splitfed.tuning import tune_malloc
 from splitfed.errors import ChannelError, ConfigError
 from splitfed.split.base import CutState
 
 log = logging.getLogger(__name__)
 
 _OUTCOME_NAMES = {v: k for k, v in pb.UpdateOutcome.items()}
+
+
+def _serialize(parsed: fastwire.Parsed) -> bytes:
+    return fastwire.serialize(parsed.header, parsed.tensors)
 
 
 @dataclass(frozen=True)
@@ -103,6 +100,7 @@ class TrunkClient:
                  wire_dtype: str | WireDType = "fp32", limits: ChannelLimits = ChannelLimits(),
                  retry: RetryPolicy = RetryPolicy(), compression: grpc.Compression | None = None,
                  options: Sequence[tuple[str, Any]] = ()) -> None:
+        tune_malloc()
         if credentials is None and not insecure:
             raise ConfigError("the trunk client needs TLS credentials, or insecure=True for plaintext")
         self.address = address
@@ -111,7 +109,9 @@ class TrunkClient:
         self.limits = limits
         self.retry = retry
         self.compression = compression
-        self.tensor_limits = TensorLimits(max_bytes=limits.max_tensor_bytes)
+        # The server checks what it receives for NaN/Inf; the client checks its loss instead
+        # (see splitfed.training), which catches a bad trunk output without another pass.
+        self.tensor_limits = TensorLimits(max_bytes=limits.max_tensor_bytes, require_finite=False)
         opts: list[tuple[str, Any]] = limits.grpc_options() + [
             ("grpc.enable_retries", 1),
             ("grpc.service_config", retry.service_config()),
@@ -123,6 +123,19 @@ class TrunkClient:
         else:
             self._channel = grpc.insecure_channel(address, options=opts)
         self._stub = pb_grpc.SplitChannelStub(self._channel)
+        # Tensor-carrying calls use the zero-copy (de)serializers (same bytes on the wire).
+        self._forward = self._channel.unary_unary(
+            f"/{SERVICE_NAME}/Forward", request_serializer=_serialize,
+            response_deserializer=lambda b: fastwire.parse(pb.ForwardReply, b))
+        self._backward = self._channel.unary_unary(
+            f"/{SERVICE_NAME}/Backward", request_serializer=_serialize,
+            response_deserializer=lambda b: fastwire.parse(pb.BackwardReply, b))
+        self._forward_stream = self._channel.stream_stream(
+            f"/{SERVICE_NAME}/ForwardStream", request_serializer=fastwire.serialize_frame,
+            response_deserializer=fastwire.parse_frame)
+        self._backward_stream = self._channel.stream_stream(
+            f"/{SERVICE_NAME}/BackwardStream", request_serializer=fastwire.serialize_frame,
+            response_deserializer=fastwire.parse_frame)
         self._metadata: list[tuple[str, str]] = [(CLIENT_ID_KEY, self.client_id)]
         if token is not None:
             self._metadata.append(("authorization", f"Bearer {token}"))
@@ -188,19 +201,17 @@ class TrunkClient:
                                 num_examples=n, session_id=session_id)
         sent = payload_bytes(encs)
         if sent <= self.limits.stream_threshold_bytes and not self._reply_needs_stream:
-            req.tensors.extend(to_proto(e) for e in encs)
             try:
-                reply = self._invoke("Forward", self._stub.Forward, req)
-                out = [from_proto(t) for t in reply.tensors]
+                parsed = self._invoke("Forward", self._forward, fastwire.Parsed(req, encs))
+                reply, out = parsed.header, parsed.tensors
             except ChannelError as exc:
                 if exc.code != "RESOURCE_EXHAUSTED" or "use ForwardStream" not in str(exc):
                     raise
                 self._reply_needs_stream = True  # the trunk's output outgrows its input
-                del req.tensors[:]
                 return self.forward(state, activation_id=activation_id, train=train, num_examples=n,
                                     session_id=session_id)
         else:
-            asm = self._stream_call("ForwardStream", self._stub.ForwardStream, pb.Frame(forward_request=req),
+            asm = self._stream_call("ForwardStream", self._forward_stream, pb.Frame(forward_request=req),
                                     "forward_request", encs, "forward_reply")
             reply, out = asm.header, asm.tensors
         hidden = decode_single(out, "hidden", self.tensor_limits)
@@ -213,11 +224,10 @@ class TrunkClient:
         req = pb.BackwardRequest(activation_id=activation_id, reply_dtype=int(self.wire_dtype))
         sent = payload_bytes(encs)
         if sent <= self.limits.stream_threshold_bytes:
-            req.tensors.extend(to_proto(e) for e in encs)
-            reply = self._invoke("Backward", self._stub.Backward, req)
-            out = [from_proto(t) for t in reply.tensors]
+            parsed = self._invoke("Backward", self._backward, fastwire.Parsed(req, encs))
+            reply, out = parsed.header, parsed.tensors
         else:
-            asm = self._stream_call("BackwardStream", self._stub.BackwardStream, pb.Frame(backward_request=req),
+            asm = self._stream_call("BackwardStream", self._backward_stream, pb.Frame(backward_request=req),
                                     "backward_request", encs, "backward_reply")
             reply, out = asm.header, asm.tensors
         grad_in = decode_single(out, "grad", self.tensor_limits)
@@ -317,7 +327,7 @@ class RemoteTrunk(nn.Module):
             return state.with_hidden(out)
         out, version = self.client.forward(state.with_hidden(state.hidden.detach()), train=False)
         self.last_version = version
-        return state.with_hidden(_owned(out, state.hidden))
+        return state.with_hidden(out.to(device=state.hidden.device, dtype=state.hidden.dtype))
 
     def close(self) -> None:
         """Close the connection."""

@@ -20,19 +20,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from torch import nn
 
+from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel import split_channel_pb2_grpc as pb_grpc
-from splitfed.channel.wire import (
-    assemble,
-    decode_single,
-    decode_state,
-    encode,
-    frames,
-    from_proto,
-    payload_bytes,
-    to_proto,
-)
+from splitfed.channel.wire import assemble, decode_single, decode_state, encode, frames, payload_bytes
 from splitfed.codec import TensorLimits, WireDType
+from splitfed.tuning import tune_malloc
 from splitfed.errors import (
     ActivationNotFoundError,
     ActivationStateError,
@@ -128,33 +121,39 @@ class Malformed:
         self.error = error
 
 
-def _safe_parser(message: type) -> Callable[[bytes], Any]:
-    def parse(data: bytes) -> Any:
+def _safe(parse: Callable[[bytes], Any], kind: str) -> Callable[[bytes], Any]:
+    def run(data: bytes) -> Any:
         try:
-            return message.FromString(data)
-        except Exception as exc:  # protobuf raises DecodeError, and others on hostile bytes
-            return Malformed(message.__name__, exc)
-    return parse
+            return parse(data)
+        except Exception as exc:  # CodecError, protobuf's DecodeError, and others on hostile bytes
+            return Malformed(kind, exc)
+    return run
 
 
 def method_handlers(servicer: SplitChannelServicer) -> grpc.GenericRpcHandler:
-    """The service's handlers, with request parsers that turn unparseable bytes into INVALID_ARGUMENT.
+    """The service's handlers.
 
-    (gRPC's generated registration answers such requests with INTERNAL.)
+    Tensor-carrying messages go through :mod:`splitfed.channel.fastwire`
+    (zero-copy); every parser turns unparseable bytes into INVALID_ARGUMENT
+    (gRPC's generated registration would answer INTERNAL).
     """
-    unary = {"Info": pb.InfoRequest, "Join": pb.JoinRequest, "Leave": pb.LeaveRequest,
-             "Forward": pb.ForwardRequest, "Backward": pb.BackwardRequest,
+    plain = {"Info": pb.InfoRequest, "Join": pb.JoinRequest, "Leave": pb.LeaveRequest,
              "OpenSession": pb.OpenSessionRequest, "CloseSession": pb.CloseSessionRequest}
     handlers: dict[str, grpc.RpcMethodHandler] = {}
-    for name, request in unary.items():
+    for name, request in plain.items():
         reply = getattr(pb, request.__name__.replace("Request", "Reply"))
         handlers[name] = grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, name), request_deserializer=_safe_parser(request),
+            getattr(servicer, name), request_deserializer=_safe(request.FromString, request.__name__),
             response_serializer=reply.SerializeToString)
+    for name, request in (("Forward", pb.ForwardRequest), ("Backward", pb.BackwardRequest)):
+        handlers[name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name),
+            request_deserializer=_safe(lambda b, m=request: fastwire.parse(m, b), request.__name__),
+            response_serializer=lambda p: fastwire.serialize(p.header, p.tensors))
     for name in ("ForwardStream", "BackwardStream"):
         handlers[name] = grpc.stream_stream_rpc_method_handler(
-            getattr(servicer, name), request_deserializer=_safe_parser(pb.Frame),
-            response_serializer=pb.Frame.SerializeToString)
+            getattr(servicer, name), request_deserializer=_safe(fastwire.parse_frame, "Frame"),
+            response_serializer=fastwire.serialize_frame)
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
@@ -260,18 +259,14 @@ class SplitChannelServicer(pb_grpc.SplitChannelServicer):
                                  outcome=_OUTCOME[res.result.outcome], staleness=res.result.staleness)
         return reply, encs
 
-    def Forward(self, request: pb.ForwardRequest, context: grpc.ServicerContext) -> pb.ForwardReply:
-        def run() -> pb.ForwardReply:
-            reply, encs = self._forward(context, request, [from_proto(t) for t in request.tensors], unary=True)
-            reply.tensors.extend(to_proto(e) for e in encs)
-            return reply
+    def Forward(self, request: fastwire.Parsed, context: grpc.ServicerContext) -> fastwire.Parsed:
+        def run() -> fastwire.Parsed:
+            return fastwire.Parsed(*self._forward(context, request.header, request.tensors, unary=True))
         return self._call(context, run, request)
 
-    def Backward(self, request: pb.BackwardRequest, context: grpc.ServicerContext) -> pb.BackwardReply:
-        def run() -> pb.BackwardReply:
-            reply, encs = self._backward(context, request, [from_proto(t) for t in request.tensors])
-            reply.tensors.extend(to_proto(e) for e in encs)
-            return reply
+    def Backward(self, request: fastwire.Parsed, context: grpc.ServicerContext) -> fastwire.Parsed:
+        def run() -> fastwire.Parsed:
+            return fastwire.Parsed(*self._backward(context, request.header, request.tensors))
         return self._call(context, run, request)
 
     def _stream(self, request_iterator: Iterable[pb.Frame], context: grpc.ServicerContext, field: str,
@@ -345,6 +340,7 @@ class TrunkServer:
                  max_workers: int = 64, model_name: str = "", cuts: tuple[int, int] | None = None,
                  authenticate: Callable[[dict[str, str]], str] | None = None, sessions: Any = None,
                  interceptors: list[grpc.ServerInterceptor] | None = None) -> None:
+        tune_malloc()
         if credentials is None and not insecure:
             raise ConfigError("the trunk server needs TLS credentials, or insecure=True to serve plaintext "
                               "(for loopback and tests)")

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from splitfed.channel import split_channel_pb2 as pb
+from splitfed.channel.fastwire import ChunkView
 from splitfed.codec import (
     EncodedTensor,
     TensorLimits,
@@ -27,6 +30,7 @@ def to_proto(enc: EncodedTensor, with_data: bool = True) -> pb.Tensor:
     """A ``Tensor`` message; without data when the bytes follow as chunks."""
     return pb.Tensor(name=enc.name, dtype=int(enc.dtype), shape=list(enc.shape),
                      data=bytes(enc.data) if with_data else b"")
+
 
 
 def from_proto(t: pb.Tensor, data: bytes | memoryview | None = None) -> EncodedTensor:
@@ -89,18 +93,19 @@ def decode_single(encs: Sequence[EncodedTensor], name: str, limits: TensorLimits
 
 
 # -- framing ------------------------------------------------------------------
-def frames(header: pb.Frame, field: str, encs: Sequence[EncodedTensor], chunk_bytes: int) -> Iterator[pb.Frame]:
-    """A header frame (tensors without data) followed by chunk frames of at most ``chunk_bytes``."""
+def frames(header: pb.Frame, field: str, encs: Sequence[EncodedTensor], chunk_bytes: int
+           ) -> Iterator[pb.Frame | ChunkView]:
+    """A header frame (tensors without data) followed by chunks of at most ``chunk_bytes``, as views."""
     msg = getattr(header, field)
     del msg.tensors[:]
     msg.tensors.extend(to_proto(e, with_data=False) for e in encs)
     yield header
     offset = 0
     for enc in encs:
-        view = memoryview(enc.data)
+        view = memoryview(enc.data).cast("B") if not isinstance(enc.data, bytes) else memoryview(enc.data)
         for start in range(0, len(view), chunk_bytes):
             piece = view[start:start + chunk_bytes]
-            yield pb.Frame(chunk=pb.Chunk(offset=offset, data=piece.tobytes()))
+            yield ChunkView(offset, piece)
             offset += len(piece)
 
 
@@ -108,22 +113,23 @@ def frames(header: pb.Frame, field: str, encs: Sequence[EncodedTensor], chunk_by
 class Assembled:
     """A streamed message put back together: its header and its tensors with their bytes."""
 
-    header: object
+    header: Any
     tensors: list[EncodedTensor]
 
 
-def assemble(stream: Iterable[pb.Frame], field: str, max_bytes: int) -> Assembled:
+def assemble(stream: Iterable[pb.Frame | ChunkView], field: str, max_bytes: int) -> Assembled:
     """Read a header frame named ``field`` and the chunks that follow; check offsets and sizes.
 
-    Raises :class:`CodecError` for a missing header, chunks out of order, too
-    many or too few bytes; :class:`ResourceExhaustedError` when the header
-    declares more than ``max_bytes``.
+    The tensors' bytes are gathered into one buffer allocated once the header
+    has been checked. Raises :class:`CodecError` for a missing header, chunks
+    out of order, too many or too few bytes; :class:`ResourceExhaustedError`
+    when the header declares more than ``max_bytes``.
     """
     it = iter(stream)
     first = next(it, None)
-    if first is None or first.WhichOneof("body") != field:
-        got = None if first is None else first.WhichOneof("body")
-        raise CodecError(f"stream must start with a {field} header frame, got {got or 'nothing'}")
+    if not isinstance(first, pb.Frame) or first.WhichOneof("body") != field:
+        got = "nothing" if first is None else "chunk" if isinstance(first, ChunkView) else first.WhichOneof("body")
+        raise CodecError(f"stream must start with a {field} header frame, got {got}")
     header = getattr(first, field)
     sizes = []
     for t in header.tensors:
@@ -132,23 +138,25 @@ def assemble(stream: Iterable[pb.Frame], field: str, max_bytes: int) -> Assemble
         sizes.append(declared_nbytes(t.dtype, list(t.shape)))
     total = sum(sizes)
     if total > max_bytes:
-        raise ResourceExhaustedError(f"streamed tensors declare {total} bytes, above the server's limit of "
-                                     f"{max_bytes}")
-    parts: list[bytes] = []
+        raise ResourceExhaustedError(f"streamed tensors declare {total} bytes, above the limit of {max_bytes}")
+    buf = np.empty(total, dtype=np.uint8)
     received = 0
     for frame in it:
-        if frame.WhichOneof("body") != "chunk":
-            raise CodecError(f"unexpected {frame.WhichOneof('body')} frame after the header; only chunks may follow")
-        chunk = frame.chunk
-        if chunk.offset != received:
-            raise CodecError(f"chunk at offset {chunk.offset} arrived out of order; expected offset {received}")
-        received += len(chunk.data)
-        if received > total:
+        if isinstance(frame, pb.Frame):
+            if frame.WhichOneof("body") != "chunk":
+                raise CodecError(f"unexpected {frame.WhichOneof('body')} frame after the header; only chunks "
+                                 "may follow")
+            frame = ChunkView(frame.chunk.offset, frame.chunk.data)
+        if frame.offset != received:
+            raise CodecError(f"chunk at offset {frame.offset} arrived out of order; expected offset {received}")
+        size = len(frame.data)
+        if received + size > total:
             raise CodecError(f"stream carries more than the {total} bytes its header declares")
-        parts.append(chunk.data)
+        if size:
+            buf[received:received + size] = np.frombuffer(frame.data, dtype=np.uint8)
+        received += size
     if received != total:
         raise CodecError(f"stream truncated: received {received} of {total} declared bytes")
-    buf = parts[0] if len(parts) == 1 else b"".join(parts)
     view = memoryview(buf)
     tensors, offset = [], 0
     for t, size in zip(header.tensors, sizes):

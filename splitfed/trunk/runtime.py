@@ -46,11 +46,10 @@ class GradientGuard:
 
     def check(self, grads: Grads) -> str | None:
         """Return why ``grads`` are refused, or None when they pass."""
-        sq = 0.0
-        for g in grads:
-            if g is not None:
-                sq += float(g.detach().float().pow(2).sum())
-        norm = math.sqrt(sq) if math.isfinite(sq) else math.inf
+        present = [g.detach() for g in grads if g is not None]
+        if not present:
+            return None
+        norm = float(torch.nn.utils.get_total_norm(present, norm_type=2.0, error_if_nonfinite=False))
         if not math.isfinite(norm):
             return "non-finite trunk gradient"
         if self.max_norm is not None and norm > self.max_norm:
@@ -155,9 +154,8 @@ class TrunkRuntime:
         """Move the input to the trunk's device and dtype.
 
         Returns the state the trunk runs on and, when training, the leaf whose
-        gradient goes back to the client. The trunk gets a writable copy (a
-        non-leaf when training) so that in-place first layers work as in the
-        unsplit model and the wire's read-only bytes are never written.
+        gradient goes back to the client. When training, the trunk gets a copy
+        (a non-leaf) so that in-place first layers work as in the unsplit model.
         """
         hidden = state.hidden
         if not hidden.is_floating_point():
@@ -173,8 +171,6 @@ class TrunkRuntime:
         if train:
             leaf = hidden.detach().requires_grad_(True)
             hidden = leaf.clone()
-        else:
-            hidden = hidden.clone()
         move = (lambda t: None if t is None else t.to(self.device))
         return CutState(hidden, move(state.attention_mask), move(state.position_ids)), leaf
 

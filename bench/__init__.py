@@ -1,0 +1,1 @@
+"""splitfed benchmarks: ``python -m bench [--json] [--only NAME ...]``."""

@@ -1,0 +1,51 @@
+"""Run the benchmarks and print their ratios (``--json``: one JSON object)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+from collections.abc import Callable
+
+import torch
+
+from bench import core
+from splitfed.tuning import tune_malloc
+
+SUITES: dict[str, Callable[..., dict[str, float]]] = {
+    "split_step": core.split_step_ratio,
+    "channel": core.channel_vs_grpc,
+    "codec": core.codec_speedup,
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--only", nargs="*", choices=sorted(SUITES), help="run only these suites")
+    parser.add_argument("--device", default="cpu", help="device for model benchmarks (cpu, cuda)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    tune_malloc()  # as the trunk server and client do; applies to both sides of every comparison
+    results: dict[str, object] = {
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
+                   f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}",
+    }
+    for name in args.only or list(SUITES):
+        fn = SUITES[name]
+        kwargs = {"device": args.device} if "device" in fn.__code__.co_varnames else {}
+        results.update(fn(**kwargs))
+    if args.json:
+        print(json.dumps(results, indent=None, sort_keys=True))
+    else:
+        width = max(len(k) for k in results)
+        for key, value in results.items():
+            print(f"{key:<{width}}  {value:.4g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

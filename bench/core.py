@@ -1,0 +1,244 @@
+"""Benchmarks of the split core, each a ratio of two things measured side by side in one run.
+
+* ``split_step_ratio``: one training step of a tiny GPT-2 (6 layers, hidden 256,
+  vocab 8192, seq 128, batch 8) split over the real channel on loopback,
+  divided by the same unsplit step (``_process``: trunk server in its own process).
+* ``channel_vs_grpc_ratio_{1,16}MiB``: a channel Forward round trip (identity
+  trunk, evaluation forward: decode, check, encode) divided by a bare gRPC
+  unary echo of the same bytes.
+* ``codec_speedup_vs_repeated_float``: encode + serialize + parse + decode of a
+  4 MiB fp32 tensor as a packed protobuf ``repeated float``, divided by the same
+  through splitfed's codec.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import time
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+import torch
+
+MiB = 1 << 20
+
+
+def timeit(fn: Callable[[], object], repeat: int, warmup: int = 2) -> float:
+    """Median seconds of ``fn`` over ``repeat`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def interleaved(a: Callable[[], object], b: Callable[[], object], repeat: int, warmup: int = 2) -> tuple[float, float]:
+    """Median seconds of ``a`` and ``b``, run alternately so that machine noise hits both alike."""
+    for _ in range(warmup):
+        a()
+        b()
+    ta, tb = [], []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        a()
+        ta.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        b()
+        tb.append(time.perf_counter() - start)
+    return statistics.median(ta), statistics.median(tb)
+
+
+# -- split step -------------------------------------------------------------------
+def _gpt2(seed: int = 0) -> torch.nn.Module:
+    from splitfed.models import tiny_gpt2_config
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(tiny_gpt2_config(8192, layers=6, hidden=256, heads=4, positions=128)).train()
+
+
+def _serve_trunk(cuts: tuple[int, int], port_queue: Any, stop: Any, threads: int, device: str) -> None:
+    from splitfed.channel.server import TrunkServer
+    from splitfed.split import split_model
+
+    torch.set_num_threads(threads)
+    parts = split_model(_gpt2().to(device), cuts)
+    server = TrunkServer(parts.trunk, insecure=True, optimizer="sgd", lr=1e-3).start()
+    port_queue.put(server.port)
+    stop.wait()
+    server.stop(grace=0)
+
+
+def split_step_ratio(repeat: int = 10, batch: int = 8, seq: int = 128, device: str = "cpu") -> dict[str, float]:
+    """Split step over loopback / unsplit step, tiny GPT-2; the trunk server in this process and in another.
+
+    ``split_step_ratio`` serves the trunk from a thread of this process (the
+    real gRPC channel over loopback TCP, no second Python process competing for
+    the cores); ``split_step_ratio_process`` serves it from its own process, as
+    in a deployment, but on the same cores as the client.
+    """
+    from splitfed.channel.client import RemoteTrunk
+    from splitfed.channel.server import TrunkServer
+    from splitfed.split import SplitModel, split_model
+
+    cuts = (2, 4)
+    ctx = mp.get_context("spawn")
+    port_queue, stop = ctx.Queue(), ctx.Event()
+    threads = torch.get_num_threads()
+    proc = ctx.Process(target=_serve_trunk, args=(cuts, port_queue, stop, threads, device), daemon=True)
+    proc.start()
+    in_process = TrunkServer(split_model(_gpt2().to(device), cuts).trunk, insecure=True, optimizer="sgd",
+                             lr=1e-3).start()
+    out: dict[str, float] = {}
+    try:
+        addresses = {"": in_process.address, "_process": f"127.0.0.1:{port_queue.get(timeout=120)}"}
+        ref = _gpt2().to(device)
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=1e-3)
+        ids = torch.randint(0, 8192, (batch, seq), device=device)
+
+        def sync() -> None:
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+
+        def ref_step() -> None:
+            ref(input_ids=ids, labels=ids).loss.backward()
+            opt_ref.step()
+            opt_ref.zero_grad()
+            sync()
+
+        for suffix, address in addresses.items():
+            parts = split_model(_gpt2().to(device), cuts)
+            remote = RemoteTrunk(address, insecure=True)
+            model = SplitModel(parts.bottom, remote, parts.top, task="causal-lm")
+            opt_split = torch.optim.SGD(parts.client_modules().parameters(), lr=1e-3)
+
+            def split_step() -> None:
+                model(ids, labels=ids).loss.backward()
+                opt_split.step()
+                opt_split.zero_grad()
+                sync()
+
+            t_split, t_ref = interleaved(split_step, ref_step, repeat)
+            out[f"split_step_ratio{suffix}"] = t_split / t_ref
+            out[f"split_step{suffix}_s"] = t_split
+            out[f"unsplit_step{suffix}_s"] = t_ref
+            out["split_bytes_per_call"] = remote.client.bytes_sent / max(remote.client.calls, 1)
+            remote.close()
+        return out
+    finally:
+        in_process.stop(grace=0)
+        stop.set()
+        proc.join(30)
+
+
+# -- channel vs bare gRPC -------------------------------------------------------------
+CHANNEL_LIMITS = dict(max_message_bytes=64 * MiB, stream_threshold_bytes=4 * MiB, chunk_bytes=1 * MiB,
+                      max_tensor_bytes=256 * MiB)
+
+
+def _serve_echo_and_identity(port_queue: Any, stop: Any) -> None:
+    """Both servers of the comparison, in one process apart from the clients (as on a real network)."""
+    import grpc
+
+    from splitfed.channel.server import ChannelLimits, TrunkServer
+    from splitfed.split.sequential import split_sequential
+    from splitfed.tuning import tune_malloc
+
+    tune_malloc()
+    limits = ChannelLimits(**CHANNEL_LIMITS)
+    echo_server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=limits.grpc_options())
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)})
+    echo_server.add_generic_rpc_handlers((handler,))
+    echo_port = echo_server.add_insecure_port("127.0.0.1:0")
+    echo_server.start()
+    _, identity, _ = split_sequential(torch.nn.Sequential(torch.nn.Identity(), torch.nn.Identity(),
+                                                          torch.nn.Identity()), 1, 2)
+    trunk = TrunkServer(identity, insecure=True, limits=limits).start()
+    port_queue.put((echo_port, trunk.port))
+    stop.wait()
+    trunk.stop(grace=0)
+    echo_server.stop(0)
+
+
+def channel_vs_grpc(sizes_mib: tuple[int, ...] = (1, 16), repeat: int = 30) -> dict[str, float]:
+    """Channel Forward round trip / bare gRPC echo of the same bytes, per payload size.
+
+    The channel's server decodes and checks the tensor (NaN/Inf), runs an
+    identity trunk and encodes the reply; the echo server returns the request
+    bytes. Both servers run in one process, the clients in another.
+    """
+    import grpc
+
+    from splitfed.channel.client import TrunkClient
+    from splitfed.channel.server import ChannelLimits
+    from splitfed.split import CutState
+
+    limits = ChannelLimits(**CHANNEL_LIMITS)
+    ctx = mp.get_context("spawn")
+    port_queue, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_serve_echo_and_identity, args=(port_queue, stop), daemon=True)
+    proc.start()
+    out: dict[str, float] = {}
+    try:
+        echo_port, trunk_port = port_queue.get(timeout=120)
+        echo_channel = grpc.insecure_channel(f"127.0.0.1:{echo_port}", options=limits.grpc_options())
+        echo = echo_channel.unary_unary("/bench.Echo/Echo")
+        client = TrunkClient(f"127.0.0.1:{trunk_port}", insecure=True, limits=limits)
+        for size in sizes_mib:
+            hidden = torch.randn(size * MiB // 4 // 256, 256)
+            payload = hidden.numpy().tobytes()
+            state = CutState(hidden)
+            t_channel, t_echo = interleaved(lambda: client.forward(state, train=False), lambda: echo(payload),
+                                            repeat, warmup=3)
+            out[f"channel_vs_grpc_ratio_{size}MiB"] = t_channel / t_echo
+            out[f"channel_rtt_{size}MiB_ms"] = t_channel * 1e3
+            out[f"grpc_echo_rtt_{size}MiB_ms"] = t_echo * 1e3
+        client.close()
+        echo_channel.close()
+    finally:
+        stop.set()
+        proc.join(30)
+    return out
+
+
+# -- codec vs repeated float ------------------------------------------------------------
+def _repeated_float_message() -> type:
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    fdp = descriptor_pb2.FileDescriptorProto(name="bench_floats.proto", package="bench", syntax="proto3")
+    msg = fdp.message_type.add(name="Floats")
+    msg.field.add(name="values", number=1, type=descriptor_pb2.FieldDescriptorProto.TYPE_FLOAT,
+                  label=descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("bench.Floats"))
+
+
+def codec_speedup(size_mib: int = 4, repeat: int = 5) -> dict[str, float]:
+    """Round trip through protobuf ``repeated float`` / round trip through splitfed's codec."""
+    from splitfed.channel import fastwire
+    from splitfed.channel import split_channel_pb2 as pb
+    from splitfed.codec import decode, encode
+
+    floats = _repeated_float_message()
+    t = torch.randn(size_mib * MiB // 4)
+    header = pb.ForwardRequest(activation_id="bench")
+
+    def codec() -> torch.Tensor:
+        wire = fastwire.serialize(header, [encode("x", t)])
+        return decode(fastwire.parse(pb.ForwardRequest, wire).tensors[0])
+
+    def repeated() -> torch.Tensor:
+        wire = floats(values=t.tolist()).SerializeToString()
+        return torch.tensor(floats.FromString(wire).values, dtype=torch.float32)
+
+    assert torch.equal(codec(), t) and torch.equal(repeated(), t)
+    t_codec, t_rep = timeit(codec, repeat * 4), timeit(repeated, repeat, warmup=1)
+    return {"codec_speedup_vs_repeated_float": t_rep / t_codec, "codec_roundtrip_4MiB_ms": t_codec * 1e3,
+            "repeated_float_roundtrip_4MiB_ms": t_rep * 1e3}

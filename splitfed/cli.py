@@ -1,0 +1,89 @@
+"""The ``splitfed`` console command: ``serve`` a trunk standalone (more subcommands join as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+log = logging.getLogger("splitfed")
+
+
+def _cuts(text: str) -> tuple[int, int]:
+    try:
+        a, b = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--cuts must be two integers A,B, got {text!r}") from None
+    return a, b
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from splitfed.channel.server import TrunkServer
+    from splitfed.models import NAMED, build_model
+    from splitfed.split import split_model
+    from splitfed.trunk.aggregation import make_aggregator
+
+    model = build_model(args.model, seed=args.seed)
+    cuts = args.cuts or (NAMED[args.model].default_cuts if args.model in NAMED else None)
+    if cuts is None:
+        raise SystemExit("--cuts A,B is required for this model")
+    parts = split_model(model, cuts)
+    credentials = None
+    if not args.insecure:
+        from splitfed.channel.security import server_credentials
+
+        if not (args.tls_cert and args.tls_key):
+            raise SystemExit("give --tls-cert and --tls-key (and --tls-client-ca for mutual TLS), or --insecure "
+                             "to serve plaintext")
+        credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+    aggregator = make_aggregator(args.trunk_mode, quorum=args.quorum, max_staleness=args.max_staleness,
+                                 timeout=args.trunk_timeout)
+    server = TrunkServer(parts.trunk, host=args.host, port=args.port, insecure=args.insecure,
+                         credentials=credentials, optimizer=args.optimizer, lr=args.lr, aggregator=aggregator,
+                         model_name=args.model, cuts=cuts).start()
+    log.info("serving the trunk of %s (blocks %d..%d) on %s", args.model, cuts[0], cuts[1] - 1, server.address)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        server.stop()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``splitfed`` command."""
+    parser = argparse.ArgumentParser(prog="splitfed", description="Split learning for Flower.")
+    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG shows every step)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a model's trunk over the split channel")
+    serve.add_argument("--model", required=True, help="named model (mnist-cnn), local folder or hub id")
+    serve.add_argument("--cuts", type=_cuts, help="cut points A,B: the trunk holds blocks A..B-1")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
+    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--insecure", action="store_true", help="serve plaintext (loopback and tests only)")
+    serve.add_argument("--tls-cert", help="server certificate chain (PEM)")
+    serve.add_argument("--tls-key", help="server private key (PEM)")
+    serve.add_argument("--tls-client-ca", help="CA that signs client certificates: require mutual TLS")
+    serve.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"])
+    serve.add_argument("--lr", type=float, default=0.01)
+    serve.add_argument("--trunk-mode", default="sync", choices=["sync", "async", "quorum"])
+    serve.add_argument("--quorum", type=int, default=1)
+    serve.add_argument("--max-staleness", type=int, default=4)
+    serve.add_argument("--trunk-timeout", type=float, default=60.0)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.set_defaults(func=_serve)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``splitfed`` console command."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
