@@ -1,0 +1,1 @@
+"""The Flower ClientApp and ServerApp that ``flwr run .`` starts."""

@@ -1,0 +1,46 @@
+"""SplitFed ServerApp: serves the trunk, runs the rounds through a Flower strategy, exports the model."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.serverapp import Grid, ServerApp
+
+from splitfed.config import RunConfig
+from splitfed.logs import setup_logging
+from splitfed.runner import ServerRunner
+from strategies import SplitFed, build_strategy
+
+log = logging.getLogger("splitfed")
+
+app = ServerApp()
+
+
+def output_dir(cfg: RunConfig) -> Path:
+    """``output-dir``; a relative path is taken from $SPLITFED_OUTPUT_ROOT, else the working directory."""
+    path = Path(cfg.output_dir).expanduser()
+    if not path.is_absolute():
+        path = Path(os.environ.get("SPLITFED_OUTPUT_ROOT", os.getcwd())) / path
+    return path
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Run SplitFed for ``num-server-rounds`` rounds (or what is left after a resume)."""
+    cfg = RunConfig.from_mapping(context.run_config)
+    setup_logging(cfg.log_level, json_lines=cfg.log_json, run_id=context.run_id)
+    runner = ServerRunner(cfg, run_id=str(context.run_id), output_dir=output_dir(cfg)).start()
+    try:
+        if runner.rounds_left:
+            strategy = SplitFed(build_strategy(cfg), runner)
+            strategy.start(grid, ArrayRecord(torch_state_dict=runner.client_state), num_rounds=runner.rounds_left,
+                           timeout=cfg.trunk_timeout * 10 + 600.0, train_config=ConfigRecord({"lr": cfg.lr}),
+                           evaluate_config=ConfigRecord())
+        else:
+            log.warning("all %d rounds are already done in %s", cfg.num_server_rounds, runner.output_dir)
+        runner.finish()
+    finally:
+        runner.stop()

@@ -1,0 +1,188 @@
+"""Run configuration: read once from Flower's ``run_config`` (kebab-case keys) into a frozen dataclass.
+
+The library never sees a Flower ``Context``: apps pass ``context.run_config``
+(a plain mapping) to :meth:`RunConfig.from_mapping`, which checks every value
+and names the offending key in its error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from splitfed.errors import ConfigError
+
+_MODES = ("sync", "async", "quorum")
+_PARTITIONERS = ("iid", "dirichlet", "pathological")
+_STRATEGIES = ("fedavg", "fedprox", "fedadam", "fedavgm", "fedadagrad", "fedyogi", "fedmedian", "fedtrimmedavg",
+               "krum", "multikrum", "bulyan")
+_OPTIMIZERS = ("sgd", "adam", "adamw")
+_WIRE = ("fp32", "fp16", "bf16")
+_PRECISION = ("fp32", "bf16")
+
+
+def _key(name: str) -> str:
+    return name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every setting of a SplitFed run. Field ``foo_bar`` is run-config key ``foo-bar``."""
+
+    # Model and cut.
+    model: str = "mnist-cnn"  # named model, local folder or hub id
+    cuts: tuple[int, int] | None = None  # None: the named model's default
+    max_seq_len: int = 128  # tokens per example for language models
+    # Rounds and local training.
+    num_server_rounds: int = 5
+    local_steps: int = 30  # optimizer steps per client per round (0: use local-epochs)
+    local_epochs: int = 0
+    batch_size: int = 32
+    lr: float = 0.05
+    trunk_lr: float = 0.0  # 0: same as lr
+    optimizer: str = "sgd"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    eval_batches: int = 0  # 0: the whole held-out split
+    seed: int = 42
+    # Federation.
+    strategy: str = "fedavg"
+    fraction_train: float = 1.0
+    fraction_evaluate: float = 1.0
+    min_train_nodes: int = 2
+    proximal_mu: float = 0.01  # fedprox
+    server_lr: float = 0.01  # fedadam, fedadagrad, fedyogi (eta)
+    server_momentum: float = 0.9  # fedavgm
+    # Trunk aggregation.
+    trunk_mode: str = "sync"
+    quorum: int = 2
+    max_staleness: int = 4
+    staleness_policy: str = "reject"
+    trunk_timeout: float = 60.0
+    grad_guard_norm: float = 0.0  # 0: only refuse non-finite trunk gradients
+    # Data.
+    dataset: str = ""  # empty: the model's embedded data; else a hub dataset (needs a network)
+    partitioner: str = "iid"
+    dirichlet_alpha: float = 0.5
+    classes_per_partition: int = 2
+    # Trunk server.
+    trunk_bind: str = "127.0.0.1"
+    trunk_port: int = 0  # 0: a free port
+    trunk_advertise: str = ""  # host:port clients dial; empty: the bound address
+    trunk_insecure: bool = True  # plaintext split channel (simulation on loopback)
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_root_ca: str = ""
+    tls_client_ca: str = ""
+    auth: bool = True  # per-client signed tokens on the split channel
+    token_ttl: float = 3600.0
+    wire_dtype: str = "fp32"
+    precision: str = "fp32"  # bf16: autocast on every part
+    # Outputs.
+    output_dir: str = "outputs"
+    resume: bool = False  # resume from the output folder's checkpoint (after a crash)
+    metrics_port: int = -1  # Prometheus endpoint of the trunk server; -1: off, 0: free port
+    log_level: str = "INFO"
+    log_json: bool = False  # JSON lines with run id, round, client and step
+
+    @property
+    def effective_trunk_lr(self) -> float:
+        """Learning rate of the trunk's optimizer."""
+        return self.trunk_lr or self.lr
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
+        """Build from run-config values (kebab-case keys); unknown keys and bad values raise ConfigError."""
+        fields = {_key(f.name): f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            if key not in fields:
+                raise ConfigError(f"unknown run-config key {key!r}; known keys: {', '.join(sorted(fields))}")
+            f = fields[key]
+            kwargs[f.name] = _coerce(key, f, value)
+        config = cls(**kwargs)
+        config.validate()
+        return config
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The settings as run-config values (for logs, outputs and tests)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[_key(f.name)] = ",".join(map(str, value)) if isinstance(value, tuple) else value
+        return out
+
+    def validate(self) -> None:
+        """Check ranges and choices; raise ConfigError naming the key."""
+        _choice("trunk-mode", self.trunk_mode, _MODES)
+        _choice("partitioner", self.partitioner, _PARTITIONERS)
+        _choice("strategy", self.strategy, _STRATEGIES)
+        _choice("optimizer", self.optimizer, _OPTIMIZERS)
+        _choice("wire-dtype", self.wire_dtype, _WIRE)
+        _choice("precision", self.precision, _PRECISION)
+        _choice("staleness-policy", self.staleness_policy, ("reject", "downweight"))
+        for key, value, low in [("num-server-rounds", self.num_server_rounds, 1), ("batch-size", self.batch_size, 1),
+                                ("quorum", self.quorum, 1), ("max-staleness", self.max_staleness, 0),
+                                ("local-steps", self.local_steps, 0), ("local-epochs", self.local_epochs, 0),
+                                ("max-seq-len", self.max_seq_len, 2), ("min-train-nodes", self.min_train_nodes, 1),
+                                ("eval-batches", self.eval_batches, 0), ("classes-per-partition",
+                                                                          self.classes_per_partition, 1)]:
+            if value < low:
+                raise ConfigError(f"{key} must be >= {low}, got {value}")
+        if self.local_steps == 0 and self.local_epochs == 0:
+            raise ConfigError("local-steps and local-epochs are both 0; set one of them")
+        for key, value in [("lr", self.lr), ("trunk-timeout", self.trunk_timeout),
+                           ("dirichlet-alpha", self.dirichlet_alpha), ("token-ttl", self.token_ttl)]:
+            if not value > 0:
+                raise ConfigError(f"{key} must be > 0, got {value}")
+        for key, value in [("fraction-train", self.fraction_train), ("fraction-evaluate", self.fraction_evaluate)]:
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"{key} must be in [0, 1], got {value}")
+        if not 0 <= self.trunk_port <= 65535:
+            raise ConfigError(f"trunk-port must be in 0..65535, got {self.trunk_port}")
+        if not self.trunk_insecure and not (self.tls_cert and self.tls_key):
+            raise ConfigError("trunk-insecure = false needs tls-cert and tls-key (and tls-root-ca for clients)")
+        if self.trunk_advertise and ":" not in self.trunk_advertise:
+            raise ConfigError(f"trunk-advertise must be host:port, got {self.trunk_advertise!r}")
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _coerce(key: str, f: dataclasses.Field[Any], value: Any) -> Any:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if kind.startswith("tuple"):
+            if value in ("", None):
+                return None
+            parts = [int(v) for v in str(value).split(",")] if not isinstance(value, (list, tuple)) else \
+                [int(v) for v in value]
+            if len(parts) != 2:
+                raise ValueError("two integers")
+            return tuple(parts)
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "1", "yes"):
+                return True
+            if str(value).lower() in ("false", "0", "no"):
+                return False
+            raise ValueError("true or false")
+        if kind == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError("an integer")
+            return int(value)
+        if kind == "float":
+            if isinstance(value, bool):
+                raise ValueError("a number")
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"run-config key {key!r} = {value!r} is not valid: expected {exc}") from None
+
+
+__all__ = ["RunConfig"]

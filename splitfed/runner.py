@@ -1,0 +1,345 @@
+"""What a SplitFed run does on each side, independent of Flower.
+
+:class:`ServerRunner` builds the model, keeps the trunk in a running
+:class:`~splitfed.channel.server.TrunkServer`, issues per-client tokens,
+checkpoints every round and exports the trained model. :func:`client_train`
+and :func:`client_evaluate` are what a client does with one round's message.
+The Flower apps in ``apps/`` only translate records to and from these.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from splitfed.config import RunConfig
+from splitfed.data import (
+    ByteTokenizer,
+    Splits,
+    batches,
+    hub_partition,
+    make_partitioner,
+    mnist,
+    partition,
+    text_windows,
+)
+from splitfed.errors import ConfigError, ModelLoadError
+from splitfed.models import NAMED, build_model
+from splitfed.optim import make_optimizer
+from splitfed.split import SplitModel, load_unique_state, split_model, unique_state
+from splitfed.training import evaluate, perplexity, train
+
+log = logging.getLogger(__name__)
+
+#: Keys of the per-node "splitfed" ConfigRecord the ServerApp adds to each message.
+TRUNK_ADDRESS, TRUNK_TOKEN, SERVER_ROUND = "trunk-address", "trunk-token", "server-round"
+
+
+# -- model and data for both sides ------------------------------------------------------
+def tokenizer_for(cfg: RunConfig) -> Any:
+    """The tokenizer of a language model run (bytes for tiny-gpt2)."""
+    if cfg.model == "tiny-gpt2":
+        return ByteTokenizer()
+    from splitfed.llm import load_tokenizer
+
+    return load_tokenizer(cfg.model)
+
+
+def data_kind(cfg: RunConfig) -> str:
+    """``image`` for the CNN, ``text`` for language models."""
+    info = NAMED.get(cfg.model)
+    return "image" if info is not None and info.data == "mnist" else "text"
+
+
+def build_split(cfg: RunConfig, seed: int | None = None) -> tuple[SplitModel, tuple[int, int]]:
+    """The model of ``cfg``, cut at its cuts (the named model's default when unset)."""
+    if cfg.model == "tiny-gpt2":
+        model = build_model("tiny-gpt2", seed=cfg.seed if seed is None else seed, vocab_size=ByteTokenizer.vocab_size)
+    elif cfg.model in NAMED:
+        model = build_model(cfg.model, seed=cfg.seed if seed is None else seed)
+    else:
+        from splitfed.llm import load_model
+
+        model = load_model(cfg.model)
+    cuts = cfg.cuts or (NAMED[cfg.model].default_cuts if cfg.model in NAMED else None)
+    if cuts is None:
+        raise ConfigError(f"cuts is empty; set cuts = \"A,B\" for model {cfg.model!r}")
+    return split_model(model, cuts), cuts
+
+
+def load_splits(cfg: RunConfig, partition_id: int, num_partitions: int) -> Splits:
+    """This client's training shard and its IID share of the held-out evaluation split."""
+    kind = data_kind(cfg)
+    partitioner = make_partitioner(cfg.partitioner, num_partitions, alpha=cfg.dirichlet_alpha,
+                                   classes_per_partition=cfg.classes_per_partition, seed=cfg.seed)
+    if cfg.dataset:
+        train_ds, test_ds = hub_partition(cfg.dataset, partitioner, partition_id)
+        return Splits(train_ds, test_ds, kind)
+    if kind == "image":
+        data = mnist()
+    else:
+        tok = tokenizer_for(cfg)
+        data = text_windows(tok.encode, cfg.max_seq_len, tok.eos_token_id)
+    test = partition(data["test"], make_partitioner("iid", num_partitions), partition_id)
+    return Splits(partition(data["train"], partitioner, partition_id), test, kind)
+
+
+# -- client side -----------------------------------------------------------------------------
+@dataclass
+class ClientResult:
+    """A client's reply: its updated parts and what it measured."""
+
+    state: dict[str, torch.Tensor]
+    metrics: dict[str, float | int]
+
+
+def _client_model(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Module) -> SplitModel:
+    split, _ = build_split(cfg)
+    client_parts = split.client_modules()
+    load_unique_state(client_parts, dict(state))
+    return SplitModel(split.bottom, trunk, split.top, task=split.task, config=split.config)
+
+
+def connect_trunk(cfg: RunConfig, address: str, token: str | None, client_id: str) -> nn.Module:
+    """A :class:`~splitfed.channel.client.RemoteTrunk` to the run's trunk server (TLS when configured)."""
+    from splitfed.channel.client import RemoteTrunk, RetryPolicy
+
+    credentials = None
+    if not cfg.trunk_insecure:
+        from splitfed.channel.security import channel_credentials
+
+        credentials = channel_credentials(cfg.tls_root_ca or None)
+    return RemoteTrunk(address, client_id=client_id, insecure=cfg.trunk_insecure, credentials=credentials,
+                       token=token, wire_dtype=cfg.wire_dtype,
+                       retry=RetryPolicy(timeout_s=max(cfg.trunk_timeout * 3, 60.0)))
+
+
+def _proximal(parts: nn.Module, mu: float) -> Any:
+    """FedProx: add ``mu * (w - w_global)`` to every gradient before the step."""
+    anchors = [(p, p.detach().clone()) for p in parts.parameters() if p.requires_grad]
+
+    def add_term() -> None:
+        with torch.no_grad():
+            for p, p0 in anchors:
+                if p.grad is not None:
+                    p.grad.add_(p - p0, alpha=mu)
+    return add_term
+
+
+def client_train(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Module, splits: Splits,
+                 server_round: int, partition_id: int, proximal_mu: float = 0.0) -> ClientResult:
+    """One round of local training: returns the updated bottom/top state and the round's metrics."""
+    model = _client_model(cfg, state, trunk)
+    client_parts = model.client_modules()
+    optimizer = make_optimizer(cfg.optimizer, client_parts.parameters(), cfg.lr, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay)
+    before_step = _proximal(client_parts, proximal_mu) if proximal_mu > 0 else None
+    seed = cfg.seed * 100_003 + server_round * 1009 + partition_id
+    if cfg.local_epochs:
+        data = batches(splits.train, cfg.batch_size, splits.kind, seed=seed, epochs=cfg.local_epochs)
+        steps = cfg.local_epochs * -(-len(splits.train) // cfg.batch_size)
+    else:
+        data = batches(splits.train, cfg.batch_size, splits.kind, seed=seed)
+        steps = cfg.local_steps
+    report = train(model, optimizer, data, steps, before_step=before_step,
+                   progress=f"round {server_round} local training")
+    metrics = report.metrics("train-")
+    metrics["num-examples"] = report.num_examples
+    return ClientResult(unique_state(client_parts), metrics)
+
+
+def client_evaluate(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Module, splits: Splits
+                    ) -> dict[str, float | int]:
+    """Forward-only evaluation of the global client parts with the trunk on the held-out split."""
+    model = _client_model(cfg, state, trunk)
+    report = evaluate(model, batches(splits.test, cfg.batch_size, splits.kind, shuffle=False, epochs=1),
+                      max_batches=cfg.eval_batches)
+    metrics = report.metrics("eval-", training=False)
+    metrics["num-examples"] = report.num_examples
+    if model.task == "causal-lm":
+        metrics["eval-perplexity"] = perplexity(report.loss)
+    return metrics
+
+
+# -- server side -------------------------------------------------------------------------------
+@dataclass
+class RoundRecord:
+    """One round in the history."""
+
+    round: int
+    train: dict[str, float] = field(default_factory=dict)
+    evaluate: dict[str, float] = field(default_factory=dict)
+    trunk: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class ServerRunner:
+    """The server side of a run: trunk server, tokens, checkpoints, history and export.
+
+    Args:
+        cfg: the run's settings.
+        run_id: Flower's run id (tokens of other runs are refused).
+        output_dir: where checkpoints, the history and the exported model go.
+    """
+
+    def __init__(self, cfg: RunConfig, run_id: str = "0", output_dir: str | Path | None = None) -> None:
+        from splitfed.auth import TokenIssuer
+        from splitfed.channel.server import TrunkServer
+        from splitfed.trunk.aggregation import make_aggregator
+        from splitfed.trunk.runtime import GradientGuard, TrunkRuntime
+
+        self.cfg = cfg
+        self.run_id = str(run_id)
+        self.output_dir = Path(output_dir or cfg.output_dir)
+        self.split, self.cuts = build_split(cfg)
+        trunk = self.split.trunk
+        trainable = [p for p in trunk.parameters() if p.requires_grad]
+        optimizer = make_optimizer(cfg.optimizer, trainable, cfg.effective_trunk_lr, momentum=cfg.momentum,
+                                   weight_decay=cfg.weight_decay) if trainable else None
+        aggregator = make_aggregator(cfg.trunk_mode, quorum=cfg.quorum, max_staleness=cfg.max_staleness,
+                                     staleness_policy=cfg.staleness_policy, timeout=cfg.trunk_timeout)
+        self.runtime = TrunkRuntime(trunk, optimizer, aggregator=aggregator,
+                                    guard=GradientGuard(cfg.grad_guard_norm or None))
+        self.tokens = TokenIssuer(self.run_id, ttl_s=cfg.token_ttl) if cfg.auth else None
+        self.history: list[RoundRecord] = []
+        self.round_offset = 0
+        self.client_state = unique_state(self.split.client_modules())
+        if cfg.resume:
+            self._resume()
+        credentials = None
+        if not cfg.trunk_insecure:
+            from splitfed.channel.security import server_credentials
+
+            credentials = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca or None)
+        self.server = TrunkServer(self.runtime, host=cfg.trunk_bind, port=cfg.trunk_port,
+                                  insecure=cfg.trunk_insecure, credentials=credentials, model_name=cfg.model,
+                                  cuts=self.cuts, authenticate=None if self.tokens is None else
+                                  self.tokens.authenticate)
+        self._round_started = time.monotonic()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> ServerRunner:
+        """Start the trunk server."""
+        self.server.start()
+        log.info("SplitFed: trunk (blocks %d..%d of %s) served at %s, clients dial %s; trunk mode %s",
+                 self.cuts[0], self.cuts[1] - 1, self.cfg.model, self.server.address, self.advertised_address,
+                 self.runtime.aggregator.describe())
+        return self
+
+    def stop(self) -> None:
+        """Stop the trunk server."""
+        self.server.stop(grace=1.0)
+
+    @property
+    def advertised_address(self) -> str:
+        """The address clients dial: ``trunk-advertise``, else the bound one."""
+        if self.cfg.trunk_advertise:
+            return self.cfg.trunk_advertise
+        host = "127.0.0.1" if self.cfg.trunk_bind in ("0.0.0.0", "::", "[::]") else self.server.host
+        return f"{host}:{self.server.port}"
+
+    @property
+    def rounds_left(self) -> int:
+        """Rounds still to run (fewer after resuming)."""
+        return max(self.cfg.num_server_rounds - self.round_offset, 0)
+
+    # -- per message ------------------------------------------------------------------------------
+    def trunk_config(self, node_id: int, server_round: int) -> dict[str, str | int]:
+        """What a client needs to reach the trunk this round (address and its token)."""
+        out: dict[str, str | int] = {TRUNK_ADDRESS: self.advertised_address, SERVER_ROUND: server_round}
+        if self.tokens is not None:
+            out[TRUNK_TOKEN] = self.tokens.issue(node_id, server_round)
+        return out
+
+    def trunk_metrics(self) -> dict[str, float]:
+        """The trunk's counters (version, steps, outcomes, evictions)."""
+        agg = self.runtime.aggregator
+        out = {"trunk-version": float(self.runtime.version), "trunk-evicted": float(self.runtime.store.evicted)}
+        out.update({f"trunk-{k}": float(v) for k, v in agg.stats.items()})
+        return out
+
+    # -- per round ----------------------------------------------------------------------------------
+    def end_round(self, server_round: int, client_state: Mapping[str, torch.Tensor] | None,
+                  train_metrics: Mapping[str, float] | None, eval_metrics: Mapping[str, float] | None) -> None:
+        """Record the round, checkpoint trunk + client parts + history, and log a summary line."""
+        if client_state is not None:
+            self.client_state = {k: v.detach().clone() for k, v in client_state.items()}
+        now = time.monotonic()
+        record = RoundRecord(server_round, dict(train_metrics or {}), dict(eval_metrics or {}), self.trunk_metrics(),
+                             now - self._round_started)
+        self._round_started = now
+        self.history = [r for r in self.history if r.round != server_round] + [record]
+        self.checkpoint(server_round)
+        ev = record.evaluate
+        log.info("round %d done in %.1fs: train loss %.4f, eval loss %s, eval accuracy %s, trunk version %d",
+                 server_round, record.seconds, record.train.get("train-loss", float("nan")),
+                 f"{ev['eval-loss']:.4f}" if "eval-loss" in ev else "-",
+                 f"{ev['eval-accuracy']:.4f}" if "eval-accuracy" in ev else "-", self.runtime.version)
+
+    def checkpoint(self, server_round: int) -> Path:
+        """Write trunk, optimizer, client parts and history for ``server_round`` (atomically)."""
+        from safetensors.torch import save_file
+
+        target = self.output_dir / "checkpoint"
+        tmp = self.output_dir / f".checkpoint-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        state = self.runtime.state_dict()
+        save_file({k: v.contiguous() for k, v in state["trunk"].items()}, str(tmp / "trunk.safetensors"))
+        save_file({k: v.contiguous() for k, v in self.client_state.items()}, str(tmp / "clients.safetensors"))
+        if state["optimizer"] is not None:
+            torch.save(state["optimizer"], tmp / "optimizer.pt")
+        meta = {"round": server_round, "trunk-version": state["version"], "model": self.cfg.model,
+                "cuts": list(self.cuts), "history": [r.__dict__ for r in self.history]}
+        (tmp / "state.json").write_text(json.dumps(meta, indent=1))
+        old = self.output_dir / ".checkpoint-old"
+        shutil.rmtree(old, ignore_errors=True)
+        if target.exists():
+            target.rename(old)
+        tmp.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+        return target
+
+    def _resume(self) -> None:
+        from safetensors.torch import load_file
+
+        folder = self.output_dir / "checkpoint"
+        if not (folder / "state.json").exists():
+            return
+        meta = json.loads((folder / "state.json").read_text())
+        if meta.get("model") != self.cfg.model or tuple(meta.get("cuts", ())) != tuple(self.cuts):
+            raise ModelLoadError(f"the checkpoint in {folder} is for model {meta.get('model')} cut at "
+                                 f"{meta.get('cuts')}; use another output-dir or set resume = false")
+        optimizer = None
+        if (folder / "optimizer.pt").exists():
+            optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
+        self.runtime.load_state_dict({"trunk": load_file(str(folder / "trunk.safetensors")),
+                                      "optimizer": optimizer, "version": meta["trunk-version"]})
+        self.client_state = load_file(str(folder / "clients.safetensors"))
+        self.round_offset = int(meta["round"])
+        self.history = [RoundRecord(**r) for r in meta.get("history", [])]
+        log.warning("resuming from the checkpoint of round %d in %s (trunk version %d)", self.round_offset, folder,
+                    self.runtime.version)
+
+    # -- end of run ------------------------------------------------------------------------------------
+    def finish(self) -> Path:
+        """Export the trained model and write the history; returns the output folder."""
+        from splitfed.export import export_model
+
+        load_unique_state(self.split.client_modules(), dict(self.client_state))
+        export_model(self.split, self.cfg.model, self.cuts, self.output_dir / "model")
+        history = {"config": self.cfg.to_mapping(), "run-id": self.run_id,
+                   "rounds": [r.__dict__ for r in sorted(self.history, key=lambda r: r.round)]}
+        (self.output_dir / "history.json").write_text(json.dumps(history, indent=1))
+        log.info("SplitFed: model and history written to %s", self.output_dir)
+        return self.output_dir
