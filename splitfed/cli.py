@@ -1,4 +1,4 @@
-"""The ``splitfed`` console command: ``serve`` a trunk standalone (more subcommands join as they land)."""
+"""The ``splitfed`` console command: ``serve`` a trunk standalone, ``report`` a run's history."""
 
 from __future__ import annotations
 
@@ -52,6 +52,16 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from splitfed.report import load_history, plot, summary_table
+
+    history = load_history(args.output_dir)
+    written = plot(history, args.plots_dir or args.output_dir)
+    sys.stdout.write(summary_table(history) + "\n")
+    sys.stdout.write("plots: " + ", ".join(str(p) for p in written) + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``splitfed`` command."""
     parser = argparse.ArgumentParser(prog="splitfed", description="Split learning for Flower.")
@@ -75,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--trunk-timeout", type=float, default=60.0)
     serve.add_argument("--seed", type=int, default=0)
     serve.set_defaults(func=_serve)
+
+    report = sub.add_parser("report", help="plots and a summary table from a run's history.json")
+    report.add_argument("output_dir", help="the run's output-dir (holding history.json)")
+    report.add_argument("--plots-dir", help="where to write the PNGs (default: the output-dir)")
+    report.set_defaults(func=_report)
     return parser
 
 

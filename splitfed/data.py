@@ -139,9 +139,9 @@ def make_partitioner(name: str, num_partitions: int, *, alpha: float = 0.5, clas
 
 def partition(dataset: Any, partitioner: Any, partition_id: int) -> Any:
     """Shard ``partition_id`` of ``dataset`` under ``partitioner``."""
+    partitioner.dataset = dataset
     if not 0 <= partition_id < partitioner.num_partitions:
         raise ConfigError(f"partition-id {partition_id} is outside 0..{partitioner.num_partitions - 1}")
-    partitioner.dataset = dataset
     return partitioner.load_partition(partition_id)
 
 

@@ -341,5 +341,8 @@ class ServerRunner:
         history = {"config": self.cfg.to_mapping(), "run-id": self.run_id,
                    "rounds": [r.__dict__ for r in sorted(self.history, key=lambda r: r.round)]}
         (self.output_dir / "history.json").write_text(json.dumps(history, indent=1))
-        log.info("SplitFed: model and history written to %s", self.output_dir)
+        from splitfed.report import plot, summary_table
+
+        plot(history, self.output_dir)
+        log.info("SplitFed: model, history and plots written to %s\n%s", self.output_dir, summary_table(history))
         return self.output_dir

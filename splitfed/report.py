@@ -1,0 +1,102 @@
+"""Plots and a summary table from a run's ``history.json`` (also the ``splitfed report`` command)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PLOTS = ("loss.png", "accuracy.png", "bytes.png", "seconds.png", "epsilon.png")
+
+
+def load_history(path: str | Path) -> dict[str, Any]:
+    """The history JSON of an output folder (or the file itself)."""
+    p = Path(path)
+    p = p / "history.json" if p.is_dir() else p
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no history.json at {p}; point at a run's output-dir") from None
+
+
+def _series(rounds: list[dict[str, Any]], section: str, key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in rounds:
+        value = r.get(section, {}).get(key)
+        if value is not None:
+            xs.append(int(r["round"]))
+            ys.append(float(value))
+    return xs, ys
+
+
+def plot(history: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """Write loss, accuracy, bytes, seconds (and epsilon, with DP) per round as PNGs; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rounds = sorted(history.get("rounds", []), key=lambda r: r["round"])
+    written = []
+
+    def figure(name: str, title: str, ylabel: str, lines: list[tuple[str, list[int], list[float]]],
+               logy: bool = False) -> None:
+        lines = [line for line in lines if line[1]]
+        if not lines:
+            return
+        fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+        for label, xs, ys in lines:
+            ax.plot(xs, ys, marker="o", label=label)
+        ax.set_title(title)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("round")
+        ax.set_ylabel(ylabel)
+        if logy:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / name)
+        plt.close(fig)
+        written.append(out / name)
+
+    figure("loss.png", "Loss per round", "loss", [("train", *_series(rounds, "train", "train-loss")),
+                                                   ("evaluate", *_series(rounds, "evaluate", "eval-loss"))])
+    figure("accuracy.png", "Accuracy per round", "accuracy",
+           [("train", *_series(rounds, "train", "train-accuracy")),
+            ("evaluate", *_series(rounds, "evaluate", "eval-accuracy"))])
+    figure("bytes.png", "Bytes at the cut per round (all clients)", "bytes",
+           [("client -> trunk (train)", *_series(rounds, "train", "train-bytes-sent")),
+            ("trunk -> client (train)", *_series(rounds, "train", "train-bytes-received")),
+            ("client -> trunk (eval)", *_series(rounds, "evaluate", "eval-bytes-sent")),
+            ("trunk -> client (eval)", *_series(rounds, "evaluate", "eval-bytes-received"))], logy=True)
+    xs = [int(r["round"]) for r in rounds]
+    figure("seconds.png", "Seconds per round", "seconds", [("round", xs, [float(r["seconds"]) for r in rounds])])
+    figure("epsilon.png", "Privacy spent (epsilon)", "epsilon",
+           [("DP-SGD", *_series(rounds, "train", "train-epsilon")),
+            ("cut noise", *_series(rounds, "train", "train-cut-epsilon"))])
+    return written
+
+
+def summary_table(history: dict[str, Any]) -> str:
+    """A plain-text table: round, train loss, eval loss, eval accuracy, bytes, seconds."""
+    header = f"{'round':>5}  {'train-loss':>10}  {'eval-loss':>9}  {'eval-acc':>8}  {'MB sent':>8}  {'MB recv':>8}" \
+             f"  {'seconds':>7}"
+    lines = [header, "-" * len(header)]
+    for r in sorted(history.get("rounds", []), key=lambda r: r["round"]):
+        t, e = r.get("train", {}), r.get("evaluate", {})
+
+        def num(d: dict[str, Any], k: str, fmt: str) -> str:
+            return format(d[k], fmt) if k in d else "-"
+
+        sent = (t.get("train-bytes-sent", 0) + e.get("eval-bytes-sent", 0)) / 1e6
+        recv = (t.get("train-bytes-received", 0) + e.get("eval-bytes-received", 0)) / 1e6
+        lines.append(f"{r['round']:>5}  {num(t, 'train-loss', '10.4f'):>10}  {num(e, 'eval-loss', '9.4f'):>9}  "
+                     f"{num(e, 'eval-accuracy', '8.4f'):>8}  {sent:8.2f}  {recv:8.2f}  {r.get('seconds', 0):7.1f}")
+    return "\n".join(lines)
