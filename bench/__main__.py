@@ -12,13 +12,14 @@ from collections.abc import Callable
 
 import torch
 
-from bench import core
+from bench import core, generation
 from splitfed.tuning import tune_malloc
 
 SUITES: dict[str, Callable[..., dict[str, float]]] = {
     "split_step": core.split_step_ratio,
     "channel": core.channel_vs_grpc,
     "codec": core.codec_speedup,
+    "generation": generation.generation,
 }
 
 

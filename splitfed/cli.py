@@ -1,12 +1,15 @@
-"""The ``splitfed`` console command: ``serve`` a trunk standalone, ``report`` a run's history."""
+"""The ``splitfed`` console command: ``serve`` a trunk standalone, ``generate`` text, ``report`` a run's history."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import logging
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any, TextIO
 
 log = logging.getLogger("splitfed")
 
@@ -62,6 +65,94 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_causal_lm(name: str) -> tuple[Any, Any]:
+    """Model and tokenizer: a local folder, a name ``splitfed.llm`` knows, or a hub id."""
+    from pathlib import Path
+
+    from splitfed.errors import ConfigError
+    from splitfed.models import load_pretrained
+
+    path = Path(name).expanduser()
+    if not path.exists() and importlib.util.find_spec("splitfed.llm") is not None:
+        llm = importlib.import_module("splitfed.llm")  # named LLMs (e.g. smollm2-135m)
+        try:
+            return llm.load_model(name), llm.load_tokenizer(name)
+        except (KeyError, ConfigError):
+            log.debug("%s is not a named LLM; loading it as a hub id", name)
+    from transformers import AutoTokenizer
+
+    where = str(path) if path.exists() else name
+    return load_pretrained(where), AutoTokenizer.from_pretrained(where)
+
+
+class _TextStream:
+    """Writes the text of the first sequence's new tokens to a stream as they come."""
+
+    def __init__(self, tokenizer: Any, out: TextIO) -> None:
+        self.tokenizer, self.out = tokenizer, out
+        self.ids: list[int] = []
+        self.written = 0
+
+    def __call__(self, tokens: Any) -> None:
+        self.ids.append(int(tokens[0]))
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its other bytes
+            return
+        self.out.write(text[self.written:])
+        self.out.flush()
+        self.written = len(text)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from splitfed.channel.client import TrunkClient
+    from splitfed.channel.server import TrunkServer
+    from splitfed.generation import RemoteSession, generate
+    from splitfed.split import num_blocks, split_model
+
+    model, tokenizer = _load_causal_lm(args.model)
+    model.eval()
+    n = num_blocks(model)
+    cuts = args.cuts or (1, max(n - 1, 2))
+    parts = split_model(model, cuts)
+    server = None
+    if args.trunk:
+        credentials = None
+        if not args.insecure:
+            from splitfed.channel.security import channel_credentials
+
+            credentials = channel_credentials(args.tls_ca)
+        client = TrunkClient(args.trunk, insecure=args.insecure, credentials=credentials, token=args.token)
+        served = tuple(client.info().cuts)
+        if served and served != tuple(cuts):
+            client.close()
+            raise SystemExit(f"the trunk server at {args.trunk} serves cuts {served[0]},{served[1]}; pass "
+                             f"--cuts {served[0]},{served[1]}")
+    else:
+        parts.trunk.requires_grad_(False)  # inference only: no trunk optimizer
+        server = TrunkServer(parts.trunk, host="127.0.0.1", port=0, insecure=True, model_name=args.model,
+                             cuts=cuts).start()
+        client = TrunkClient(server.address, insecure=True)
+    text = args.prompt
+    if args.chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             tokenize=False, add_generation_prompt=True)
+    input_ids = tokenizer(text, return_tensors="pt").input_ids
+    eos = {t for t in (tokenizer.eos_token_id,) if t is not None}
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos |= set(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
+    try:
+        with RemoteSession(client, input_ids.shape[1] + args.max_new_tokens) as session:
+            generate(parts.bottom, session, parts.top, input_ids, max_new_tokens=args.max_new_tokens,
+                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=sorted(eos),
+                     streamer=_TextStream(tokenizer, sys.stdout), seed=args.seed)
+        sys.stdout.write("\n")
+    finally:
+        client.close()
+        if server is not None:
+            server.stop(grace=0)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``splitfed`` command."""
     parser = argparse.ArgumentParser(prog="splitfed", description="Split learning for Flower.")
@@ -85,6 +176,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--trunk-timeout", type=float, default=60.0)
     serve.add_argument("--seed", type=int, default=0)
     serve.set_defaults(func=_serve)
+
+    gen = sub.add_parser("generate", help="generate text with a split model (the trunk's KV cache on a server)")
+    gen.add_argument("--model", required=True, help="local folder, named LLM or hub id of a causal LM")
+    gen.add_argument("--cuts", type=_cuts, help="cut points A,B (default: 1,N-1: only the first and last "
+                                                "blocks on the client)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--trunk", help="host:port of a trunk server (default: serve the trunk on 127.0.0.1)")
+    gen.add_argument("--insecure", action="store_true", help="plaintext to --trunk (loopback and tests only)")
+    gen.add_argument("--tls-ca", help="root CA that signs the trunk server's certificate (default: system roots)")
+    gen.add_argument("--token", help="bearer token for a trunk server that requires one")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample")
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int, help="seed of the sampler")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    gen.set_defaults(func=_generate)
 
     report = sub.add_parser("report", help="plots and a summary table from a run's history.json")
     report.add_argument("output_dir", help="the run's output-dir (holding history.json)")

@@ -35,6 +35,11 @@ class RunConfig:
     model: str = "mnist-cnn"  # named model, local folder or hub id
     cuts: tuple[int, int] | None = None  # None: the named model's default
     max_seq_len: int = 128  # tokens per example for language models
+    lora_rank: int = 0  # LoRA adapters on every part (0: full fine-tuning)
+    lora_alpha: float = 0.0  # 0: twice the rank
+    lora_dropout: float = 0.0
+    lora_targets: str = ""  # comma-separated module names; empty: the architecture's projections
+    compile: bool = False  # torch.compile every part
     # Rounds and local training.
     num_server_rounds: int = 5
     local_steps: int = 30  # optimizer steps per client per round (0: use local-epochs)
@@ -127,7 +132,8 @@ class RunConfig:
                                 ("quorum", self.quorum, 1), ("max-staleness", self.max_staleness, 0),
                                 ("local-steps", self.local_steps, 0), ("local-epochs", self.local_epochs, 0),
                                 ("max-seq-len", self.max_seq_len, 2), ("min-train-nodes", self.min_train_nodes, 1),
-                                ("eval-batches", self.eval_batches, 0), ("classes-per-partition",
+                                ("eval-batches", self.eval_batches, 0), ("lora-rank", self.lora_rank, 0),
+                                ("classes-per-partition",
                                                                           self.classes_per_partition, 1)]:
             if value < low:
                 raise ConfigError(f"{key} must be >= {low}, got {value}")

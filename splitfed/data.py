@@ -161,6 +161,8 @@ def collate(rows: dict[str, Any], kind: str) -> Batch:
         return Batch(images, None, torch.as_tensor(np.asarray(rows[LABEL], dtype=np.int64)))
     ids = torch.as_tensor(np.asarray(rows["input_ids"], dtype=np.int64))
     mask = torch.ones_like(ids)
+    if kind == "text-classification":
+        return Batch(ids, mask, torch.as_tensor(np.asarray(rows[LABEL], dtype=np.int64)))
     return Batch(ids, mask, ids.clone())
 
 

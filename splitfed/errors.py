@@ -75,3 +75,7 @@ class ChannelError(SplitFedError):
 
 class ModelLoadError(SplitFedError):
     """A model or checkpoint could not be found or read; the message says where it looked."""
+
+
+class PrivacyBudgetError(SplitFedError):
+    """Training would spend more privacy than the configured target epsilon allows."""

@@ -15,6 +15,7 @@ import os
 import shutil
 import time
 from collections.abc import Mapping
+from functools import lru_cache
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,9 +35,22 @@ from splitfed.data import (
     text_windows,
 )
 from splitfed.errors import ConfigError, ModelLoadError
-from splitfed.models import NAMED, build_model
+from splitfed.models import NAMED
 from splitfed.optim import make_optimizer
-from splitfed.split import SplitModel, load_unique_state, split_model, unique_state
+from splitfed.parts import (
+    ALL_ROLES,
+    CLIENT_ROLES,
+    build_parts,
+    client_state,
+    full_split_for_export,
+    initial_client_state,
+    is_pretrained,
+    load_client_state,
+    model_cuts,
+    state_nbytes,
+    trainable_state,
+)
+from splitfed.split import SplitModel
 from splitfed.training import evaluate, perplexity, train
 
 log = logging.getLogger(__name__)
@@ -56,25 +70,13 @@ def tokenizer_for(cfg: RunConfig) -> Any:
 
 
 def data_kind(cfg: RunConfig) -> str:
-    """``image`` for the CNN, ``text`` for language models."""
+    """``image`` for the CNN, ``text`` for language models, ``text-classification`` for encoders."""
     info = NAMED.get(cfg.model)
-    return "image" if info is not None and info.data == "mnist" else "text"
+    if info is not None:
+        return "image" if info.data == "mnist" else "text"
+    from splitfed.llm import load_config, task_of_config
 
-
-def build_split(cfg: RunConfig, seed: int | None = None) -> tuple[SplitModel, tuple[int, int]]:
-    """The model of ``cfg``, cut at its cuts (the named model's default when unset)."""
-    if cfg.model == "tiny-gpt2":
-        model = build_model("tiny-gpt2", seed=cfg.seed if seed is None else seed, vocab_size=ByteTokenizer.vocab_size)
-    elif cfg.model in NAMED:
-        model = build_model(cfg.model, seed=cfg.seed if seed is None else seed)
-    else:
-        from splitfed.llm import load_model
-
-        model = load_model(cfg.model)
-    cuts = cfg.cuts or (NAMED[cfg.model].default_cuts if cfg.model in NAMED else None)
-    if cuts is None:
-        raise ConfigError(f"cuts is empty; set cuts = \"A,B\" for model {cfg.model!r}")
-    return split_model(model, cuts), cuts
+    return "text-classification" if task_of_config(load_config(cfg.model)) == "classification" else "text"
 
 
 def load_splits(cfg: RunConfig, partition_id: int, num_partitions: int) -> Splits:
@@ -85,13 +87,20 @@ def load_splits(cfg: RunConfig, partition_id: int, num_partitions: int) -> Split
     if cfg.dataset:
         train_ds, test_ds = hub_partition(cfg.dataset, partitioner, partition_id)
         return Splits(train_ds, test_ds, kind)
-    if kind == "image":
-        data = mnist()
-    else:
-        tok = tokenizer_for(cfg)
-        data = text_windows(tok.encode, cfg.max_seq_len, tok.eos_token_id)
+    data = mnist() if kind == "image" else _text_data(cfg.model, cfg.max_seq_len)
     test = partition(data["test"], make_partitioner("iid", num_partitions), partition_id)
     return Splits(partition(data["train"], partitioner, partition_id), test, kind)
+
+
+@lru_cache(maxsize=4)
+def _text_data(model: str, seq_len: int) -> Any:
+    """pydoc windows tokenized for ``model`` (cached: clients of one process share it)."""
+    cfg = RunConfig(model=model, max_seq_len=seq_len)
+    tok = tokenizer_for(cfg)
+    if isinstance(tok, ByteTokenizer):
+        return text_windows(tok.encode, seq_len, tok.eos_token_id)
+    eos = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
+    return text_windows(lambda text: tok.encode(text, add_special_tokens=False), seq_len, eos)
 
 
 # -- client side -----------------------------------------------------------------------------
@@ -104,9 +113,8 @@ class ClientResult:
 
 
 def _client_model(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Module) -> SplitModel:
-    split, _ = build_split(cfg)
-    client_parts = split.client_modules()
-    load_unique_state(client_parts, dict(state))
+    split = build_parts(cfg, CLIENT_ROLES)
+    load_client_state(split, state)
     return SplitModel(split.bottom, trunk, split.top, task=split.task, config=split.config)
 
 
@@ -140,10 +148,10 @@ def client_train(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Mo
                  server_round: int, partition_id: int, proximal_mu: float = 0.0) -> ClientResult:
     """One round of local training: returns the updated bottom/top state and the round's metrics."""
     model = _client_model(cfg, state, trunk)
-    client_parts = model.client_modules()
-    optimizer = make_optimizer(cfg.optimizer, client_parts.parameters(), cfg.lr, momentum=cfg.momentum,
+    parts = model.client_modules()
+    optimizer = make_optimizer(cfg.optimizer, parts.parameters(), cfg.lr, momentum=cfg.momentum,
                                weight_decay=cfg.weight_decay)
-    before_step = _proximal(client_parts, proximal_mu) if proximal_mu > 0 else None
+    before_step = _proximal(parts, proximal_mu) if proximal_mu > 0 else None
     seed = cfg.seed * 100_003 + server_round * 1009 + partition_id
     if cfg.local_epochs:
         data = batches(splits.train, cfg.batch_size, splits.kind, seed=seed, epochs=cfg.local_epochs)
@@ -151,11 +159,17 @@ def client_train(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Mo
     else:
         data = batches(splits.train, cfg.batch_size, splits.kind, seed=seed)
         steps = cfg.local_steps
-    report = train(model, optimizer, data, steps, before_step=before_step,
+    report = train(model, optimizer, data, steps, before_step=before_step, autocast_dtype=_autocast(cfg),
                    progress=f"round {server_round} local training")
     metrics = report.metrics("train-")
     metrics["num-examples"] = report.num_examples
-    return ClientResult(unique_state(client_parts), metrics)
+    new_state = client_state(SplitModel(model.bottom, model.trunk, model.top, task=model.task))
+    metrics["train-state-bytes"] = state_nbytes(new_state)
+    return ClientResult(new_state, metrics)
+
+
+def _autocast(cfg: RunConfig) -> torch.dtype | None:
+    return torch.bfloat16 if cfg.precision == "bf16" else None
 
 
 def client_evaluate(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Module, splits: Splits
@@ -201,7 +215,9 @@ class ServerRunner:
         self.cfg = cfg
         self.run_id = str(run_id)
         self.output_dir = Path(output_dir or cfg.output_dir)
-        self.split, self.cuts = build_split(cfg)
+        self.cuts = model_cuts(cfg)
+        # A pretrained model's client parts are never read here (clients read their own copy).
+        self.split = build_parts(cfg, ("trunk",) if is_pretrained(cfg) else ALL_ROLES)
         trunk = self.split.trunk
         trainable = [p for p in trunk.parameters() if p.requires_grad]
         optimizer = make_optimizer(cfg.optimizer, trainable, cfg.effective_trunk_lr, momentum=cfg.momentum,
@@ -209,11 +225,12 @@ class ServerRunner:
         aggregator = make_aggregator(cfg.trunk_mode, quorum=cfg.quorum, max_staleness=cfg.max_staleness,
                                      staleness_policy=cfg.staleness_policy, timeout=cfg.trunk_timeout)
         self.runtime = TrunkRuntime(trunk, optimizer, aggregator=aggregator,
-                                    guard=GradientGuard(cfg.grad_guard_norm or None))
+                                    guard=GradientGuard(cfg.grad_guard_norm or None),
+                                    autocast_dtype=torch.bfloat16 if cfg.precision == "bf16" else None)
         self.tokens = TokenIssuer(self.run_id, ttl_s=cfg.token_ttl) if cfg.auth else None
         self.history: list[RoundRecord] = []
         self.round_offset = 0
-        self.client_state = unique_state(self.split.client_modules())
+        self.client_state = initial_client_state(cfg, self.split)
         if cfg.resume:
             self._resume()
         credentials = None
@@ -295,7 +312,8 @@ class ServerRunner:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         state = self.runtime.state_dict()
-        save_file({k: v.contiguous() for k, v in state["trunk"].items()}, str(tmp / "trunk.safetensors"))
+        trunk_state = trainable_state(self.runtime.trunk) if self.cfg.lora_rank else state["trunk"]
+        save_file({k: v.contiguous() for k, v in trunk_state.items()}, str(tmp / "trunk.safetensors"))
         save_file({k: v.contiguous() for k, v in self.client_state.items()}, str(tmp / "clients.safetensors"))
         if state["optimizer"] is not None:
             torch.save(state["optimizer"], tmp / "optimizer.pt")
@@ -324,7 +342,8 @@ class ServerRunner:
         if (folder / "optimizer.pt").exists():
             optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
         self.runtime.load_state_dict({"trunk": load_file(str(folder / "trunk.safetensors")),
-                                      "optimizer": optimizer, "version": meta["trunk-version"]})
+                                      "optimizer": optimizer, "version": meta["trunk-version"]},
+                                     strict=not self.cfg.lora_rank)
         self.client_state = load_file(str(folder / "clients.safetensors"))
         self.round_offset = int(meta["round"])
         self.history = [RoundRecord(**r) for r in meta.get("history", [])]
@@ -336,8 +355,14 @@ class ServerRunner:
         """Export the trained model and write the history; returns the output folder."""
         from splitfed.export import export_model
 
-        load_unique_state(self.split.client_modules(), dict(self.client_state))
-        export_model(self.split, self.cfg.model, self.cuts, self.output_dir / "model")
+        if is_pretrained(self.cfg) or self.cfg.lora_rank:
+            full = full_split_for_export(self.cfg, self.runtime.trunk.state_dict(), self.client_state)
+        else:
+            load_client_state(self.split, self.client_state)
+            full = self.split
+        export_model(full, self.cfg.model, self.cuts, self.output_dir / "model")
+        if is_pretrained(self.cfg):
+            tokenizer_for(self.cfg).save_pretrained(self.output_dir / "model")
         history = {"config": self.cfg.to_mapping(), "run-id": self.run_id,
                    "rounds": [r.__dict__ for r in sorted(self.history, key=lambda r: r.round)]}
         (self.output_dir / "history.json").write_text(json.dumps(history, indent=1))

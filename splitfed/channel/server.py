@@ -41,6 +41,7 @@ from splitfed.errors import (
 from splitfed.optim import make_optimizer
 from splitfed.trunk.aggregation import Outcome, TrunkAggregator
 from splitfed.trunk.runtime import GradientGuard, TrunkRuntime
+from splitfed.trunk.sessions import SessionLimits, SessionManager, supports_sessions
 from splitfed.trunk.store import StoreLimits
 
 log = logging.getLogger(__name__)
@@ -330,6 +331,8 @@ class TrunkServer:
         aggregator: sync (default), async or quorum; see :mod:`splitfed.trunk.aggregation`.
         limits: message sizes; store_limits: saved-forward TTL and budget.
         max_workers: threads serving RPCs (sync mode parks one per waiting client).
+        sessions: serves inference sessions (default: a :class:`SessionManager` with
+            ``session_limits`` for trunks that can hold a KV cache).
     """
 
     def __init__(self, trunk: nn.Module | TrunkRuntime, *, host: str = "127.0.0.1", port: int = 0,
@@ -339,7 +342,8 @@ class TrunkServer:
                  store_limits: StoreLimits = StoreLimits(), guard: GradientGuard = GradientGuard(),
                  max_workers: int = 64, model_name: str = "", cuts: tuple[int, int] | None = None,
                  authenticate: Callable[[dict[str, str]], str] | None = None, sessions: Any = None,
-                 interceptors: list[grpc.ServerInterceptor] | None = None) -> None:
+                 interceptors: list[grpc.ServerInterceptor] | None = None,
+                 session_limits: SessionLimits = SessionLimits()) -> None:
         tune_malloc()
         if credentials is None and not insecure:
             raise ConfigError("the trunk server needs TLS credentials, or insecure=True to serve plaintext "
@@ -351,6 +355,8 @@ class TrunkServer:
             opt = make_optimizer(optimizer, trainable, lr, momentum=momentum,
                                  weight_decay=weight_decay) if trainable else None
             self.runtime = TrunkRuntime(trunk, opt, aggregator=aggregator, limits=store_limits, guard=guard)
+        if sessions is None and supports_sessions(self.runtime.trunk):
+            sessions = SessionManager.from_limits(self.runtime, session_limits)
         self.limits = limits
         self.host = host
         self._requested_port = port

@@ -327,10 +327,11 @@ class TrunkRuntime:
             return {"trunk": self.trunk.state_dict(), "version": self._version,
                     "optimizer": None if self.optimizer is None else self.optimizer.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Restore what :meth:`state_dict` returned (``strict=False``: trunk tensors may be a subset, e.g.
+        LoRA adapters over a base that was read from the pretrained checkpoint)."""
         with self._lock:
-            self.trunk.load_state_dict(state["trunk"])
+            self.trunk.load_state_dict(state["trunk"], strict=strict)
             if self.optimizer is not None and state.get("optimizer") is not None:
                 self.optimizer.load_state_dict(state["optimizer"])
             self._version = int(state["version"])

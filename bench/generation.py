@@ -1,0 +1,154 @@
+"""Split generation: bytes per token with and without the server-side KV cache, and latency against unsplit.
+
+* ``gen_bytes_per_token_cache``: bytes on the split channel (both directions)
+  per generated token when the trunk keeps its KV cache in a session: each step
+  sends one position's hidden state (plus the 1-byte-per-position mask) and gets
+  one back.
+* ``gen_bytes_per_token_nocache``: the same without a cache: every step resends
+  the whole sequence's hidden states through the same channel with an
+  evaluation forward and gets the whole sequence's output back.
+* ``gen_latency_ratio``: per-token latency of split generation over loopback
+  (trunk server in a thread of this process) / the unsplit model's
+  ``generate(do_sample=False)``, measured interleaved.
+
+Default model: a tiny Llama built in code (6 layers, hidden 256, vocab 8192);
+``python -m bench.generation --gen-model NAME_OR_DIR`` runs it on a real model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+import torch
+
+from bench.core import interleaved
+
+
+def tiny_llama(seed: int = 0) -> torch.nn.Module:
+    """A tiny Llama (6 layers, hidden 256, 4 heads / 2 KV heads, vocab 8192), randomly initialised."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def load_model(name: str | None) -> torch.nn.Module:
+    """The benchmark's model: the tiny Llama, a named LLM (``splitfed.llm``), a local folder or a hub id."""
+    if not name:
+        return tiny_llama()
+    import importlib.util
+
+    if importlib.util.find_spec("splitfed.llm") is not None:
+        import importlib
+
+        llm = importlib.import_module("splitfed.llm")
+        try:
+            return llm.load_model(name).eval()
+        except KeyError:
+            pass
+    from splitfed.models import load_pretrained
+
+    return load_pretrained(name).eval()
+
+
+def _nocache_generate(bottom: Any, client: Any, top: Any, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy generation without any cache: every step runs all positions and sends them all to the trunk."""
+    from splitfed.split import CutState
+
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            state = bottom(ids)
+            hidden, _ = client.forward(state, train=False)
+            logits = top(CutState(hidden.clone(), state.attention_mask, state.position_ids))
+            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
+def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = None,
+               cuts: tuple[int, int] | None = None, repeat: int = 3, device: str = "cpu") -> dict[str, float]:
+    """Bytes per token with and without the trunk's KV cache, and split / unsplit per-token latency."""
+    from splitfed.channel.client import TrunkClient
+    from splitfed.channel.server import TrunkServer
+    from splitfed.generation import generate
+    from splitfed.split import num_blocks, split_model
+
+    ref = load_model(model).to(device)
+    split = copy.deepcopy(ref)  # splitting re-indexes the layers; the reference keeps its own
+    n = num_blocks(split)
+    cuts = cuts or (max(n // 3, 1), max(2 * n // 3, 2))
+    parts = split_model(split, cuts)
+    parts.trunk.requires_grad_(False)
+    server = TrunkServer(parts.trunk, insecure=True).start()
+    client = TrunkClient(server.address, insecure=True)
+    vocab = ref.config.vocab_size
+    ids = torch.randint(3, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(0)).to(device)
+    out: dict[str, float] = {}
+    try:
+        def count(fn: Any) -> tuple[float, Any]:
+            before = client.bytes_sent + client.bytes_received
+            result = fn()
+            return (client.bytes_sent + client.bytes_received - before) / new_tokens, result
+
+        def split_gen() -> torch.Tensor:
+            return generate(parts.bottom, client, parts.top, ids, max_new_tokens=new_tokens)
+
+        def unsplit_gen() -> torch.Tensor:
+            return ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                pad_token_id=ref.generation_config.pad_token_id or 0)
+
+        out["gen_bytes_per_token_cache"], got = count(split_gen)
+        out["gen_greedy_match"] = float(torch.equal(got, unsplit_gen()))
+        start = time.perf_counter()
+        out["gen_bytes_per_token_nocache"], _ = count(lambda: _nocache_generate(parts.bottom, client, parts.top,
+                                                                                ids, new_tokens))
+        t_nocache = time.perf_counter() - start
+        t_split, t_unsplit = interleaved(split_gen, unsplit_gen, repeat, warmup=1)
+        out["gen_latency_ratio"] = t_split / t_unsplit
+        out["gen_split_ms_per_token"] = t_split / new_tokens * 1e3
+        out["gen_unsplit_ms_per_token"] = t_unsplit / new_tokens * 1e3
+        out["gen_nocache_ms_per_token"] = t_nocache / new_tokens * 1e3
+        out["gen_new_tokens"] = float(new_tokens)
+        return out
+    finally:
+        client.close()
+        server.stop(grace=0)
+
+
+def main() -> int:
+    """``python -m bench.generation [--gen-model NAME] [--new-tokens N] [--json]``."""
+    parser = argparse.ArgumentParser(prog="python -m bench.generation", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gen-model", help="local folder, named LLM or hub id (default: the tiny Llama)")
+    parser.add_argument("--cuts", help="A,B (default: thirds of the blocks)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    cuts = None
+    if args.cuts:
+        a, b = (int(x) for x in args.cuts.split(","))
+        cuts = (a, b)
+    results = generation(args.new_tokens, args.prompt_len, args.gen_model, cuts, args.repeat, args.device)
+    if args.json:
+        print(json.dumps(results, sort_keys=True))
+    else:
+        width = max(len(k) for k in results)
+        for key, value in results.items():
+            print(f"{key:<{width}}  {value:.4g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

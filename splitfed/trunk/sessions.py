@@ -1,0 +1,294 @@
+"""Inference sessions: one client's server-side KV cache of the trunk, bounded in number, bytes and idle time.
+
+Pure torch: the gRPC servicer routes ``OpenSession`` to :meth:`SessionManager.open`,
+``CloseSession`` to :meth:`SessionManager.close`, a ``Forward`` that names a
+session to :meth:`SessionManager.step`, and its janitor calls
+:meth:`SessionManager.sweep`.
+
+A session holds ``trunk.new_cache()`` for one client. Each step sends only the
+new positions' hidden states (plus the 2-D padding mask over every position
+so far and the new positions' ids); the trunk extends the cache and returns the
+new positions' output. Steps compute under the runtime's lock, so inference
+never runs while the optimizer changes the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from splitfed.errors import (
+    ConfigError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    SessionNotFoundError,
+    TensorValueError,
+)
+from splitfed.split.base import CutState
+from splitfed.split.transformer import BERT_FAMILY
+from splitfed.trunk.runtime import TrunkRuntime
+
+log = logging.getLogger(__name__)
+
+_TOMBSTONES = 1024  # ids of ended sessions remembered, to say why a later step fails
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """Bounds on inference sessions.
+
+    Args:
+        max_sessions: sessions open at once, all clients together.
+        max_cache_bytes: KV-cache bytes all sessions may hold together. A session
+            reserves its worst case (``batch_size x max_length`` positions) when it
+            opens, so a running session never runs out of room.
+        idle_ttl_s: seconds without a step after which a session is evicted.
+        max_length: longest sequence one session may ask for.
+    """
+
+    max_sessions: int = 64
+    max_cache_bytes: int = 2 << 30
+    idle_ttl_s: float = 300.0
+    max_length: int = 1 << 16
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 1 or self.max_cache_bytes < 1 or self.idle_ttl_s <= 0 or self.max_length < 1:
+            raise ConfigError("session limits must be positive: max_sessions, max_cache_bytes, idle_ttl_s, "
+                              "max_length")
+
+
+@dataclass
+class Session:
+    """One client's KV cache of the trunk and where its sequence stands."""
+
+    session_id: str
+    client_id: str
+    max_length: int
+    batch_size: int
+    reserved_bytes: int
+    cache: Any
+    last_used: float
+    length: int = 0  # positions the cache has seen
+    steps: int = 0
+    last_step: tuple[int, int, torch.Tensor] | None = None  # (length before, new positions, output) for retries
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def supports_sessions(trunk: Any) -> bool:
+    """Whether ``trunk`` can hold a KV cache: it has ``new_cache()`` and is a decoder (not BERT)."""
+    if not callable(getattr(trunk, "new_cache", None)):
+        return False
+    config = getattr(trunk, "config", None)
+    return getattr(config, "model_type", None) not in BERT_FAMILY
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes held by a cache's key and value tensors (``DynamicCache`` and anything with ``layers``)."""
+    total = 0
+    for layer in getattr(cache, "layers", ()) or ():
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def kv_bytes_per_position(trunk: Any, dtype: torch.dtype) -> int | None:
+    """Worst-case cache bytes one position adds across the trunk's layers, from its config (None if unknown)."""
+    cfg = getattr(trunk, "config", None)
+    layers = getattr(trunk, "layers", None)
+    try:
+        heads = int(cfg.num_attention_heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        count = len(layers) if layers is not None else int(cfg.num_hidden_layers)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return 2 * count * kv_heads * head_dim * dtype.itemsize
+
+
+class SessionManager:
+    """Inference sessions on a trunk: open, step, close, and evict when idle.
+
+    Args:
+        runtime: the trunk runtime; steps run its trunk under its lock.
+        max_sessions, max_cache_bytes, idle_ttl_s, max_length: see :class:`SessionLimits`.
+        clock: seconds, monotonic (injected by tests).
+    """
+
+    def __init__(self, runtime: TrunkRuntime, *, max_sessions: int = SessionLimits.max_sessions,
+                 max_cache_bytes: int = SessionLimits.max_cache_bytes,
+                 idle_ttl_s: float = SessionLimits.idle_ttl_s, max_length: int = SessionLimits.max_length,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = SessionLimits(max_sessions, max_cache_bytes, idle_ttl_s, max_length)
+        self.runtime = runtime
+        self.clock = clock
+        # Under autocast the cache is in the (narrower) autocast dtype: the weights' dtype is the worst case.
+        self._per_position = kv_bytes_per_position(runtime.trunk, runtime.dtype)
+        self._sessions: dict[str, Session] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats: dict[str, int] = {"opened": 0, "closed": 0, "evicted_idle": 0, "refused": 0, "steps": 0,
+                                      "retried_steps": 0}
+
+    @classmethod
+    def from_limits(cls, runtime: TrunkRuntime, limits: SessionLimits = SessionLimits()) -> SessionManager:
+        """A manager with the bounds of a :class:`SessionLimits`."""
+        return cls(runtime, max_sessions=limits.max_sessions, max_cache_bytes=limits.max_cache_bytes,
+                   idle_ttl_s=limits.idle_ttl_s, max_length=limits.max_length)
+
+    # -- bookkeeping -----------------------------------------------------------------
+    @property
+    def bytes_held(self) -> int:
+        """KV-cache bytes all open sessions hold now, measured from their key and value tensors."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+        return sum(cache_bytes(s.cache) for s in sessions)
+
+    @property
+    def bytes_reserved(self) -> int:
+        """Bytes reserved by open sessions for their worst case."""
+        with self._lock:
+            return sum(s.reserved_bytes for s in self._sessions.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    def _end(self, session_id: str, why: str) -> Session | None:
+        """Drop a session (caller holds ``_lock``) and remember why."""
+        session = self._sessions.pop(session_id, None)
+        self._ended[session_id] = why
+        while len(self._ended) > _TOMBSTONES:
+            self._ended.popitem(last=False)
+        return session
+
+    def _get(self, client_id: str, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            why = self._ended.get(session_id, "is unknown (the server may have restarted)")
+            raise SessionNotFoundError(f"inference session {session_id!r} {why}; open a new session and replay "
+                                       "the sequence so far (splitfed.generation.generate does this by itself)")
+        if session.client_id != client_id:
+            raise PermissionDeniedError(f"inference session {session_id!r} belongs to another client; open "
+                                        "your own session")
+        return session
+
+    # -- the servicer's interface ------------------------------------------------------
+    def open(self, client_id: str, *, max_length: int, batch_size: int = 1) -> tuple[str, float]:
+        """Open a session for ``batch_size`` sequences of up to ``max_length`` positions; returns (id, idle TTL)."""
+        if not 0 < max_length <= self.limits.max_length:
+            raise TensorValueError(f"max_length must be between 1 and {self.limits.max_length}, got {max_length}")
+        if batch_size < 1:
+            raise TensorValueError(f"batch_size must be at least 1, got {batch_size}")
+        reserve = (self._per_position or 0) * max_length * batch_size
+        with self._lock:
+            if len(self._sessions) >= self.limits.max_sessions:
+                self.stats["refused"] += 1
+                raise ResourceExhaustedError(
+                    f"the trunk server holds its maximum of {self.limits.max_sessions} inference sessions; close "
+                    "sessions you no longer use, or retry once idle ones expire "
+                    f"(after {self.limits.idle_ttl_s:g} s)")
+            held = sum(s.reserved_bytes for s in self._sessions.values())
+            if held + reserve > self.limits.max_cache_bytes:
+                self.stats["refused"] += 1
+                raise ResourceExhaustedError(
+                    f"a session of {batch_size} x {max_length} positions needs {reserve} bytes of KV cache, but "
+                    f"only {self.limits.max_cache_bytes - held} of {self.limits.max_cache_bytes} are free; ask for "
+                    "a smaller max_length or batch, or retry later")
+            session_id = uuid.uuid4().hex
+            self._sessions[session_id] = Session(session_id, client_id, max_length, batch_size, reserve,
+                                                 self.runtime.trunk.new_cache(), self.clock())
+            self.stats["opened"] += 1
+        log.debug("opened inference session %s for client %s (%d x %d positions, %d bytes reserved)",
+                  session_id, client_id, batch_size, max_length, reserve)
+        return session_id, float(self.limits.idle_ttl_s)
+
+    def close(self, client_id: str, session_id: str) -> None:
+        """Close a session and free its cache."""
+        with self._lock:
+            self._get(client_id, session_id)
+            self._end(session_id, "was closed")
+            self.stats["closed"] += 1
+        log.debug("closed inference session %s of client %s", session_id, client_id)
+
+    def step(self, client_id: str, session_id: str, state: CutState) -> torch.Tensor:
+        """Run the trunk on the new positions of a session's sequence; returns their output hidden states.
+
+        ``state.attention_mask``, when given, must cover every position so far
+        (the cached ones and the new ones). A step repeated with the same mask
+        length (a retry whose reply was lost) gets the same answer again.
+        """
+        with self._lock:
+            session = self._get(client_id, session_id)
+            session.last_used = self.clock()
+        with session.lock:
+            hidden, mask = state.hidden, state.attention_mask
+            if hidden.dim() != 3 or hidden.shape[0] != session.batch_size:
+                raise TensorValueError(f"session {session_id} was opened for a batch of {session.batch_size}; "
+                                       f"got hidden of shape {list(hidden.shape)}")
+            new = int(hidden.shape[1])
+            last = session.last_step
+            if mask is not None and last is not None and mask.shape[1] == session.length and new == last[1]:
+                self.stats["retried_steps"] += 1
+                log.debug("session %s: step repeated (retry); answering from the last step", session_id)
+                return last[2]
+            total = session.length + new
+            if mask is not None and mask.shape[1] != total:
+                raise TensorValueError(f"attention_mask covers {mask.shape[1]} positions, but session {session_id} "
+                                       f"holds {session.length} and this step adds {new}: send the mask over all "
+                                       "positions so far")
+            if total > session.max_length:
+                raise TensorValueError(f"session {session_id} holds at most {session.max_length} positions and "
+                                       f"this step would reach {total}; open a session with a larger max_length")
+            out = self._compute(session, state)
+            session.length, session.steps = total, session.steps + 1
+            session.last_step = (total - new, new, out)
+        with self._lock:
+            self.stats["steps"] += 1
+            session.last_used = self.clock()
+        return out
+
+    def _compute(self, session: Session, state: CutState) -> torch.Tensor:
+        rt = self.runtime
+        with rt._lock:
+            inputs, _ = rt._prepare(state, train=False)
+            trunk = rt.trunk
+            was_training = trunk.training
+            if was_training:
+                trunk.eval()  # no dropout in inference; the lock keeps training out meanwhile
+            try:
+                with torch.no_grad(), rt._autocast():
+                    return trunk(inputs, cache=session.cache, use_cache=True).hidden
+            finally:
+                if was_training:
+                    trunk.train()
+
+    def sweep(self) -> int:
+        """Evict sessions idle for longer than the TTL; returns how many were evicted."""
+        now = self.clock()
+        with self._lock:
+            stale = [s for s in self._sessions.values()
+                     if now - s.last_used > self.limits.idle_ttl_s and not s.lock.locked()]
+            for s in stale:
+                self._end(s.session_id, f"was evicted after {self.limits.idle_ttl_s:g} s without a step")
+            self.stats["evicted_idle"] += len(stale)
+        for s in stale:
+            log.info("evicted idle inference session %s of client %s (%d positions)", s.session_id, s.client_id,
+                     s.length)
+        return len(stale)
+
+    def describe(self) -> dict[str, int]:
+        """Counters, open sessions and bytes held, for logs and metrics."""
+        with self._lock:
+            out = dict(self.stats, open=len(self._sessions))
+        out["bytes_held"] = self.bytes_held
+        return out
