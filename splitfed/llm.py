@@ -18,6 +18,7 @@ layers, and the trunk server never reads the embeddings or the head.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import logging
@@ -101,7 +102,10 @@ def model_dir(name_or_path: str) -> Path:
         target = cache_dir() / spec.name
         if not (target / "config.json").exists():
             target.parent.mkdir(parents=True, exist_ok=True)
-            _convert_gguf(package, spec.gguf, target)
+            with open(target.parent / f".{spec.name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # one process converts; the others wait and reuse it
+                if not (target / "config.json").exists():
+                    _convert_gguf(package, spec.gguf, target)
         return target
     path = Path(name_or_path).expanduser()
     if path.exists():

@@ -1,6 +1,6 @@
 """End to end through Flower's own tooling: ``flwr run . local`` simulations in every trunk mode, and a
 deployment with ``flower-superlink`` and two ``flower-supernode``s on loopback. Slow (Ray, processes):
-``python -m pytest -q -m slow``. Every process a test starts is ended by the test, by PID."""
+``python -m pytest -q -m slow``; CI runs the main job's. Every process a test starts is ended by the test, by PID."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-pytestmark = pytest.mark.slow
+RAY_START_FLAKE = "timed out during startup"  # Ray's raylet must register within a fixed 30 s
 
 
 def _free_port() -> int:
@@ -80,6 +80,19 @@ def flwr_home(tmp_path: Path) -> Iterator[Path]:
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
+def flwr_run(args: list[str], env: dict[str, str]) -> str:
+    """``flwr run ...``; returns its output. Retried once when Ray's raylet missed its 30 s start-up
+    window (it happens on a loaded 2-core machine and says nothing about splitfed)."""
+    for attempt in range(2):
+        result = subprocess.run([str(BIN / "flwr"), "run", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=900)
+        output = result.stdout + result.stderr
+        if RAY_START_FLAKE not in output or attempt:
+            return output
+        time.sleep(5)
+    raise AssertionError("unreachable")
+
+
 def _run_id(output: str) -> str:
     match = re.search(r"run_id `?(\d+)", output) or re.search(r"run ID:? `?(\d+)", output)
     assert match, f"no run id in flwr output:\n{output[-3000:]}"
@@ -93,16 +106,14 @@ def _status(connection: str, run_id: str, env: dict[str, str]) -> str:
     return runs[0]["status"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async", "quorum"])
 def test_flwr_run_simulation_completes_in_every_trunk_mode(flwr_home: Path, tmp_path: Path, mode: str) -> None:
     env = _env(flwr_home)
     out_dir = tmp_path / "outputs"
     overrides = (f"trunk-mode='{mode}' quorum=2 num-server-rounds=2 local-steps=10 output-dir='{out_dir}'")
-    result = subprocess.run(
-        [str(BIN / "flwr"), "run", ".", "local", "--stream", "--run-config", overrides, "--federation-config",
-         "num-supernodes=4 client-resources-num-cpus=1"], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=900)
-    output = result.stdout + result.stderr
+    output = flwr_run([".", "local", "--stream", "--run-config", overrides, "--federation-config",
+                       "num-supernodes=4 client-resources-num-cpus=1"], env)
     run_id = _run_id(output)
     # `flwr run --stream` exits 0 even when the run failed: ask the SuperLink.
     assert _status("local", run_id, env) == "finished:completed", output[-3000:]
@@ -114,14 +125,11 @@ def test_flwr_run_simulation_completes_in_every_trunk_mode(flwr_home: Path, tmp_
 
 
 def test_default_main_job_reaches_90_percent(flwr_home: Path, tmp_path: Path) -> None:
-    """The README's main job: 4 IID clients, MNIST CNN, defaults of pyproject.toml."""
+    """The README's main job (4 IID clients, MNIST CNN, pyproject defaults) through ``flwr run``; CI runs it."""
     env = _env(flwr_home)
     out_dir = tmp_path / "outputs"
-    result = subprocess.run(
-        [str(BIN / "flwr"), "run", ".", "local", "--stream", "--run-config", f"output-dir='{out_dir}'",
-         "--federation-config", "num-supernodes=4 client-resources-num-cpus=1"], cwd=ROOT, env=env,
-        capture_output=True, text=True, timeout=900)
-    output = result.stdout + result.stderr
+    output = flwr_run([".", "local", "--stream", "--run-config", f"output-dir='{out_dir}'", "--federation-config",
+                       "num-supernodes=4 client-resources-num-cpus=1"], env)
     assert _status("local", _run_id(output), env) == "finished:completed", output[-4000:]
     history = json.loads((out_dir / "history.json").read_text())
     assert history["rounds"][-1]["evaluate"]["eval-accuracy"] >= 0.90
@@ -137,6 +145,7 @@ def _wait_port(port: int, timeout: float = 60) -> None:
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
 
 
+@pytest.mark.slow
 def test_deployment_superlink_and_two_supernodes(flwr_home: Path, tmp_path: Path) -> None:
     env = _env(flwr_home)
     # Flower 1.42 serves the Runtime, Control and Fleet APIs on one HTTP port.

@@ -16,6 +16,7 @@ round).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import warnings
@@ -58,6 +59,7 @@ def _epsilon(history: list[tuple[float, float, int]], delta: float, mechanism: s
             return _epsilon(history, delta, "rdp")
 
 
+@functools.lru_cache(maxsize=64)
 def noise_for_epsilon(target_epsilon: float, delta: float, sample_rate: float, steps: int,
                       mechanism: str = "prv") -> float:
     """The noise multiplier that spends exactly ``target_epsilon`` over ``steps`` steps (opacus' search).

@@ -49,7 +49,9 @@ def _is_scaled_embedding(module: nn.Module) -> bool:
 
 
 def _is_lora_embedding(module: nn.Module) -> bool:
-    return hasattr(module, "lora_embedding_A") and isinstance(getattr(module, "lora_embedding_A"), nn.ParameterDict)
+    """A peft LoRA layer with trainable embedding adapters (every LoRA layer has the dicts, most empty)."""
+    adapters = [getattr(module, name, None) for name in ("lora_embedding_A", "lora_embedding_B")]
+    return any(isinstance(a, nn.ParameterDict) and any(p.requires_grad for p in a.parameters()) for a in adapters)
 
 
 def prepare_for_opacus(parts: nn.Module, unsupported: Unsupported = "error") -> list[str]:
@@ -68,9 +70,7 @@ def prepare_for_opacus(parts: nn.Module, unsupported: Unsupported = "error") -> 
     for name, module in parts.named_modules():
         own = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if _is_lora_embedding(module):
-            trainable = [p for p in module.parameters() if p.requires_grad]
-            if trainable:
-                bad.append((name, module, "LoRA adapter on an embedding"))
+            bad.append((name, module, "LoRA adapter on an embedding"))
             continue
         if not own:
             continue
@@ -201,10 +201,18 @@ class PrivateTraining:
             expected_batch_size=self.expected_batch_size, loss_reduction=loss_reduction, generator=self.generator)
         self._after_noise = after_noise
         self.optimizer.attach_step_hook(self._on_step)
+        self._mode_checks = [child.register_forward_pre_hook(self._check_mode) for child in parts.children()]
         self.empty_steps = 0
         log.info("DP-SGD on %s parameters: noise multiplier %.4g, clip %.4g, sample rate %.4g, %d steps "
                  "(%d composed before)", sum(p.numel() for p in parts.parameters() if p.requires_grad),
                  self.noise_multiplier, self.max_grad_norm, self.sample_rate, steps, self.accountant.steps)
+
+    @staticmethod
+    def _check_mode(module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled() and not module.training:
+            raise ConfigError(f"{type(module).__name__} runs with gradients in eval() mode: opacus then records no "
+                              "per-example gradients. Call model.train() before training steps (or evaluate "
+                              "under torch.no_grad()).")
 
     def _on_step(self, optimizer: Any) -> None:
         self.accountant.step(self.noise_multiplier, self.sample_rate * optimizer.accumulated_iterations)
@@ -259,6 +267,9 @@ class PrivateTraining:
 
     def close(self) -> None:
         """Remove opacus' hooks and attributes from the parts (they then train as usual again)."""
+        for handle in self._mode_checks:
+            handle.remove()
+        self._mode_checks = []
         if self._hooks is not None:
             self._hooks.cleanup()
             self._hooks = None

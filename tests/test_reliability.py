@@ -1,0 +1,177 @@
+"""Faults: lost replies and retries (never applied twice), clients that die mid-step in every trunk mode,
+bounded give-up, and memory that returns to baseline."""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing as mp
+import threading
+import time
+import uuid
+
+import grpc
+import pytest
+import torch
+from conftest import batch_for, tiny_model
+
+from splitfed.channel.client import RemoteTrunk, RetryPolicy, TrunkClient
+from splitfed.errors import ChannelError
+from splitfed.split import CutState, SplitModel, split_model
+from splitfed.trunk.aggregation import make_aggregator
+from splitfed.trunk.store import StoreLimits
+
+
+class LoseReplies(grpc.ServerInterceptor):
+    """Fault injection: Forward/Backward run, then the first attempt's reply is lost (UNAVAILABLE);
+    optionally the first attempt fails before it runs."""
+
+    def __init__(self, before: bool = False) -> None:
+        self.before = before
+        self.injected = 0
+        self.retries_seen = 0
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or not details.method.endswith(("/Forward", "/Backward")):
+            return handler
+        inner = handler.unary_unary
+
+        def behavior(request, context):
+            attempts = dict(context.invocation_metadata()).get("grpc-previous-rpc-attempts")
+            if attempts is not None:
+                self.retries_seen += 1
+                return inner(request, context)
+            self.injected += 1
+            if self.before:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault before the handler")
+            response = inner(request, context)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: reply lost")
+            return response
+
+        return grpc.unary_unary_rpc_method_handler(behavior, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
+
+
+def _train(trunk_server, interceptors, steps: int = 4):
+    model = tiny_model("gpt2").train()
+    split = split_model(model, cuts=(1, 3))
+    server = trunk_server(split.trunk, optimizer="adamw", lr=0.01, interceptors=interceptors)
+    remote = RemoteTrunk(server.address, insecure=True, retry=RetryPolicy(initial_backoff_s=0.05))
+    client = SplitModel(split.bottom, remote, split.top, task="causal-lm")
+    opt = torch.optim.AdamW(split.client_modules().parameters(), lr=0.01)
+    ids, mask, labels = batch_for("gpt2")
+    for _ in range(steps):
+        client(ids, attention_mask=mask, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, server
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_retried_requests_are_never_applied_twice(trunk_server, before: bool) -> None:
+    clean, clean_server = _train(trunk_server, [])
+    faults = LoseReplies(before=before)
+    faulty, faulty_server = _train(trunk_server, [faults])
+    assert faults.injected == 8 and faults.retries_seen == 8  # every Forward and Backward, once each
+    assert faulty_server.runtime.version == clean_server.runtime.version == 4
+    assert faulty_server.runtime.stats["forwards"] == clean_server.runtime.stats["forwards"]
+    for (name, a), b in zip(clean.state_dict().items(), faulty.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_client_gives_up_with_a_clear_error_after_a_bounded_time() -> None:
+    client = TrunkClient("127.0.0.1:9", insecure=True, retry=RetryPolicy(timeout_s=2.0, initial_backoff_s=0.1))
+    start = time.monotonic()
+    with pytest.raises(ChannelError, match="failed with") as info:
+        client.forward(CutState(torch.randn(1, 2, 4)), train=False)
+    assert time.monotonic() - start < 10
+    assert info.value.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+def _dying_client(address: str, ready, hidden: torch.Tensor) -> None:
+    """Joins, sends one training forward, says so, then waits to be killed (no backward ever)."""
+    client = TrunkClient(address, insecure=True, client_id="doomed")
+    client.join()
+    client.forward(CutState(hidden), train=True)
+    ready.set()
+    time.sleep(600)
+
+
+@pytest.mark.parametrize("mode", ["sync", "quorum", "async"])
+def test_a_client_killed_mid_step_does_not_block_the_others(trunk_server, mode: str) -> None:
+    split = split_model(tiny_model("llama").train(), cuts=(1, 3))
+    agg = make_aggregator(mode, quorum=2, max_staleness=4, timeout=1.0)
+    server = trunk_server(split.trunk, aggregator=agg, store_limits=StoreLimits(ttl_s=1.5))
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    hidden = torch.randn(2, 5, 32)
+    proc = ctx.Process(target=_dying_client, args=(server.address, ready, hidden), daemon=True)
+    proc.start()
+    assert ready.wait(60)
+    assert server.runtime.store.bytes_held > 0
+    proc.kill()  # mid-step: its forward is saved, its backward will never come
+    proc.join(10)
+    survivor = TrunkClient(server.address, insecure=True, client_id="survivor")
+    survivor.join()
+    start = time.monotonic()
+    for _ in range(3):
+        act = uuid.uuid4().hex
+        out, _ = survivor.forward(CutState(hidden), activation_id=act, train=True)
+        reply = survivor.backward(act, torch.ones_like(out))
+        assert reply.outcome == "APPLIED"
+    assert time.monotonic() - start < 8  # at most one timeout, never a deadlock
+    assert server.runtime.version >= 3
+    if mode == "sync":
+        assert "doomed" not in server.runtime.aggregator.members  # dropped from the step after the timeout
+    survivor.leave()
+    # The dead client's saved forward is evicted after its TTL: memory back to baseline.
+    deadline = time.monotonic() + 10
+    while server.runtime.store.bytes_held and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.runtime.store.bytes_held == 0 and len(server.runtime.store) == 0
+    assert server.runtime.store.evicted >= 1
+
+
+def test_saved_forward_byte_budget_is_enforced_and_recovers(trunk_server) -> None:
+    split = split_model(tiny_model("llama").train(), cuts=(1, 3))
+    server = trunk_server(split.trunk, store_limits=StoreLimits(max_bytes=1_000_000, ttl_s=60))
+    client = TrunkClient(server.address, insecure=True)
+    held = []
+    with pytest.raises(ChannelError) as info:
+        for _ in range(50):
+            act = uuid.uuid4().hex
+            out, _ = client.forward(CutState(torch.randn(4, 16, 32)), activation_id=act, train=True)
+            held.append((act, out))
+    assert info.value.code == "RESOURCE_EXHAUSTED" and "budget" in str(info.value)
+    assert len(held) >= 2 and server.runtime.store.bytes_held <= 1_000_000
+    for act, out in held:  # finishing the held forwards frees the budget
+        client.backward(act, torch.zeros_like(out))
+    assert server.runtime.store.bytes_held == 0
+    client.forward(CutState(torch.randn(4, 16, 32)), train=True)
+
+
+def test_concurrent_clients_in_sync_mode_step_together(trunk_server) -> None:
+    split = split_model(tiny_model("llama").train(), cuts=(1, 3))
+    server = trunk_server(split.trunk, aggregator=make_aggregator("sync", timeout=30))
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            c = TrunkClient(server.address, insecure=True, client_id=f"c{i}")
+            c.join()
+            for _ in range(5):
+                act = uuid.uuid4().hex
+                out, _ = c.forward(CutState(torch.randn(2, 5, 32)), activation_id=act, train=True)
+                c.backward(act, torch.ones_like(out) * 0.01)
+            c.leave()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    stats = server.runtime.aggregator.stats
+    assert stats["applied"] == 20 and stats["steps"] < 20  # gradients were averaged in shared steps

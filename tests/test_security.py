@@ -1,0 +1,145 @@
+"""TLS (and mutual TLS) on the split channel, per-client tokens, and who may touch what."""
+
+from __future__ import annotations
+
+import datetime
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from conftest import tiny_model
+
+from splitfed.auth import TokenIssuer
+from splitfed.channel.client import TrunkClient
+from splitfed.channel.security import channel_credentials, server_credentials
+from splitfed.errors import AuthError, ChannelError
+from splitfed.split import CutState, split_model
+
+
+def _cert(tmp: Path, name: str, issuer_key=None, issuer_name=None, ca: bool = False):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer_name or subject)
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1)))
+    if ca:
+        builder = builder.add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+    else:
+        builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                                     x509.IPAddress(__import__("ipaddress")
+                                                                                    .ip_address("127.0.0.1"))]),
+                                        critical=False)
+    cert = builder.sign(issuer_key or key, hashes.SHA256())
+    (tmp / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp / f"{name}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                        serialization.PrivateFormat.PKCS8,
+                                                        serialization.NoEncryption()))
+    return key, subject
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Path:
+    """A CA, a server certificate for localhost/127.0.0.1 and a client certificate, all signed by the CA."""
+    ca_key, ca_name = _cert(tmp_path, "ca", ca=True)
+    _cert(tmp_path, "server", ca_key, ca_name)
+    _cert(tmp_path, "client", ca_key, ca_name)
+    _cert(tmp_path, "stranger")  # self-signed, not from our CA
+    return tmp_path
+
+
+def _trunk():
+    return split_model(tiny_model("llama").train(), cuts=(1, 3)).trunk
+
+
+def _state() -> CutState:
+    return CutState(torch.randn(2, 5, 32))
+
+
+def test_tls_channel_works_and_plaintext_is_refused(pki: Path, trunk_server) -> None:
+    server = trunk_server(_trunk(), insecure=False,
+                          credentials=server_credentials(pki / "server.pem", pki / "server.key"))
+    client = TrunkClient(server.address, credentials=channel_credentials(pki / "ca.pem"))
+    out, _ = client.forward(_state(), train=False)
+    assert out.shape == (2, 5, 32)
+    plain = TrunkClient(server.address, insecure=True)
+    with pytest.raises(ChannelError) as info:
+        plain.forward(_state(), train=False)
+    assert info.value.code == "UNAVAILABLE"
+    untrusting = TrunkClient(server.address, credentials=channel_credentials(pki / "stranger.pem"))
+    with pytest.raises(ChannelError):  # the server's certificate is not signed by that root
+        untrusting.forward(_state(), train=False)
+
+
+def test_mutual_tls_requires_a_client_certificate_from_the_ca(pki: Path, trunk_server) -> None:
+    server = trunk_server(_trunk(), insecure=False, credentials=server_credentials(
+        pki / "server.pem", pki / "server.key", client_ca=pki / "ca.pem"))
+    good = TrunkClient(server.address, credentials=channel_credentials(pki / "ca.pem", pki / "client.pem",
+                                                                        pki / "client.key"))
+    assert good.forward(_state(), train=False)[0].shape == (2, 5, 32)
+    for creds in (channel_credentials(pki / "ca.pem"),
+                  channel_credentials(pki / "ca.pem", pki / "stranger.pem", pki / "stranger.key")):
+        with pytest.raises(ChannelError):
+            TrunkClient(server.address, credentials=creds).forward(_state(), train=False)
+
+
+def test_token_issuer_refusals() -> None:
+    now = [1000.0]
+    issuer = TokenIssuer("run-1", secret=b"k" * 32, ttl_s=60, clock=lambda: now[0])
+    token = issuer.issue(node=7, server_round=2)
+    assert issuer.verify(token).client_id == "node-7"
+    body, sig = token.split(".")
+    cases = {
+        "": "malformed", "abc": "malformed", f"{body}.{sig[:-2]}xx": "signature",
+        f"{body[:-3]}AAA.{sig}": "signature",
+        TokenIssuer("run-1", secret=b"x" * 32).issue(7, 2): "not issued by this server",
+        TokenIssuer("run-2", secret=b"k" * 32, clock=lambda: now[0]).issue(7, 2): "run",
+    }
+    for bad, fragment in cases.items():
+        with pytest.raises(AuthError, match=fragment):
+            issuer.verify(bad)
+    issuer.issue(node=8, server_round=3)  # round 3 starts: round-2 tokens are replays now
+    with pytest.raises(AuthError, match="replayed"):
+        issuer.verify(token)
+    fresh = issuer.issue(node=7, server_round=3)
+    now[0] += 61
+    with pytest.raises(AuthError, match="expired"):
+        issuer.verify(fresh)
+    with pytest.raises(AuthError, match="missing"):
+        issuer.authenticate({})
+    with pytest.raises(AuthError, match="Bearer"):
+        issuer.authenticate({"authorization": "Basic abc"})
+
+
+def test_server_refuses_bad_tokens_and_foreign_activations(trunk_server) -> None:
+    issuer = TokenIssuer("run-9")
+    trunk = _trunk()
+    server = trunk_server(trunk, authenticate=issuer.authenticate)
+    alice = TrunkClient(server.address, insecure=True, token=issuer.issue(1, 1))
+    mallory = TrunkClient(server.address, insecure=True, token=issuer.issue(2, 1))
+    anonymous = TrunkClient(server.address, insecure=True)
+    forged = TrunkClient(server.address, insecure=True, token=TokenIssuer("run-9").issue(1, 1))
+    for client in (anonymous, forged):
+        with pytest.raises(ChannelError) as info:
+            client.forward(_state(), train=True)
+        assert info.value.code == "UNAUTHENTICATED"
+    act = uuid.uuid4().hex
+    out, _ = alice.forward(_state(), activation_id=act, train=True)
+    with pytest.raises(ChannelError) as info:
+        mallory.backward(act, torch.ones_like(out))
+    assert info.value.code == "PERMISSION_DENIED"
+    # The forward is still Alice's to finish, and only hers.
+    assert alice.backward(act, torch.ones_like(out)).outcome == "APPLIED"
+    # A token of an earlier round is a replay once the next round's tokens are issued.
+    issuer.issue(1, 2)
+    with pytest.raises(ChannelError) as info:
+        alice.forward(_state(), train=False)
+    assert info.value.code == "UNAUTHENTICATED" and "replayed" in str(info.value)
