@@ -44,19 +44,9 @@ def load_model(name: str | None) -> torch.nn.Module:
     """The benchmark's model: the tiny Llama, a named LLM (``splitfed.llm``), a local folder or a hub id."""
     if not name:
         return tiny_llama()
-    import importlib.util
+    from splitfed.llm import load_model as load_llm
 
-    if importlib.util.find_spec("splitfed.llm") is not None:
-        import importlib
-
-        llm = importlib.import_module("splitfed.llm")
-        try:
-            return llm.load_model(name).eval()
-        except KeyError:
-            pass
-    from splitfed.models import load_pretrained
-
-    return load_pretrained(name).eval()
+    return load_llm(name).eval()
 
 
 def _nocache_generate(bottom: Any, client: Any, top: Any, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -74,7 +64,16 @@ def _nocache_generate(bottom: Any, client: Any, top: Any, ids: torch.Tensor, new
 
 def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = None,
                cuts: tuple[int, int] | None = None, repeat: int = 3, device: str = "cpu") -> dict[str, float]:
-    """Bytes per token with and without the trunk's KV cache, and split / unsplit per-token latency."""
+    """Bytes per token with and without the trunk's KV cache, and split / unsplit per-token latency.
+
+    Args:
+        new_tokens: tokens generated per run (every run generates exactly this many).
+        prompt_len: random prompt length.
+        model: None for the tiny Llama, else a named LLM, a local folder or a hub id.
+        cuts: cut points (default: a named model's cuts, else thirds of the blocks).
+        repeat: interleaved timed runs of each side (medians are reported).
+        device: where the model runs (cpu, cuda).
+    """
     from splitfed.channel.client import TrunkClient
     from splitfed.channel.server import TrunkServer
     from splitfed.generation import generate
@@ -83,6 +82,10 @@ def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = 
     ref = load_model(model).to(device)
     split = copy.deepcopy(ref)  # splitting re-indexes the layers; the reference keeps its own
     n = num_blocks(split)
+    if cuts is None and model:
+        from splitfed.llm import NAMED_LLMS
+
+        cuts = NAMED_LLMS[model].default_cuts if model in NAMED_LLMS else None
     cuts = cuts or (max(n // 3, 1), max(2 * n // 3, 2))
     parts = split_model(split, cuts)
     parts.trunk.requires_grad_(False)
@@ -128,7 +131,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.generation", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gen-model", help="local folder, named LLM or hub id (default: the tiny Llama)")
-    parser.add_argument("--cuts", help="A,B (default: thirds of the blocks)")
+    parser.add_argument("--cuts", help="A,B (default: a named model's cuts, else thirds of the blocks)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=3)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import logging
 import signal
 import sys
@@ -65,26 +63,6 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_causal_lm(name: str) -> tuple[Any, Any]:
-    """Model and tokenizer: a local folder, a name ``splitfed.llm`` knows, or a hub id."""
-    from pathlib import Path
-
-    from splitfed.errors import ConfigError
-    from splitfed.models import load_pretrained
-
-    path = Path(name).expanduser()
-    if not path.exists() and importlib.util.find_spec("splitfed.llm") is not None:
-        llm = importlib.import_module("splitfed.llm")  # named LLMs (e.g. smollm2-135m)
-        try:
-            return llm.load_model(name), llm.load_tokenizer(name)
-        except (KeyError, ConfigError):
-            log.debug("%s is not a named LLM; loading it as a hub id", name)
-    from transformers import AutoTokenizer
-
-    where = str(path) if path.exists() else name
-    return load_pretrained(where), AutoTokenizer.from_pretrained(where)
-
-
 class _TextStream:
     """Writes the text of the first sequence's new tokens to a stream as they come."""
 
@@ -104,16 +82,21 @@ class _TextStream:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from splitfed import llm
     from splitfed.channel.client import TrunkClient
     from splitfed.channel.server import TrunkServer
     from splitfed.generation import RemoteSession, generate
-    from splitfed.split import num_blocks, split_model
 
-    model, tokenizer = _load_causal_lm(args.model)
-    model.eval()
-    n = num_blocks(model)
-    cuts = args.cuts or (1, max(n - 1, 2))
-    parts = split_model(model, cuts)
+    config = llm.load_config(args.model)
+    n = int(config.num_hidden_layers)
+    cuts = args.cuts or (llm.NAMED_LLMS[args.model].default_cuts if args.model in llm.NAMED_LLMS
+                         else (1, max(n - 1, 2)))
+    # With a remote trunk the client reads only its own parts' weights.
+    roles = ("bottom", "top") if args.trunk else ("bottom", "trunk", "top")
+    parts = llm.load_parts(args.model, cuts, roles)
+    for role in roles:
+        getattr(parts, role).eval()
+    tokenizer = llm.load_tokenizer(args.model)
     server = None
     if args.trunk:
         credentials = None
@@ -138,7 +121,7 @@ def _generate(args: argparse.Namespace) -> int:
                                              tokenize=False, add_generation_prompt=True)
     input_ids = tokenizer(text, return_tensors="pt").input_ids
     eos = {t for t in (tokenizer.eos_token_id,) if t is not None}
-    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    config_eos = getattr(config, "eos_token_id", None)
     eos |= set(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
     try:
         with RemoteSession(client, input_ids.shape[1] + args.max_new_tokens) as session:
@@ -179,8 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text with a split model (the trunk's KV cache on a server)")
     gen.add_argument("--model", required=True, help="local folder, named LLM or hub id of a causal LM")
-    gen.add_argument("--cuts", type=_cuts, help="cut points A,B (default: 1,N-1: only the first and last "
-                                                "blocks on the client)")
+    gen.add_argument("--cuts", type=_cuts, help="cut points A,B (default: the named model's cuts, else 1,N-1: "
+                                                "the first and last blocks on the client)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--trunk", help="host:port of a trunk server (default: serve the trunk on 127.0.0.1)")

@@ -19,6 +19,7 @@ as one prefill and goes on, so the generated tokens do not change.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -82,7 +83,7 @@ class LocalSession:
             move = (lambda t: None if t is None else t.to(param.device))
             state = CutState(state.hidden.to(param.device, param.dtype), move(state.attention_mask),
                              move(state.position_ids))
-        with torch.no_grad(), self._lock if self._lock is not None else _nothing():
+        with torch.no_grad(), self._lock if self._lock is not None else contextlib.nullcontext():
             out = self.trunk(state, cache=self.cache, use_cache=True).hidden
         self.length += state.hidden.shape[1]
         return out
@@ -100,14 +101,6 @@ class LocalSession:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 class RemoteSession:
@@ -143,7 +136,8 @@ class RemoteSession:
         return self
 
     def close(self) -> None:
-        """Close the server-side session; a session the server already lost is fine."""
+        """Close the server-side session and forget its history; a session the server already lost is fine."""
+        self._hidden, self._positions, self.length = [], [], 0
         if not self.session_id:
             return
         try:
@@ -156,7 +150,6 @@ class RemoteSession:
     def reset(self) -> None:
         """Close this session and open a fresh one with an empty cache."""
         self.close()
-        self._hidden, self._positions, self.length = [], [], 0
         self.open()
 
     def step(self, state: CutState) -> torch.Tensor:
@@ -232,6 +225,9 @@ def _as_session(trunk: Any, max_length: int, batch_size: int) -> tuple[Any, bool
         if trunk.max_length < max_length:
             raise ConfigError(f"the session holds {trunk.max_length} positions but prompt and new tokens need "
                               f"{max_length}; open it with max_length >= {max_length}")
+        if getattr(trunk, "batch_size", batch_size) != batch_size:
+            raise ConfigError(f"the session was opened for a batch of {trunk.batch_size}, the prompt has "
+                              f"{batch_size} rows; open it with batch_size={batch_size}")
         if trunk.length:
             trunk.reset()
         return trunk, False
@@ -290,13 +286,13 @@ def generate(bottom: nn.Module, trunk: TrunkSession | TrunkClient | nn.Module, t
         first = eos_token_id if isinstance(eos_token_id, int) or eos_token_id is None else next(iter(eos_token_id))
         pad_token_id = int(first) if first is not None else 0
     stop_ids = torch.tensor(sorted(stops), dtype=torch.long, device=device)
+    top_device = _device_of(top)
     generator = None
     if seed is not None and temperature > 0:
-        generator = torch.Generator(device=device).manual_seed(seed)
+        generator = torch.Generator(device=top_device).manual_seed(seed)
 
     session, owned = _as_session(trunk, prompt_len + max_new_tokens, batch)
     bottom_cache, top_cache = bottom.new_cache(), top.new_cache()
-    top_device = _device_of(top)
     positions = left_padded_positions(mask)
     step_ids = ids
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
@@ -316,7 +312,8 @@ def generate(bottom: nn.Module, trunk: TrunkSession | TrunkClient | nn.Module, t
                 streamer(tokens)
             if stops:
                 unfinished &= ~torch.isin(tokens, stop_ids)
-            log.debug("generation step %d: %s", step, tokens.tolist())
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("generation step %d: %s", step, tokens.tolist())
             if not bool(unfinished.any()):
                 break
             step_ids = tokens[:, None]

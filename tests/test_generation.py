@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,6 +18,15 @@ from splitfed.trunk.sessions import SessionLimits, SessionManager, cache_bytes
 
 CUTS = (1, 3)
 NEW = 12
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models run fastest on one intra-op thread (and do not suffer from a busy machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 class FakeClock:
@@ -378,3 +387,15 @@ def test_cli_generate_with_a_remote_trunk(saved_gpt2, trunk_server, capsys) -> N
     with pytest.raises(SystemExit, match="--cuts 1,3"):
         main(args + ["--cuts", "2,3"])
     assert len(server.servicer.sessions) == 0
+
+
+def test_generation_bench_reports_its_keys(monkeypatch) -> None:
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))  # bench/ is not installed
+    from bench.generation import generation
+
+    out = generation(new_tokens=4, prompt_len=4, repeat=1)
+    assert {"gen_bytes_per_token_cache", "gen_bytes_per_token_nocache", "gen_latency_ratio"} <= set(out)
+    assert out["gen_greedy_match"] == 1.0
+    assert out["gen_bytes_per_token_nocache"] > out["gen_bytes_per_token_cache"] > 0

@@ -196,7 +196,7 @@ def test_eval_mode_forward_gives_a_clear_error() -> None:
     pt = PrivateTraining(model.client_modules(), torch.optim.SGD(model.client_modules().parameters(), lr=0.1),
                          dataset_size=8, batch_size=4, steps=1, noise_multiplier=1.0)
     model.eval()
-    with pytest.raises(ConfigError, match="train\\(\\) mode"):
+    with pytest.raises(ConfigError, match="model.train\\(\\)"):
         model(x, labels=y)
     with torch.no_grad():  # evaluation is fine
         model(x, labels=y)
@@ -245,20 +245,20 @@ def test_target_epsilon_is_met_and_then_refused() -> None:
     model, _ = _split("cnn")
     parts = model.client_modules()
     state: dict = {}
-    sigma = noise_for_epsilon(4.0, 1e-5, 0.1, 6)
+    sigma = noise_for_epsilon(4.0, 1e-5, 0.1, 6, "rdp")
     for _ in range(2):
         pt = PrivateTraining(parts, torch.optim.SGD(parts.parameters(), lr=0.1), dataset_size=50, sample_rate=0.1,
-                             steps=3, planned_steps=6, target_epsilon=4.0, accountant_state=state)
+                             steps=3, planned_steps=6, target_epsilon=4.0, accountant_state=state, accountant="rdp")
         assert pt.noise_multiplier == sigma
         for _ in range(3):
             pt.noise_only_step()  # an empty Poisson draw: noise only, but a step of the mechanism
         state = pt.state_dict()
         pt.close()
-    assert Accountant(state=state).epsilon() == pytest.approx(4.0, abs=0.02)
-    assert Accountant(state=state).epsilon() <= 4.0
+    assert Accountant("rdp", state=state).epsilon() == pytest.approx(4.0, abs=0.02)
+    assert Accountant("rdp", state=state).epsilon() <= 4.0
     with pytest.raises(PrivacyBudgetError, match="above the target 4"):
         PrivateTraining(parts, torch.optim.SGD(parts.parameters(), lr=0.1), dataset_size=50, sample_rate=0.1,
-                        steps=3, planned_steps=6, target_epsilon=4.0, accountant_state=state)
+                        steps=3, planned_steps=6, target_epsilon=4.0, accountant_state=state, accountant="rdp")
 
 
 def test_accountant_state_checks() -> None:
@@ -364,3 +364,125 @@ def test_client_privacy_round_gives_metrics_and_state() -> None:
     assert metrics["train-epsilon"] == pytest.approx(_opacus_epsilon([(1.0, 0.1, 4)]), rel=1e-6)
     assert state["dp-steps"] == [4] and state["cut-steps"] == [4] and state["cut-grad-steps"] == [4]
     assert privacy.expected_examples() == 32
+
+
+# -- central DP on the aggregate: Flower's wrappers around SplitFed ------------------------------------------
+def _spy_fedavg() -> object:
+    """A FedAvg that records the client parts it is asked to aggregate (after any DP clipping)."""
+    from flwr.serverapp.strategy import FedAvg
+
+    from strategies.metrics import aggregate_split_metrics
+
+    class SpyFedAvg(FedAvg):
+        def __init__(self) -> None:
+            super().__init__(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=2, min_evaluate_nodes=0,
+                             min_available_nodes=2, train_metrics_aggr_fn=aggregate_split_metrics)
+            self.seen: list[list[dict[str, torch.Tensor]]] = []
+
+        def aggregate_train(self, server_round, replies):  # type: ignore[no-untyped-def]
+            replies = list(replies)
+            self.seen.append([r.content["arrays"].to_torch_state_dict() for r in replies if not r.has_error()])
+            return super().aggregate_train(server_round, replies)
+
+    return SpyFedAvg()
+
+
+def _run_strategy(tmp_path, strategy: object, client_app: object, rounds: int = 1, num_nodes: int = 2):
+    """What apps/server_app.py does, with ``strategy`` inside SplitFed, over the in-process Grid."""
+    from flower_harness import SUPERLINK_NODE, ThreadGrid, default_run_config
+    from flwr.app import ArrayRecord, ConfigRecord
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from splitfed.config import RunConfig
+    from splitfed.runner import ServerRunner
+    from strategies import SplitFed
+
+    config = default_run_config(output_dir=str(tmp_path / "out"), num_server_rounds=rounds, local_steps=3)
+    cfg = RunConfig.from_mapping(config)
+    grid = ThreadGrid(client_app, num_nodes, config, concurrency=2)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = grid.run_id, SUPERLINK_NODE, 1
+    runner = ServerRunner(cfg, run_id=str(grid.run_id), output_dir=tmp_path / "out").start()
+    try:
+        initial = ArrayRecord(torch_state_dict=runner.client_state).to_torch_state_dict()
+        result = SplitFed(strategy, runner).start(  # type: ignore[arg-type]
+            grid, ArrayRecord(torch_state_dict=runner.client_state), num_rounds=rounds,
+            train_config=ConfigRecord({"lr": cfg.lr}), evaluate_config=ConfigRecord())
+    finally:
+        runner.stop()
+        grid.close()
+    return initial, result
+
+
+def _update_norm(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> float:
+    return float(torch.sqrt(sum(((after[k].double() - before[k].double()) ** 2).sum() for k in before)))
+
+
+def test_server_side_central_dp_clips_and_noises_the_client_parts(tmp_path) -> None:
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
+
+    from apps.client_app import app as client_app
+
+    inner = _spy_fedavg()
+    clip, sigma = 0.05, 0.5
+    strategy = DifferentialPrivacyServerSideFixedClipping(inner, noise_multiplier=sigma, clipping_norm=clip,
+                                                          num_sampled_clients=2)
+    initial, result = _run_strategy(tmp_path, strategy, client_app)
+    replies = inner.seen[0]
+    assert len(replies) == 2
+    norms = [_update_norm(r, initial) for r in replies]
+    assert all(n == pytest.approx(clip, rel=1e-3) for n in norms)  # 3 SGD steps move far more than 0.05: clipped
+    mean = {k: (replies[0][k] + replies[1][k]) / 2 for k in initial}
+    final = result.arrays.to_torch_state_dict()
+    noise = torch.cat([(final[k] - mean[k]).flatten() for k in initial])
+    assert float(noise.std()) == pytest.approx(sigma * clip / 2, rel=0.05)  # Flower's stdv: sigma * C / clients
+    assert result.train_metrics_clientapp[1]["train-steps"] == 2 * 3
+
+
+_STASH: dict[str, object] = {}
+
+
+def _hide_splitfed_record(msg, context, call_next):  # type: ignore[no-untyped-def]
+    """Flower's fixedclipping_mod wants one ConfigRecord; SplitFed adds a second: hide it around the mod."""
+    from strategies import SPLITFED_RECORD
+
+    _STASH[msg.metadata.message_id] = msg.content[SPLITFED_RECORD]
+    del msg.content[SPLITFED_RECORD]
+    return call_next(msg, context)
+
+
+def _restore_splitfed_record(msg, context, call_next):  # type: ignore[no-untyped-def]
+    from strategies import SPLITFED_RECORD
+
+    msg.content[SPLITFED_RECORD] = _STASH.pop(msg.metadata.message_id)
+    return call_next(msg, context)
+
+
+def test_client_side_central_dp_clips_on_the_client(tmp_path) -> None:
+    from flwr.clientapp import ClientApp
+    from flwr.clientapp.mod import fixedclipping_mod
+    from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
+
+    from apps.client_app import evaluate, train
+
+    app = ClientApp(mods=[_hide_splitfed_record, fixedclipping_mod, _restore_splitfed_record])
+    app.train()(train)
+    app.evaluate()(evaluate)
+    inner = _spy_fedavg()
+    strategy = DifferentialPrivacyClientSideFixedClipping(inner, noise_multiplier=0.0, clipping_norm=0.05,
+                                                          num_sampled_clients=2)
+    initial, result = _run_strategy(tmp_path, strategy, app)
+    norms = [_update_norm(r, initial) for r in inner.seen[0]]
+    assert len(norms) == 2 and all(n == pytest.approx(0.05, rel=1e-3) for n in norms)
+    assert _update_norm(result.arrays.to_torch_state_dict(), initial) <= 0.05 + 1e-6
+    assert not _STASH
+
+
+def test_private_client_app_keeps_the_accountant_in_context_state() -> None:
+    from bench.leakage import run_federated
+
+    out = run_federated(PrivacyConfig(dp_noise_multiplier=1.0, cut_noise_clip=20.0, cut_noise_sigma=0.01),
+                        rounds=2, local_steps=3, num_nodes=2, batch_size=16)
+    assert out["client-steps-accounted"] == [6]  # 3 steps in each of 2 rounds, across fresh client models
+    q = 16 / 2000  # each of 2 clients holds 2,000 training images
+    assert out["train-epsilon"] == pytest.approx(_opacus_epsilon([(1.0, q, 6)]), rel=1e-6)
+    assert out["noise-multiplier"] == 1.0 and len(out["eval-accuracy"]) == 2

@@ -175,3 +175,24 @@ def test_concurrent_clients_in_sync_mode_step_together(trunk_server) -> None:
     assert not errors
     stats = server.runtime.aggregator.stats
     assert stats["applied"] == 20 and stats["steps"] < 20  # gradients were averaged in shared steps
+
+
+def test_forwards_dropped_without_backward_free_their_activations() -> None:
+    """Evicted or rebased forwards must not leave their autograd graph behind (a cycle through C++)."""
+    import gc
+    import weakref
+
+    from splitfed.trunk.runtime import TrunkRuntime
+
+    split = split_model(tiny_model("llama").train(), cuts=(1, 3))
+    rt = TrunkRuntime(split.trunk, torch.optim.SGD(split.trunk.parameters(), lr=0.1),
+                      aggregator=make_aggregator("async", max_staleness=8))
+    refs = []
+    for i in range(3):
+        rt.forward("c", f"a{i}", CutState(torch.randn(2, 5, 32)), train=True)
+        refs.append(weakref.ref(rt.store.find(f"a{i}").output))
+    out, _ = rt.forward("d", "b", CutState(torch.randn(2, 5, 32)), train=True)
+    rt.backward("d", "b", torch.ones_like(out))  # steps the trunk: a0..a2 are rebased (graphs dropped)
+    rt.forget("c", "a0")
+    gc.collect()
+    assert all(r() is None for r in refs)

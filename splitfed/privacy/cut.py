@@ -72,7 +72,7 @@ class _NoisyGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, noise: CutNoise) -> torch.Tensor:
         ctx.noise = noise
-        return hidden.view_as(hidden)
+        return hidden.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:

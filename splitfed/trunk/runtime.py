@@ -66,7 +66,13 @@ class BackwardResult:
 
 
 class _SavedBytes:
-    """Counts the bytes autograd saves for backward, leaving out the parameters' own storage."""
+    """Counts the bytes autograd saves for backward, leaving out the parameters' own storage.
+
+    The pack hook returns a detached alias: returning the tensor itself would make
+    every saved *output* hold its own graph node, a reference cycle through C++
+    that Python's garbage collector cannot break, so a forward dropped without its
+    backward (evicted, rebased) would leak its activations.
+    """
 
     def __init__(self, param_ptrs: set[int]) -> None:
         self.param_ptrs = param_ptrs
@@ -79,7 +85,7 @@ class _SavedBytes:
         if ptr not in self.param_ptrs and ptr not in self.seen:
             self.seen.add(ptr)
             self.nbytes += storage.nbytes()
-        return t
+        return t.detach()
 
     @staticmethod
     def unpack(t: torch.Tensor) -> torch.Tensor:

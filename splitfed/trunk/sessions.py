@@ -238,7 +238,8 @@ class SessionManager:
             new = int(hidden.shape[1])
             last = session.last_step
             if mask is not None and last is not None and mask.shape[1] == session.length and new == last[1]:
-                self.stats["retried_steps"] += 1
+                with self._lock:
+                    self.stats["retried_steps"] += 1
                 log.debug("session %s: step repeated (retry); answering from the last step", session_id)
                 return last[2]
             total = session.length + new
@@ -252,6 +253,12 @@ class SessionManager:
             out = self._compute(session, state)
             session.length, session.steps = total, session.steps + 1
             session.last_step = (total - new, new, out)
+        if self._per_position is None and self.bytes_held > self.limits.max_cache_bytes:
+            with self._lock:  # no reservation was possible: enforce the cap on what the caches hold
+                self._end(session_id, "was dropped because the server's KV-cache memory was full")
+                self.stats["refused"] += 1
+            raise ResourceExhaustedError(f"the trunk server's KV caches exceed {self.limits.max_cache_bytes} bytes; "
+                                         "session dropped: retry later with a shorter sequence")
         with self._lock:
             self.stats["steps"] += 1
             session.last_used = self.clock()

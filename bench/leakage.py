@@ -1,0 +1,509 @@
+"""Leakage score: what an honest-but-curious trunk server recovers from what it sees, per privacy setting.
+
+``python -m bench.leakage [--quick] [--json] [--only mnist lm]`` trains each setting briefly through the real
+split channel on loopback (client loop, ``ClientPrivacy``, trunk server), then attacks what the server saw:
+
+* **inputs from cut activations**: the server holds the bottom's weights (it aggregates them) and knows the
+  defence, so it trains an inversion decoder on *public* data (activations -> inputs, the same noise applied)
+  and runs it on the activations of the client's *private* data. MNIST: reconstruction MSE and SSIM (higher
+  SSIM: better reconstruction). Tiny GPT-2: accuracy of token ids recovered from the cut hidden states.
+* **labels from the gradients the client sends back** (Li et al., "Label Leakage and Protection in Two-party
+  Split Learning"): norm attack (AUC of ``||g||`` for "label = c", one-vs-rest, mean over classes) and direction
+  attack (AUC of ``cos(g_i, g_j)`` for "same label"; and the accuracy of labelling every example like the most
+  similar of 10 examples whose label the server knows).
+
+``python -m bench.leakage --federated`` instead runs the Flower ServerApp with 4 clients whose ClientApp adds
+DP-SGD (dp-target-epsilon 8, delta 1e-5), beside the same run without privacy, and prints their accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from splitfed.data import ByteTokenizer, collate, mnist, text_windows
+from splitfed.privacy import ClientPrivacy, CutNoise, PrivacyConfig
+from splitfed.split import SplitModel, split_model
+
+log = logging.getLogger("bench.leakage")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A privacy configuration of the table."""
+
+    name: str
+    privacy: PrivacyConfig
+    lr: float = 0.05
+
+
+@dataclass(frozen=True)
+class Task:
+    """A model, its data and the training budget of one harness run."""
+
+    name: str
+    steps: int
+    batch_size: int
+    attack_steps: int
+    settings: tuple[Setting, ...]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# -- settings ------------------------------------------------------------------------------------------
+def _settings(act_clip: float, grad_clip: float, lr: float, dp_lr: float) -> tuple[Setting, ...]:
+    act = (0.02, 0.05)
+    return (
+        Setting("none", PrivacyConfig(), lr),
+        Setting(f"act-noise {act[0]}", PrivacyConfig(cut_noise_clip=act_clip, cut_noise_sigma=act[0]), lr),
+        Setting(f"act-noise {act[1]}", PrivacyConfig(cut_noise_clip=act_clip, cut_noise_sigma=act[1]), lr),
+        Setting("grad-noise 0.05", PrivacyConfig(cut_grad_clip=grad_clip, cut_grad_sigma=0.05), lr),
+        Setting("dp-sgd eps 8", PrivacyConfig(dp_target_epsilon=8.0, dp_max_grad_norm=1.0), dp_lr),
+        Setting("all three", PrivacyConfig(dp_target_epsilon=8.0, cut_noise_clip=act_clip, cut_noise_sigma=act[1],
+                                           cut_grad_clip=grad_clip, cut_grad_sigma=0.05), dp_lr),
+    )
+
+
+def mnist_task(quick: bool) -> Task:
+    """MNIST CNN cut at (3, 6): 2,000 private training images, 2,000 public ones for the attacker.
+
+    Activations are clipped to 10 (their norms are 12-16 at initialisation), the gradients the client
+    returns to 0.5 (per example's own loss; about 0.23 at initialisation).
+    """
+    return Task("mnist-cnn", 80 if quick else 200, 64, 120 if quick else 300,
+                _settings(act_clip=10.0, grad_clip=0.5, lr=0.05, dp_lr=0.1))
+
+
+def lm_task(quick: bool) -> Task:
+    """Tiny GPT-2 (4 blocks, hidden 128) cut at (1, 3) on byte-level pydoc windows of 64 tokens.
+
+    Activations (64 x 128 per example) are clipped to 3 (about their norm at initialisation).
+    """
+    return Task("tiny-gpt2", 40 if quick else 120, 16, 100 if quick else 300,
+                _settings(act_clip=3.0, grad_clip=0.5, lr=0.05, dp_lr=0.1))
+
+
+# -- training through the split channel ---------------------------------------------------------------
+def _client_optimizer(model: SplitModel, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p for p in model.client_modules().parameters() if p.requires_grad], lr=lr, momentum=0.9)
+
+
+def train_setting(parts: Any, setting: Setting, data: Any, kind: str, steps: int, batch_size: int,
+                  seed: int) -> dict[str, float]:
+    """Train bottom+top on ``data`` against a trunk server on loopback, with ``setting``'s privacy."""
+    from splitfed.channel.client import RemoteTrunk
+    from splitfed.channel.server import TrunkServer
+    from splitfed.training import train
+
+    server = TrunkServer(parts.trunk, insecure=True, lr=setting.lr, momentum=0.9).start()
+    trunk = RemoteTrunk(f"127.0.0.1:{server.port}", insecure=True)
+    model = SplitModel(parts.bottom, trunk, parts.top, task=parts.task, config=parts.config)
+    optimizer = _client_optimizer(model, setting.lr)
+    started = time.perf_counter()
+    try:
+        with ClientPrivacy(setting.privacy, model, optimizer, dataset_size=len(data), batch_size=batch_size,
+                           steps=steps, planned_steps=steps, seed=seed) as privacy:
+            report = train(model, privacy.optimizer, privacy.batches(data, kind), steps)
+            metrics = privacy.metrics("")
+    finally:
+        trunk.close()
+        server.stop(grace=0)
+    metrics["train-loss"] = report.loss
+    metrics["train-seconds"] = time.perf_counter() - started
+    return metrics
+
+
+@torch.no_grad()
+def accuracy(model: SplitModel, data: Any, kind: str, privacy: PrivacyConfig, batch: int = 256) -> float:
+    """Held-out accuracy (next-token accuracy for the LM) with the setting's evaluation noise on."""
+    from splitfed.privacy import install_eval_noise
+    from splitfed.training import evaluate
+
+    def batches() -> Iterator[Any]:
+        for start in range(0, len(data), batch):
+            yield collate(data[start:start + batch], kind)
+
+    noise = install_eval_noise(privacy, model)
+    try:
+        return evaluate(model, batches()).accuracy
+    finally:
+        if noise is not None:
+            noise.remove()
+
+
+# -- what the server sees ------------------------------------------------------------------------------
+def observe(model: SplitModel, privacy: PrivacyConfig, rows: Any, kind: str, batch: int,
+            generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The activations the trunk receives, the gradients it receives for its output, and the labels.
+
+    Training-mode forward and backward (no optimizer step) with ``privacy``'s cut noise, in batches of
+    ``batch`` as in training; returns detached tensors stacked over the examples of ``rows``.
+    """
+    seen: dict[str, list[torch.Tensor]] = {"act": [], "grad": []}
+
+    def on_trunk(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        seen["act"].append(args[0].hidden.detach())
+        out.hidden.register_hook(lambda g: seen["grad"].append(g.detach() * g.shape[0]))  # per-example loss
+
+    cut = privacy.cut_noise_module(generator=generator)
+    handle = model.trunk.register_forward_hook(on_trunk)
+    if cut is not None:
+        cut.install(model)
+    labels = []
+    model.train()
+    try:
+        n = len(rows["label"]) if kind == "image" else len(rows["input_ids"])
+        for start in range(0, n, batch):
+            b = collate({k: v[start:start + batch] for k, v in rows.items()}, kind)
+            model.zero_grad(set_to_none=True)
+            model(b.inputs, attention_mask=b.attention_mask, labels=b.labels).loss.backward()
+            labels.append(b.labels)
+    finally:
+        handle.remove()
+        if cut is not None:
+            cut.remove()
+        model.zero_grad(set_to_none=True)
+    return torch.cat(seen["act"]), torch.cat(seen["grad"]), torch.cat(labels)
+
+
+# -- attacks -----------------------------------------------------------------------------------------------
+def auc(scores: np.ndarray, positives: np.ndarray) -> float:
+    """Area under the ROC curve (Mann-Whitney, ties averaged)."""
+    from scipy.stats import rankdata
+
+    positives = positives.astype(bool)
+    n1, n0 = int(positives.sum()), int((~positives).sum())
+    if n1 == 0 or n0 == 0:
+        return float("nan")
+    ranks = rankdata(scores)
+    return float((ranks[positives].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
+
+
+def label_attacks(grads: torch.Tensor, labels: torch.Tensor, generator: torch.Generator,
+                  max_points: int = 600) -> dict[str, float]:
+    """Norm and direction attacks on per-example gradients (rows) with integer labels."""
+    g = grads.flatten(1).double()
+    y = labels.numpy()
+    if len(y) > max_points:
+        keep = torch.randperm(len(y), generator=generator)[:max_points].numpy()
+        g, y = g[keep], y[keep]
+    norms = g.norm(dim=1).numpy()
+    classes = [c for c in np.unique(y) if 0 < (y == c).sum() < len(y)]
+    norm_auc = float(np.mean([auc(norms, y == c) for c in classes]))
+    unit = g / g.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    cos = (unit @ unit.T).numpy()
+    iu = np.triu_indices(len(y), k=1)
+    cos_auc = auc(cos[iu], (y[:, None] == y[None, :])[iu])
+    # The server knows the label of one example of each class and labels the others like the most similar one.
+    refs = [int(np.flatnonzero(y == c)[0]) for c in classes]
+    others = np.setdiff1d(np.arange(len(y)), refs)
+    guess = np.asarray(classes)[cos[np.ix_(others, refs)].argmax(1)]
+    return {"label-norm-auc": norm_auc, "label-cosine-auc": cos_auc,
+            "label-known-10-acc": float((guess == y[others]).mean())}
+
+
+def ssim(a: torch.Tensor, b: torch.Tensor, window: int = 7) -> float:
+    """Mean structural similarity of two batches of images in [0, 1] (uniform 7x7 window)."""
+    pool = nn.AvgPool2d(window, stride=1)
+    c1, c2 = 0.01 ** 2, 0.03 ** 2
+    mu_a, mu_b = pool(a), pool(b)
+    var_a = pool(a * a) - mu_a ** 2
+    var_b = pool(b * b) - mu_b ** 2
+    cov = pool(a * b) - mu_a * mu_b
+    s = ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / ((mu_a ** 2 + mu_b ** 2 + c1) * (var_a + var_b + c2))
+    return float(s.mean())
+
+
+def _fit(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable[..., torch.Tensor],
+         steps: int, batch: int, generator: torch.Generator, lr: float = 2e-3) -> nn.Module:
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(steps):
+        idx = torch.randint(0, len(inputs), (batch,), generator=generator)
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(inputs[idx]), targets[idx]).backward()
+        opt.step()
+    return model.eval()
+
+
+def invert_images(public_act: torch.Tensor, public_x: torch.Tensor, private_act: torch.Tensor,
+                  private_x: torch.Tensor, steps: int, generator: torch.Generator) -> dict[str, float]:
+    """Train a decoder activation -> image on public data; score it on the private activations."""
+    channels = public_act.shape[1]
+    decoder = nn.Sequential(nn.Conv2d(channels, 32, 3, padding=1), nn.ReLU(),
+                            nn.ConvTranspose2d(32, 1, 4, stride=2, padding=1), nn.Sigmoid())
+    _fit(decoder, public_act, public_x, nn.functional.mse_loss, steps, 64, generator)
+    with torch.no_grad():
+        recon = decoder(private_act)
+    mean_image = public_x.mean(0, keepdim=True).expand_as(private_x)
+    return {"inversion-mse": float(nn.functional.mse_loss(recon, private_x)),
+            "inversion-ssim": ssim(recon, private_x),
+            "baseline-mse": float(nn.functional.mse_loss(mean_image, private_x)),
+            "baseline-ssim": ssim(mean_image, private_x)}
+
+
+def invert_tokens(public_act: torch.Tensor, public_ids: torch.Tensor, private_act: torch.Tensor,
+                  private_ids: torch.Tensor, vocab: int, steps: int, generator: torch.Generator) -> dict[str, float]:
+    """Train a per-position probe hidden state -> token id on public windows; accuracy on private ones."""
+    hidden = public_act.shape[-1]
+    probe = nn.Sequential(nn.Linear(hidden, 256), nn.ReLU(), nn.Linear(256, vocab))
+    _fit(probe, public_act.reshape(-1, hidden), public_ids.reshape(-1), nn.functional.cross_entropy, steps, 512,
+         generator)
+    with torch.no_grad():
+        pred = probe(private_act.reshape(-1, hidden)).argmax(-1)
+    majority = torch.bincount(public_ids.reshape(-1), minlength=vocab).argmax()
+    return {"token-recovery-acc": float((pred == private_ids.reshape(-1)).float().mean()),
+            "baseline-token-acc": float((private_ids.reshape(-1) == majority).float().mean())}
+
+
+# -- the two tasks ------------------------------------------------------------------------------------------
+def _first(ds: Any, start: int, stop: int) -> dict[str, Any]:
+    return ds[start:stop]
+
+
+def run_mnist(task: Task, seed: int = 0) -> list[dict[str, Any]]:
+    """Train and attack every setting on the MNIST CNN."""
+    from splitfed.models import mnist_cnn
+
+    data = mnist()
+    private, public, test = data["train"].select(range(2000)), data["train"].select(range(2000, 4000)), data["test"]
+    attack_private, attack_public = _first(private, 0, 500), _first(public, 0, 1000)
+    rows = []
+    for setting in task.settings:
+        torch.manual_seed(seed)
+        parts = split_model(mnist_cnn(), (3, 6))
+        metrics = train_setting(parts, setting, private, "image", task.steps, task.batch_size, seed)
+        model = SplitModel(parts.bottom, parts.trunk, parts.top, task="classification")
+        acc = accuracy(model, test, "image", setting.privacy)
+        g = torch.Generator().manual_seed(seed + 1)
+        pub_act, _, _ = observe(model, setting.privacy, attack_public, "image", task.batch_size, g)
+        priv_act, priv_grad, priv_y = observe(model, setting.privacy, attack_private, "image", task.batch_size, g)
+        pub_x = collate(attack_public, "image").inputs
+        priv_x = collate(attack_private, "image").inputs
+        result = {"task": task.name, "setting": setting.name, "accuracy": acc, **metrics,
+                  **invert_images(pub_act, pub_x, priv_act, priv_x, task.attack_steps, g),
+                  **label_attacks(priv_grad, priv_y, g)}
+        log.info("%s", result)
+        rows.append(result)
+    return rows
+
+
+def run_lm(task: Task, seed: int = 0) -> list[dict[str, Any]]:
+    """Train and attack every setting on tiny GPT-2 with byte tokens."""
+    from transformers import GPT2LMHeadModel
+
+    from splitfed.models import tiny_gpt2_config
+
+    tok = ByteTokenizer()
+    data = text_windows(tok.encode, 64, tok.eos_token_id)
+    private, public = data["train"].select(range(2000)), data["train"].select(range(2000, 4000))
+    test = data["test"].select(range(256))
+    attack_private, attack_public = _first(private, 0, 200), _first(public, 0, 1000)
+    rows = []
+    for setting in task.settings:
+        torch.manual_seed(seed)
+        model_full = GPT2LMHeadModel(tiny_gpt2_config(tok.vocab_size, layers=4, hidden=128, heads=4, positions=64))
+        parts = split_model(model_full, (1, 3))
+        metrics = train_setting(parts, setting, private, "text", task.steps, task.batch_size, seed)
+        model = SplitModel(parts.bottom, parts.trunk, parts.top, task="causal-lm", config=parts.config)
+        acc = accuracy(model, test, "text", setting.privacy, batch=64)
+        g = torch.Generator().manual_seed(seed + 1)
+        pub_act, _, _ = observe(model, setting.privacy, attack_public, "text", task.batch_size, g)
+        priv_act, priv_grad, priv_ids = observe(model, setting.privacy, attack_private, "text", task.batch_size, g)
+        # Label of position t is token t+1; the last position has none.
+        next_ids = priv_ids[:, 1:].reshape(-1)
+        grads = priv_grad[:, :-1].reshape(len(next_ids), -1)
+        result = {"task": task.name, "setting": setting.name, "accuracy": acc, **metrics,
+                  **invert_tokens(pub_act, collate(attack_public, "text").inputs, priv_act, priv_ids,
+                                  tok.vocab_size, task.attack_steps, g),
+                  **label_attacks(grads, next_ids, g)}
+        log.info("%s", result)
+        rows.append(result)
+    return rows
+
+
+# -- federated DP-SGD run through the Flower apps ----------------------------------------------------------------
+def client_train_private(cfg: Any, privacy: PrivacyConfig, state: dict[str, torch.Tensor], trunk: nn.Module,
+                         splits: Any, server_round: int, partition_id: int, proximal_mu: float = 0.0,
+                         privacy_state: Any = None) -> tuple[Any, dict[str, Any]]:
+    """``splitfed.runner.client_train`` with privacy: the integration docs/privacy.md proposes, line for line.
+
+    Returns the client's result and the accountants' state to keep in ``context.state``.
+    """
+    from splitfed.optim import make_optimizer
+    from splitfed.runner import ClientResult, _client_model, _proximal
+    from splitfed.split import unique_state
+    from splitfed.training import train
+
+    model = _client_model(cfg, state, trunk)
+    client_parts = model.client_modules()
+    optimizer = make_optimizer(cfg.optimizer, client_parts.parameters(), cfg.lr, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay)
+    before_step = _proximal(client_parts, proximal_mu) if proximal_mu > 0 else None
+    steps = cfg.local_steps or cfg.local_epochs * -(-len(splits.train) // cfg.batch_size)
+    # --- the privacy lines -------------------------------------------------------------------------
+    with ClientPrivacy(privacy, model, optimizer, dataset_size=len(splits.train), batch_size=cfg.batch_size,
+                       steps=steps, planned_steps=cfg.num_server_rounds * steps, state=privacy_state,
+                       after_noise=before_step) as private:  # unseeded: DP needs unpredictable noise
+        report = train(model, private.optimizer, private.batches(splits.train, splits.kind), steps,
+                       before_step=private.before_step, progress=f"round {server_round} local training")
+        metrics = report.metrics("train-")
+        metrics.update(private.metrics())
+        metrics["num-examples"] = private.expected_examples()  # the actual count depends on the sampling
+        new_state = private.state_dict()
+    return ClientResult(unique_state(client_parts), metrics), new_state
+
+
+#: Key of the client's privacy state in Flower's ``context.state``.
+PRIVACY_STATE = "splitfed-privacy"
+
+
+def private_client_app(privacy: PrivacyConfig) -> Any:
+    """A ClientApp like ``apps/client_app.py`` whose training adds ``privacy`` and keeps its accountants'
+    state in ``context.state`` across rounds."""
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from apps.client_app import _setup
+    from apps.client_app import evaluate as plain_evaluate
+    from splitfed.runner import SERVER_ROUND
+    from strategies import SPLITFED_RECORD
+
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        cfg, state, trunk, splits, partition_id = _setup(msg, context)
+        config = msg.content["config"]
+        previous = context.state[PRIVACY_STATE] if PRIVACY_STATE in context.state else None
+        try:
+            result, new_state = client_train_private(
+                cfg, privacy, state, trunk, splits, int(msg.content[SPLITFED_RECORD][SERVER_ROUND]), partition_id,
+                proximal_mu=float(config.get("proximal-mu", 0.0)), privacy_state=previous)
+        finally:
+            trunk.close()
+        context.state[PRIVACY_STATE] = ConfigRecord(new_state)
+        return Message(RecordDict({"arrays": ArrayRecord(torch_state_dict=result.state),
+                                   "metrics": MetricRecord(result.metrics)}), reply_to=msg)
+
+    app.evaluate()(plain_evaluate)
+    return app
+
+
+def run_federated(privacy: PrivacyConfig, rounds: int, local_steps: int, num_nodes: int = 4,
+                  **overrides: Any) -> dict[str, Any]:
+    """The real ServerApp and a (private) ClientApp over an in-process Grid; returns the last round's numbers."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from flower_harness import SUPERLINK_NODE, ThreadGrid, default_run_config  # the in-process Grid of the tests
+    from flwr.app import Context, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from apps.server_app import app as server_app
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = default_run_config(output_dir=str(Path(tmp) / "out"), num_server_rounds=rounds,
+                                    local_steps=local_steps, **overrides)
+        client_app = private_client_app(privacy)
+        grid = ThreadGrid(client_app, num_nodes, config, concurrency=2)
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = grid.run_id, SUPERLINK_NODE, 1
+        started = time.perf_counter()
+        try:
+            server_app(grid, Context(run_id=grid.run_id, node_id=SUPERLINK_NODE, node_config={}, state=RecordDict(),
+                                     run_config=config))
+        finally:
+            grid.close()
+        history = json.loads((Path(tmp) / "out" / "history.json").read_text())
+        states = {n: dict(c.state[PRIVACY_STATE]) for n, c in grid.contexts.items() if PRIVACY_STATE in c.state}
+    last = history["rounds"][-1]
+    return {"rounds": rounds, "local-steps": local_steps, "clients": num_nodes,
+            "eval-accuracy": [r["evaluate"].get("eval-accuracy") for r in history["rounds"]],
+            "train-epsilon": last["train"].get("train-epsilon"),
+            "noise-multiplier": last["train"].get("train-dp-noise-multiplier"),
+            "client-steps-accounted": sorted({sum(s["dp-steps"]) for s in states.values()}),
+            "seconds": time.perf_counter() - started}
+
+
+# -- command line ---------------------------------------------------------------------------------------------------
+COLUMNS = [("task", "{}"), ("setting", "{}"), ("epsilon", "{:.3g}"), ("cut-epsilon", "{:.3g}"),
+           ("cut-grad-epsilon", "{:.3g}"), ("accuracy", "{:.3f}"), ("inversion-ssim", "{:.3f}"),
+           ("inversion-mse", "{:.4f}"), ("token-recovery-acc", "{:.3f}"), ("label-norm-auc", "{:.3f}"),
+           ("label-cosine-auc", "{:.3f}"), ("label-known-10-acc", "{:.3f}"), ("train-seconds", "{:.0f}")]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """A markdown table of the harness rows ('-': not applicable)."""
+    head = "| " + " | ".join(c for c, _ in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        cells = []
+        for key, fmt in COLUMNS:
+            value = row.get(key)
+            cells.append("-" if value is None else fmt.format(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.leakage", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quick", action="store_true", help="fewer training and attack steps")
+    parser.add_argument("--only", nargs="*", choices=["mnist", "lm"], help="run only these tasks")
+    parser.add_argument("--federated", action="store_true",
+                        help="DP-SGD (epsilon 8, delta 1e-5) vs no privacy through the Flower apps, 4 clients")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--local-steps", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: robust on a shared 2-core machine; more oversubscribes there)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING)
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    torch.manual_seed(args.seed)
+    out: dict[str, Any] = {"machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}"}
+    if args.federated:
+        base = {"lr": 0.05, "batch-size": 64}
+        plain = run_federated(PrivacyConfig(), args.rounds, args.local_steps, **base)
+        private = run_federated(PrivacyConfig(dp_target_epsilon=8.0, dp_delta=1e-5, dp_max_grad_norm=1.0),
+                                args.rounds, args.local_steps, **base)
+        out.update({"no-privacy": plain, "dp-sgd": private})
+        text = "\n".join(f"{name:>11}: eval accuracy by round {[round(a, 4) for a in r['eval-accuracy']]}, "
+                         f"epsilon {r['train-epsilon']}, noise multiplier {r['noise-multiplier']}, {r['seconds']:.0f}s"
+                         for name, r in [("no privacy", plain), ("DP-SGD", private)])
+    else:
+        rows: list[dict[str, Any]] = []
+        started = time.perf_counter()
+        if not args.only or "mnist" in args.only:
+            rows += run_mnist(mnist_task(args.quick), args.seed)
+        if not args.only or "lm" in args.only:
+            rows += run_lm(lm_task(args.quick), args.seed)
+        out.update({"rows": rows, "seconds": time.perf_counter() - started,
+                    "command": "python -m bench.leakage" + (" --quick" if args.quick else "")})
+        text = table(rows) + f"\n\n{out['machine']}; {out['seconds']:.0f} s"
+    if args.json:
+        json.dump(out, sys.stdout, indent=1, default=float)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
