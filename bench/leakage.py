@@ -110,6 +110,7 @@ def train_setting(parts: Any, setting: Setting, data: Any, kind: str, steps: int
     """Train bottom+top on ``data`` against a trunk server on loopback, with ``setting``'s privacy."""
     from splitfed.channel.client import RemoteTrunk
     from splitfed.channel.server import TrunkServer
+    from splitfed.errors import ChannelError, TensorValueError
     from splitfed.training import train
 
     server = TrunkServer(parts.trunk, insecure=True, lr=setting.lr, momentum=0.9).start()
@@ -120,7 +121,11 @@ def train_setting(parts: Any, setting: Setting, data: Any, kind: str, steps: int
     try:
         with ClientPrivacy(setting.privacy, model, optimizer, dataset_size=len(data), batch_size=batch_size,
                            steps=steps, planned_steps=steps, seed=seed) as privacy:
-            report = train(model, privacy.optimizer, privacy.batches(data, kind), steps)
+            try:
+                report = train(model, privacy.optimizer, privacy.batches(data, kind), steps)
+            except (ChannelError, TensorValueError) as exc:  # NaN/Inf activations or loss: diverged
+                log.warning("%s diverged: %s", setting.name, exc)
+                return {**privacy.metrics(""), "diverged": 1.0, "train-seconds": time.perf_counter() - started}
             metrics = privacy.metrics("")
     finally:
         trunk.close()
@@ -289,6 +294,9 @@ def run_mnist(task: Task, seed: int = 0) -> list[dict[str, Any]]:
         torch.manual_seed(seed)
         parts = split_model(mnist_cnn(), (3, 6))
         metrics = train_setting(parts, setting, private, "image", task.steps, task.batch_size, seed)
+        if metrics.get("diverged"):
+            rows.append({"task": task.name, "setting": setting.name + " (diverged)", **metrics})
+            continue
         model = SplitModel(parts.bottom, parts.trunk, parts.top, task="classification")
         acc = accuracy(model, test, "image", setting.privacy)
         g = torch.Generator().manual_seed(seed + 1)
@@ -321,6 +329,9 @@ def run_lm(task: Task, seed: int = 0) -> list[dict[str, Any]]:
         model_full = GPT2LMHeadModel(tiny_gpt2_config(tok.vocab_size, layers=4, hidden=128, heads=4, positions=64))
         parts = split_model(model_full, (1, 3))
         metrics = train_setting(parts, setting, private, "text", task.steps, task.batch_size, seed)
+        if metrics.get("diverged"):
+            rows.append({"task": task.name, "setting": setting.name + " (diverged)", **metrics})
+            continue
         model = SplitModel(parts.bottom, parts.trunk, parts.top, task="causal-lm", config=parts.config)
         acc = accuracy(model, test, "text", setting.privacy, batch=64)
         g = torch.Generator().manual_seed(seed + 1)

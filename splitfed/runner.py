@@ -241,7 +241,9 @@ class ServerRunner:
         self.server = TrunkServer(self.runtime, host=cfg.trunk_bind, port=cfg.trunk_port,
                                   insecure=cfg.trunk_insecure, credentials=credentials, model_name=cfg.model,
                                   cuts=self.cuts, authenticate=None if self.tokens is None else
-                                  self.tokens.authenticate)
+                                  self.tokens.authenticate,
+                                  metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port,
+                                  metrics_host=cfg.trunk_bind)
         self._round_started = time.monotonic()
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -296,6 +298,9 @@ class ServerRunner:
                              now - self._round_started)
         self._round_started = now
         self.history = [r for r in self.history if r.round != server_round] + [record]
+        epsilon = max((v for k, v in record.train.items() if k.endswith("epsilon")), default=None)
+        if epsilon is not None and self.server.metrics is not None:
+            self.server.metrics.set_epsilon(float(epsilon))
         self.checkpoint(server_round)
         ev = record.evaluate
         log.info("round %d done in %.1fs: train loss %.4f, eval loss %s, eval accuracy %s, trunk version %d",

@@ -48,6 +48,7 @@ class Report:
         }
         if training:
             out[f"{prefix}steps"] = self.steps
+            out[f"{prefix}step-seconds"] = self.seconds / self.steps if self.steps else 0.0
             out[f"{prefix}trunk-version"] = self.trunk_version
             for name in ("APPLIED", "DOWNWEIGHTED", "REJECTED_STALE", "REJECTED_GUARD"):
                 out[f"{prefix}trunk-{name.lower().replace('_', '-')}"] = self.outcomes.get(name, 0)

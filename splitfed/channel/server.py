@@ -23,6 +23,7 @@ from torch import nn
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel import split_channel_pb2_grpc as pb_grpc
+from splitfed.channel.metrics import TrunkMetrics
 from splitfed.channel.wire import assemble, decode_single, decode_state, encode, frames, payload_bytes
 from splitfed.codec import TensorLimits, WireDType
 from splitfed.tuning import tune_malloc
@@ -176,6 +177,7 @@ class SplitChannelServicer(pb_grpc.SplitChannelServicer):
         self.cuts = cuts
         self.authenticate = authenticate
         self.sessions = sessions
+        self.metrics: Any = None  # TrunkMetrics when the server exports metrics
 
     # -- helpers ---------------------------------------------------------------
     def _identity(self, context: grpc.ServicerContext) -> tuple[str, bool]:
@@ -233,6 +235,8 @@ class SplitChannelServicer(pb_grpc.SplitChannelServicer):
         if not req.activation_id:
             raise CodecError("activation_id is empty; send a unique id per forward")
         state = decode_state(tensors, self.tensor_limits)
+        if self.metrics is not None:
+            self.metrics.tensors("received", tensors)
         if req.session_id:
             if self.sessions is None:
                 raise SessionNotFoundError("this server does not serve inference sessions")
@@ -242,6 +246,8 @@ class SplitChannelServicer(pb_grpc.SplitChannelServicer):
                                                 num_examples=req.num_examples, retry=retry)
         reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
         encs = [encode("hidden", out, reply_dtype)]
+        if self.metrics is not None:
+            self.metrics.tensors("sent", encs)
         if unary and payload_bytes(encs) > self.limits.stream_threshold_bytes:
             if req.train and not req.session_id:
                 self.runtime.forget(client, req.activation_id)
@@ -253,9 +259,13 @@ class SplitChannelServicer(pb_grpc.SplitChannelServicer):
                   ) -> tuple[pb.BackwardReply, list]:
         client, retry = self._identity(context)
         grad = decode_single(tensors, "grad", self.tensor_limits)
+        if self.metrics is not None:
+            self.metrics.tensors("received", tensors)
         res = self.runtime.backward(client, req.activation_id, grad, retry=retry)
         reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
         encs = [encode("grad", res.grad_in, reply_dtype)]
+        if self.metrics is not None:
+            self.metrics.tensors("sent", encs)
         reply = pb.BackwardReply(activation_id=req.activation_id, trunk_version=res.result.version,
                                  outcome=_OUTCOME[res.result.outcome], staleness=res.result.staleness)
         return reply, encs
@@ -343,7 +353,8 @@ class TrunkServer:
                  max_workers: int = 64, model_name: str = "", cuts: tuple[int, int] | None = None,
                  authenticate: Callable[[dict[str, str]], str] | None = None, sessions: Any = None,
                  interceptors: list[grpc.ServerInterceptor] | None = None,
-                 session_limits: SessionLimits = SessionLimits()) -> None:
+                 session_limits: SessionLimits = SessionLimits(), metrics_port: int | None = None,
+                 metrics_host: str = "127.0.0.1") -> None:
         tune_malloc()
         if credentials is None and not insecure:
             raise ConfigError("the trunk server needs TLS credentials, or insecure=True to serve plaintext "
@@ -363,9 +374,18 @@ class TrunkServer:
         self._credentials = credentials
         self.servicer = SplitChannelServicer(self.runtime, limits, model_name=model_name, cuts=cuts,
                                              authenticate=authenticate, sessions=sessions)
+        interceptors = list(interceptors or [])
+        self.metrics: TrunkMetrics | None = None
+        self._metrics_port, self._metrics_host, self.metrics_port = metrics_port, metrics_host, 0
+        if metrics_port is not None:
+            self.metrics = TrunkMetrics()
+            self.metrics.watch(self.runtime, sessions)
+            self.runtime.aggregator.observer = self.metrics.observe_aggregator
+            self.servicer.metrics = self.metrics
+            interceptors.insert(0, self.metrics.interceptor())
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                               thread_name_prefix="splitfed-trunk"),
-                                   options=limits.grpc_options(), interceptors=interceptors or [],
+                                   options=limits.grpc_options(), interceptors=interceptors,
                                    maximum_concurrent_rpcs=max_workers * 4)
         self._server.add_generic_rpc_handlers((method_handlers(self.servicer),))
         self.health = health.HealthServicer()
@@ -393,6 +413,8 @@ class TrunkServer:
         if not self.port:
             raise ConfigError(f"could not bind the trunk server to {target}; is the port in use?")
         self._server.start()
+        if self.metrics is not None:
+            self.metrics_port = self.metrics.serve(self._metrics_port or 0, self._metrics_host)
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._janitor = threading.Thread(target=self._sweep_loop, name="splitfed-janitor", daemon=True)
@@ -413,6 +435,8 @@ class TrunkServer:
         self._stopping.set()
         self.health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        if self.metrics is not None:
+            self.metrics.stop()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server stops (or ``timeout``)."""

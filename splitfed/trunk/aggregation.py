@@ -140,6 +140,12 @@ class TrunkAggregator:
         self._get_version: GetVersion = lambda: self._steps_applied
         self._apply: ApplyUpdate | None = None
         self.stats: dict[str, int] = {o.value: 0 for o in Outcome} | {"dropped-members": 0, "steps": 0}
+        #: Called with ("wait_seconds" | "bucket_size" | "staleness", value); metrics hook in here.
+        self.observer: Callable[[str, float], None] | None = None
+
+    def _observe(self, kind: str, value: float) -> None:
+        if self.observer is not None:
+            self.observer(kind, value)
 
     # -- wiring -----------------------------------------------------------
     def bind(self, apply_update: ApplyUpdate, get_version: GetVersion | None = None) -> None:
@@ -203,9 +209,11 @@ class TrunkAggregator:
         """Hand over one gradient; blocks until the mode has decided what to do with it."""
         if self._apply is None:
             raise RuntimeError("aggregator is not bound to a trunk; call bind() first")
+        entered = time.monotonic()
         with self._cond:
             self._members.add(c.client_id)
             staleness = self.version - c.version_seen
+            self._observe("staleness", max(staleness, 0))
             if staleness > 0:
                 return self._handle_stale(c, staleness)
             bucket = self._bucket
@@ -220,6 +228,7 @@ class TrunkAggregator:
                     self._apply_on_timeout(bucket)
                     break
                 self._cond.wait(remaining)
+            self._observe("wait_seconds", time.monotonic() - entered)
             return bucket.result[id(c)]
 
     def _handle_stale(self, c: Contribution, staleness: int) -> Result:
@@ -258,6 +267,7 @@ class TrunkAggregator:
         """Called when a bucket times out, with the members that did not contribute."""
 
     def _close(self, bucket: _Bucket) -> None:
+        self._observe("bucket_size", len(bucket.items))
         update = self.combine(bucket.items)
         if update is not None:
             self._step(update)

@@ -1,0 +1,108 @@
+"""Prometheus metrics moved by the right amounts, a dashboard that queries only exported metrics,
+JSON logs with context, plots and the report command."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitfed.channel.client import TrunkClient
+from splitfed.split import CutState, split_model
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "docs" / "grafana" / "splitfed-dashboard.json"
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def _value(samples, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_count_rpcs_bytes_and_steps_exactly(trunk_server) -> None:
+    split = split_model(tiny_model("llama").train(), cuts=(1, 3))
+    server = trunk_server(split.trunk, metrics_port=0)
+    client = TrunkClient(server.address, insecure=True)
+    steps, batch, length = 4, 2, 5
+    hidden_bytes = batch * length * 32 * 4
+    for _ in range(steps):
+        act = uuid.uuid4().hex
+        out, _ = client.forward(CutState(torch.randn(batch, length, 32)), activation_id=act, train=True)
+        client.backward(act, torch.ones_like(out))
+    with pytest.raises(Exception):
+        client.backward("no-such-activation", torch.ones(batch, length, 32))
+    s = _scrape(server.metrics_port)
+    assert _value(s, "splitfed_rpc_total", method="Forward", code="OK") == steps
+    assert _value(s, "splitfed_rpc_total", method="Backward", code="OK") == steps
+    assert _value(s, "splitfed_rpc_total", method="Backward", code="NOT_FOUND") == 1
+    assert _value(s, "splitfed_rpc_seconds_count", method="Forward") == steps
+    # Received: hidden per forward and the gradient per backward (the refused one was decoded too).
+    assert _value(s, "splitfed_wire_bytes_total", direction="received", dtype="float32") == \
+        steps * 2 * hidden_bytes + hidden_bytes
+    assert _value(s, "splitfed_wire_bytes_total", direction="sent", dtype="float32") == steps * 2 * hidden_bytes
+    assert _value(s, "splitfed_trunk_steps_total") == steps == _value(s, "splitfed_trunk_version")
+    assert _value(s, "splitfed_gradients_total", outcome="applied") == steps
+    assert _value(s, "splitfed_gradient_staleness_count") == steps
+    assert _value(s, "splitfed_step_gradients_sum") == steps
+    assert _value(s, "splitfed_saved_forwards") == 0 and _value(s, "splitfed_saved_forward_bytes") == 0
+    assert _value(s, "process_resident_memory_bytes") > 0
+
+
+def test_dashboard_is_grafana_json_and_queries_only_exported_metrics(trunk_server) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["title"] and dashboard["schemaVersion"] >= 30 and dashboard["panels"]
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert all(p["type"] == "timeseries" and p["gridPos"] and p["targets"] for p in dashboard["panels"])
+    split = split_model(tiny_model("llama").train(), cuts=(1, 3))
+    server = trunk_server(split.trunk, metrics_port=0)
+    client = TrunkClient(server.address, insecure=True)
+    act = uuid.uuid4().hex
+    out, _ = client.forward(CutState(torch.randn(1, 3, 32)), activation_id=act, train=True)
+    client.backward(act, torch.ones_like(out))
+    exported = {name for name, _ in _scrape(server.metrics_port)}
+    names = {m for e in exprs for m in re.findall(r"\b((?:splitfed|process)_[a-z_]+)", e)}
+    assert names and names <= exported, sorted(names - exported)
+
+
+def test_json_logs_carry_run_round_client_and_step(capsys) -> None:
+    from splitfed.logs import setup_logging
+
+    setup_logging("DEBUG", json_lines=True, run_id=42)
+    logging.getLogger("splitfed.test").info("round done", extra={"round": 3, "client": "node-7", "step": 11})
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    record = json.loads(line)
+    assert record["message"] == "round done" and record["level"] == "INFO"
+    assert (record["run_id"], record["round"], record["client"], record["step"]) == (42, 3, "node-7", 11)
+    setup_logging("WARNING")
+
+
+def test_run_leaves_plots_and_history_and_report_redraws_them(tmp_path: Path, capsys) -> None:
+    from flower_harness import run_apps
+
+    from splitfed.cli import main
+
+    _, out = run_apps(tmp_path, num_nodes=2, concurrency=2, num_server_rounds=2, local_steps=3)
+    for name in ("loss.png", "accuracy.png", "bytes.png", "seconds.png", "history.json"):
+        assert (out / name).stat().st_size > 0, name
+    redraw = tmp_path / "redraw"
+    assert main(["report", str(out), "--plots-dir", str(redraw)]) == 0
+    table = capsys.readouterr().out
+    assert "train-loss" in table and len([ln for ln in table.splitlines() if ln.strip()[:1].isdigit()]) == 2
+    for name in ("loss.png", "accuracy.png", "bytes.png", "seconds.png"):
+        assert (redraw / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
