@@ -22,15 +22,17 @@ def _cuts(text: str) -> tuple[int, int]:
 
 def _serve(args: argparse.Namespace) -> int:
     from splitfed.channel.server import TrunkServer
-    from splitfed.models import NAMED, build_model
-    from splitfed.split import split_model
+    from splitfed.config import RunConfig
+    from splitfed.parts import build_parts, is_pretrained, model_cuts
     from splitfed.trunk.aggregation import make_aggregator
 
-    model = build_model(args.model, seed=args.seed)
-    cuts = args.cuts or (NAMED[args.model].default_cuts if args.model in NAMED else None)
-    if cuts is None:
-        raise SystemExit("--cuts A,B is required for this model")
-    parts = split_model(model, cuts)
+    cfg = RunConfig(model=args.model, cuts=args.cuts, seed=args.seed, lora_rank=args.lora_rank)
+    try:
+        cuts = model_cuts(cfg)
+    except Exception:
+        raise SystemExit("--cuts A,B is required for this model") from None
+    # A pretrained model's trunk is read alone from the checkpoint (part-only loading).
+    parts = build_parts(cfg, ("trunk",) if is_pretrained(cfg) else ("bottom", "trunk", "top"))
     credentials = None
     if not args.insecure:
         from splitfed.channel.security import server_credentials
@@ -158,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-staleness", type=int, default=4)
     serve.add_argument("--trunk-timeout", type=float, default=60.0)
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on the trunk")
     serve.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="generate text with a split model (the trunk's KV cache on a server)")

@@ -1,0 +1,45 @@
+"""`splitfed serve` serves a trunk standalone (plaintext only with --insecure) that clients train against."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+
+import torch
+
+from splitfed.channel.client import TrunkClient
+from splitfed.split import CutState
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_command_serves_the_trunk() -> None:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "splitfed.cli", "serve", "--model", "mnist-cnn", "--cuts", "3,6",
+                             "--port", str(port), "--insecure", "--trunk-mode", "async"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = TrunkClient(f"127.0.0.1:{port}", insecure=True)
+        client.wait_ready(60)
+        info = client.info()
+        assert (info.model, list(info.cuts), info.trunk_mode) == ("mnist-cnn", [3, 6], "async")
+        act = uuid.uuid4().hex
+        out, version = client.forward(CutState(torch.randn(2, 32, 14, 14)), activation_id=act, train=True)
+        assert out.shape == (2, 64, 7, 7) and version == 0
+        assert client.backward(act, torch.ones_like(out)).trunk_version == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+
+
+def test_serve_refuses_plaintext_without_insecure() -> None:
+    result = subprocess.run([sys.executable, "-m", "splitfed.cli", "serve", "--model", "mnist-cnn", "--port", "0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "--insecure" in result.stderr
