@@ -62,6 +62,13 @@ def test_metrics_count_rpcs_bytes_and_steps_exactly(trunk_server) -> None:
     assert _value(s, "splitfed_step_gradients_sum") == steps
     assert _value(s, "splitfed_saved_forwards") == 0 and _value(s, "splitfed_saved_forward_bytes") == 0
     assert _value(s, "process_resident_memory_bytes") > 0
+    # Inference sessions: KV-cache bytes appear while a session is open.
+    session, _ = client.open_session(max_length=8)
+    client.forward(CutState(torch.randn(1, 3, 32)), train=False, session_id=session)
+    s = _scrape(server.metrics_port)
+    assert _value(s, "splitfed_inference_sessions") == 1 and _value(s, "splitfed_kv_cache_bytes") > 0
+    client.close_session(session)
+    assert _value(_scrape(server.metrics_port), "splitfed_kv_cache_bytes") == 0
 
 
 def test_dashboard_is_grafana_json_and_queries_only_exported_metrics(trunk_server) -> None:

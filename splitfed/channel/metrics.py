@@ -193,8 +193,10 @@ class _RuntimeCollector(Collector):
                                   value=rt.stats.get("recomputed", 0))
         sessions = self.sessions
         if sessions is not None:
-            stats = getattr(sessions, "stats", {}) or {}
-            yield GaugeMetricFamily("splitfed_inference_sessions", "Open inference sessions",
-                                    value=float(stats.get("sessions", getattr(sessions, "count", 0) or 0)))
+            state = sessions.describe()
+            yield GaugeMetricFamily("splitfed_inference_sessions", "Open inference sessions", value=state["open"])
             yield GaugeMetricFamily("splitfed_kv_cache_bytes", "Bytes held by inference KV caches",
-                                    value=float(stats.get("bytes_held", getattr(sessions, "bytes_held", 0) or 0)))
+                                    value=state["bytes_held"])
+            yield CounterMetricFamily("splitfed_inference_steps", "Inference session steps", value=state["steps"])
+            yield CounterMetricFamily("splitfed_sessions_evicted", "Inference sessions evicted when idle",
+                                      value=state["evicted_idle"])
