@@ -28,9 +28,16 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--only", nargs="*", choices=sorted(SUITES), help="run only these suites")
     parser.add_argument("--device", default="cpu", help="device for model benchmarks (cpu, cuda)")
+    parser.add_argument("--split-config", default="", help='split-step model and batch, e.g. "layers=12 hidden=768 '
+                        'heads=12 vocab=50257 batch=16 seq=512 bf16=1" (default: the tiny GPT-2)')
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     tune_malloc()  # as the trunk server and client do; applies to both sides of every comparison
+    for item in args.split_config.split():
+        key, _, value = item.partition("=")
+        if key not in core.SPLIT_STEP:
+            parser.error(f"--split-config: unknown key {key!r}; known: {', '.join(core.SPLIT_STEP)}")
+        core.SPLIT_STEP[key] = int(value)
     results: dict[str, object] = {
         "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
                    f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}",
@@ -39,6 +46,8 @@ def main() -> int:
         fn = SUITES[name]
         kwargs = {"device": args.device} if "device" in fn.__code__.co_varnames else {}
         results.update(fn(**kwargs))
+    if "split_step" in (args.only or list(SUITES)):
+        results["split_step_config"] = " ".join(f"{k}={v}" for k, v in core.SPLIT_STEP.items())
     if args.json:
         print(json.dumps(results, indent=None, sort_keys=True))
     else:

@@ -54,27 +54,47 @@ def interleaved(a: Callable[[], object], b: Callable[[], object], repeat: int, w
 
 
 # -- split step -------------------------------------------------------------------
+#: The split-step model and batch; ``python -m bench --split-config "layers=12 hidden=768 ..."`` changes them.
+SPLIT_STEP: dict[str, int] = {"layers": 6, "hidden": 256, "heads": 4, "vocab": 8192, "batch": 8, "seq": 128,
+                              "bf16": 0}
+
+
 def _gpt2(seed: int = 0) -> torch.nn.Module:
     from splitfed.models import tiny_gpt2_config
     from transformers import GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(tiny_gpt2_config(8192, layers=6, hidden=256, heads=4, positions=128)).train()
+    c = SPLIT_STEP
+    return GPT2LMHeadModel(tiny_gpt2_config(c["vocab"], layers=c["layers"], hidden=c["hidden"], heads=c["heads"],
+                                            positions=c["seq"])).train()
 
 
-def _serve_trunk(cuts: tuple[int, int], port_queue: Any, stop: Any, threads: int, device: str) -> None:
+def _cuts() -> tuple[int, int]:
+    n = SPLIT_STEP["layers"]
+    return n // 3, n - n // 3
+
+
+def _trunk_server(device: str, settings: dict[str, int]) -> Any:
     from splitfed.channel.server import TrunkServer
     from splitfed.split import split_model
+    from splitfed.trunk.runtime import TrunkRuntime
 
+    SPLIT_STEP.update(settings)
+    trunk = split_model(_gpt2().to(device), _cuts()).trunk
+    runtime = TrunkRuntime(trunk, torch.optim.SGD(trunk.parameters(), lr=1e-3),
+                           autocast_dtype=torch.bfloat16 if settings["bf16"] else None)
+    return TrunkServer(runtime, insecure=True).start()
+
+
+def _serve_trunk(settings: dict[str, int], port_queue: Any, stop: Any, threads: int, device: str) -> None:
     torch.set_num_threads(threads)
-    parts = split_model(_gpt2().to(device), cuts)
-    server = TrunkServer(parts.trunk, insecure=True, optimizer="sgd", lr=1e-3).start()
+    server = _trunk_server(device, settings)
     port_queue.put(server.port)
     stop.wait()
     server.stop(grace=0)
 
 
-def split_step_ratio(repeat: int = 10, batch: int = 8, seq: int = 128, device: str = "cpu") -> dict[str, float]:
+def split_step_ratio(repeat: int = 10, device: str = "cpu") -> dict[str, float]:
     """Split step over loopback / unsplit step, tiny GPT-2; the trunk server in this process and in another.
 
     ``split_step_ratio`` serves the trunk from a thread of this process (the
@@ -83,42 +103,48 @@ def split_step_ratio(repeat: int = 10, batch: int = 8, seq: int = 128, device: s
     in a deployment, but on the same cores as the client.
     """
     from splitfed.channel.client import RemoteTrunk
-    from splitfed.channel.server import TrunkServer
     from splitfed.split import SplitModel, split_model
 
-    cuts = (2, 4)
+    cuts, settings = _cuts(), dict(SPLIT_STEP)
+    batch, seq, bf16 = settings["batch"], settings["seq"], bool(settings["bf16"])
     ctx = mp.get_context("spawn")
     port_queue, stop = ctx.Queue(), ctx.Event()
     threads = torch.get_num_threads()
-    proc = ctx.Process(target=_serve_trunk, args=(cuts, port_queue, stop, threads, device), daemon=True)
+    proc = ctx.Process(target=_serve_trunk, args=(settings, port_queue, stop, threads, device), daemon=True)
     proc.start()
-    in_process = TrunkServer(split_model(_gpt2().to(device), cuts).trunk, insecure=True, optimizer="sgd",
-                             lr=1e-3).start()
+    in_process = _trunk_server(device, settings)
     out: dict[str, float] = {}
     try:
         addresses = {"": in_process.address, "_process": f"127.0.0.1:{port_queue.get(timeout=120)}"}
         ref = _gpt2().to(device)
         opt_ref = torch.optim.SGD(ref.parameters(), lr=1e-3)
-        ids = torch.randint(0, 8192, (batch, seq), device=device)
+        ids = torch.randint(0, settings["vocab"], (batch, seq), device=device)
+
+        def autocast() -> Any:
+            return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16)
 
         def sync() -> None:
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
 
         def ref_step() -> None:
-            ref(input_ids=ids, labels=ids).loss.backward()
+            with autocast():
+                loss = ref(input_ids=ids, labels=ids).loss
+            loss.backward()
             opt_ref.step()
             opt_ref.zero_grad()
             sync()
 
         for suffix, address in addresses.items():
             parts = split_model(_gpt2().to(device), cuts)
-            remote = RemoteTrunk(address, insecure=True)
+            remote = RemoteTrunk(address, insecure=True, wire_dtype="bf16" if bf16 else "fp32")
             model = SplitModel(parts.bottom, remote, parts.top, task="causal-lm")
             opt_split = torch.optim.SGD(parts.client_modules().parameters(), lr=1e-3)
 
             def split_step() -> None:
-                model(ids, labels=ids).loss.backward()
+                with autocast():
+                    loss = model(ids, labels=ids).loss
+                loss.backward()
                 opt_split.step()
                 opt_split.zero_grad()
                 sync()

@@ -1,0 +1,94 @@
+"""The CUDA paths: parts on a GPU, activations to and from host memory over the channel, bf16 autocast,
+generation with a GPU trunk. Skipped without a GPU (run on a GPU machine: ``python -m pytest tests/test_cuda.py``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import batch_for, tiny_model
+
+from splitfed.channel.client import RemoteTrunk, TrunkClient
+from splitfed.split import SplitModel, split_model
+from splitfed.trunk.runtime import TrunkRuntime
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "gemma"])
+def test_split_forward_on_gpu_equals_unsplit(arch: str) -> None:
+    model = tiny_model(arch).to(CUDA)
+    ref = copy.deepcopy(model)
+    ids, mask, _ = batch_for(arch, padded=True)
+    ids, mask = ids.to(CUDA), mask.to(CUDA)
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask).logits
+        got = split_model(model, (1, 3))(ids, attention_mask=mask).logits
+    assert (want - got)[mask.bool()].abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_five_gpu_steps_over_grpc_equal_unsplit(arch: str, trunk_server) -> None:
+    model = tiny_model(arch).train().to(CUDA)
+    ref = copy.deepcopy(model)
+    split = split_model(model, (1, 3))
+    server = trunk_server(TrunkRuntime(split.trunk, torch.optim.AdamW(split.trunk.parameters(), lr=1e-2)))
+    client = SplitModel(split.bottom, RemoteTrunk(server.address, insecure=True), split.top, task="causal-lm")
+    opt = torch.optim.AdamW(split.client_modules().parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ids, mask, labels = (t.to(CUDA) for t in batch_for(arch, padded=True))
+    for _ in range(5):
+        client(ids, attention_mask=mask, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    diff = max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+    assert diff <= 1e-5
+    assert next(split.trunk.parameters()).is_cuda
+
+
+def test_bf16_autocast_on_gpu_trains(trunk_server) -> None:
+    model = tiny_model("llama").train().to(CUDA)
+    split = split_model(model, (1, 3))
+    server = trunk_server(TrunkRuntime(split.trunk, torch.optim.AdamW(split.trunk.parameters(), lr=1e-2),
+                                       autocast_dtype=torch.bfloat16))
+    client = SplitModel(split.bottom, RemoteTrunk(server.address, insecure=True, wire_dtype="bf16"), split.top,
+                        task="causal-lm")
+    opt = torch.optim.AdamW(split.client_modules().parameters(), lr=1e-2)
+    ids, mask, labels = (t.to(CUDA) for t in batch_for("llama", batch=4, length=16))
+    losses = []
+    for _ in range(8):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = client(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_greedy_generation_with_a_gpu_trunk_equals_unsplit(trunk_server) -> None:
+    from splitfed.generation import RemoteSession, generate
+
+    model = tiny_model("llama").to(CUDA)
+    ref = copy.deepcopy(model)
+    split = split_model(model, (1, 3))
+    server = trunk_server(split.trunk)
+    ids = torch.randint(3, 90, (1, 6), device=CUDA)
+    want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                        pad_token_id=0)
+    with RemoteSession(TrunkClient(server.address, insecure=True), max_length=18) as session:
+        got = generate(split.bottom, session, split.top, ids, max_new_tokens=12)
+    assert torch.equal(got[:, -12:].cpu(), want[:, -12:].cpu())
