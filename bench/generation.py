@@ -57,7 +57,7 @@ def _nocache_generate(bottom: Any, client: Any, top: Any, ids: torch.Tensor, new
         for _ in range(new_tokens):
             state = bottom(ids)
             hidden, _ = client.forward(state, train=False)
-            logits = top(CutState(hidden.clone(), state.attention_mask, state.position_ids))
+            logits = top(CutState(hidden.to(ids.device, copy=True), state.attention_mask, state.position_ids))
             ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     return ids
 

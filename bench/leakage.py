@@ -413,7 +413,8 @@ def private_client_app(privacy: PrivacyConfig) -> Any:
                 proximal_mu=float(config.get("proximal-mu", 0.0)), privacy_state=previous)
         finally:
             trunk.close()
-        context.state[PRIVACY_STATE] = ConfigRecord(new_state)
+        if new_state:
+            context.state[PRIVACY_STATE] = ConfigRecord(new_state)
         return Message(RecordDict({"arrays": ArrayRecord(torch_state_dict=result.state),
                                    "metrics": MetricRecord(result.metrics)}), reply_to=msg)
 
@@ -450,7 +451,7 @@ def run_federated(privacy: PrivacyConfig, rounds: int, local_steps: int, num_nod
             "eval-accuracy": [r["evaluate"].get("eval-accuracy") for r in history["rounds"]],
             "train-epsilon": last["train"].get("train-epsilon"),
             "noise-multiplier": last["train"].get("train-dp-noise-multiplier"),
-            "client-steps-accounted": sorted({sum(s["dp-steps"]) for s in states.values()}),
+            "client-steps-accounted": sorted({sum(s.get("dp-steps", [])) for s in states.values()}),
             "seconds": time.perf_counter() - started}
 
 
@@ -483,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="DP-SGD (epsilon 8, delta 1e-5) vs no privacy through the Flower apps, 4 clients")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--local-steps", type=int, default=30)
+    parser.add_argument("--dp-lr", type=float, default=0.2, help="client learning rate of the DP-SGD run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: robust on a shared 2-core machine; more oversubscribes there)")
@@ -498,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         base = {"lr": 0.05, "batch-size": 64}
         plain = run_federated(PrivacyConfig(), args.rounds, args.local_steps, **base)
         private = run_federated(PrivacyConfig(dp_target_epsilon=8.0, dp_delta=1e-5, dp_max_grad_norm=1.0),
-                                args.rounds, args.local_steps, **base)
+                                args.rounds, args.local_steps, **{**base, "lr": args.dp_lr, "trunk-lr": base["lr"]})
         out.update({"no-privacy": plain, "dp-sgd": private})
         text = "\n".join(f"{name:>11}: eval accuracy by round {[round(a, 4) for a in r['eval-accuracy']]}, "
                          f"epsilon {r['train-epsilon']}, noise multiplier {r['noise-multiplier']}, {r['seconds']:.0f}s"

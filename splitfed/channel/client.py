@@ -323,8 +323,13 @@ class RemoteTrunk(nn.Module):
             # The anchor makes the output require grad even when the bottom is frozen,
             # so the trunk and top still train.
             anchor = torch.empty(0, requires_grad=True)
-            out = _RemoteTrunkFunction.apply(state.hidden, anchor, self, state)
-            return state.with_hidden(out)
+            # The remote call happens on host tensors (they are encoded from host memory anyway), so that
+            # autograd runs this node's backward on the calling thread, not on a GPU's autograd worker
+            # thread: a trunk served from the same process needs that worker for its own backward.
+            device = state.hidden.device
+            hidden = state.hidden if device.type == "cpu" else state.hidden.to("cpu")
+            out = _RemoteTrunkFunction.apply(hidden, anchor, self, state)
+            return state.with_hidden(out if device.type == "cpu" else out.to(device))
         out, version = self.client.forward(state.with_hidden(state.hidden.detach()), train=False)
         self.last_version = version
         return state.with_hidden(out.to(device=state.hidden.device, dtype=state.hidden.dtype))

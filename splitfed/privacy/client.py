@@ -162,9 +162,14 @@ class ClientPrivacy:
                 max_grad_norm=config.dp_max_grad_norm, delta=config.dp_delta, accountant=config.dp_accountant,
                 accountant_state=state, unsupported=config.dp_unsupported,  # type: ignore[arg-type]
                 after_noise=after_noise, generator=self.generator)
-        self.cut = config.cut_noise_module(self.sample_rate, state, self.generator)
-        if self.cut is not None:
-            self.cut.install(model)
+        try:
+            self.cut = config.cut_noise_module(self.sample_rate, state, self.generator)
+            if self.cut is not None:
+                self.cut.install(model)
+        except Exception:
+            if self.dp is not None:
+                self.dp.close()
+            raise
         #: The optimizer the client loop steps: opacus' DPOptimizer with DP-SGD on, else the one given.
         self.optimizer: torch.optim.Optimizer = self.dp.optimizer if self.dp is not None else optimizer
         #: The client loop's ``before_step``: None with DP-SGD (the DP optimizer runs it after the noise).

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -93,7 +93,6 @@ class CutStats:
     gradient_norms: torch.Tensor | None = None
     forwards: int = 0
     backwards: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class CutNoise:
