@@ -122,7 +122,7 @@ def test_lora_trains_only_adapters_on_every_part_over_grpc(tmp_path: Path, arch:
     assert sum(t.numel() * t.element_size() for t in after.values()) < full_bytes / 4
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "gemma"])
 def test_lora_run_exports_a_model_with_the_split_models_logits(tmp_path: Path, arch: str) -> None:
     from flower_harness import run_apps
     from transformers import AutoModelForCausalLM
@@ -204,3 +204,18 @@ def test_smollm2_named_model_loads_offline_and_answers() -> None:
     assert "Paris" in tok.decode(out[0])
     split = load_parts("smollm2-135m", roles=("trunk",))
     assert parts_nbytes(split, ("trunk",)) > 50e6
+
+
+@pytest.mark.slow
+def test_smollm2_split_greedy_generation_equals_unsplit() -> None:
+    from splitfed.generation import generate
+
+    tok = load_tokenizer("smollm2-135m")
+    ref = load_model("smollm2-135m").eval()
+    parts = load_parts("smollm2-135m", roles=("bottom", "trunk", "top"))
+    batch = tok(["The capital of France is", "Two plus two equals"], return_tensors="pt", padding=True,
+                padding_side="left")
+    want = ref.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    got = generate(parts.bottom, parts.trunk, parts.top, batch["input_ids"], batch["attention_mask"],
+                   max_new_tokens=12, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    assert torch.equal(got, want)
