@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from splitfed.config import RunConfig
@@ -19,6 +19,9 @@ from splitfed.runner import (
 from strategies import SPLITFED_RECORD
 
 app = ClientApp()
+
+#: Where a node keeps its privacy accountant between rounds (Flower's per-node context.state).
+PRIVACY_STATE = "splitfed-privacy"
 
 
 def _setup(msg: Message, context: Context) -> tuple[RunConfig, dict, object, object, int]:
@@ -38,11 +41,15 @@ def train(msg: Message, context: Context) -> Message:
     """One round of local split training; replies with the updated client parts and metrics."""
     cfg, state, trunk, splits, partition_id = _setup(msg, context)
     config = msg.content["config"]
+    previous = context.state[PRIVACY_STATE] if PRIVACY_STATE in context.state else None
     try:
         result = client_train(cfg, state, trunk, splits, int(msg.content[SPLITFED_RECORD][SERVER_ROUND]),
-                              partition_id, proximal_mu=float(config.get("proximal-mu", 0.0)))
+                              partition_id, proximal_mu=float(config.get("proximal-mu", 0.0)),
+                              privacy_state=previous)
     finally:
         trunk.close()
+    if result.privacy_state:  # the DP accountant outlives this process (deployments run one per message)
+        context.state[PRIVACY_STATE] = ConfigRecord(result.privacy_state)
     return Message(RecordDict({"arrays": ArrayRecord(torch_state_dict=result.state),
                                "metrics": MetricRecord(result.metrics)}), reply_to=msg)
 

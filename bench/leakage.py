@@ -12,8 +12,9 @@ split channel on loopback (client loop, ``ClientPrivacy``, trunk server), then a
   10 examples) and direction attack (AUC of ``cos(g_i, g_j)`` for "same label"; and the accuracy of labelling
   every example like the most similar of the examples whose label the server knows, one per label: 1-shot).
 
-``python -m bench.leakage --federated`` instead runs the Flower ServerApp with 4 clients whose ClientApp adds
-DP-SGD (dp-target-epsilon 8, delta 1e-5), beside the same run without privacy, and prints their accuracy.
+``python -m bench.leakage --federated`` instead runs the main job with ``flwr run . local`` (4 clients) with
+DP-SGD (``dp-target-epsilon=8``, ``dp-delta=1e-5``) beside the same run without privacy, and prints accuracy
+and epsilon per round.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Setting:
     name: str
     privacy: PrivacyConfig
     lr: float = 0.05
+    optimizer: str = "sgd"  # sgd (momentum 0.9) or adam, on the client parts and the trunk
 
 
 @dataclass(frozen=True)
@@ -69,9 +71,9 @@ class Task:
 
 # -- settings ------------------------------------------------------------------------------------------
 def _settings(act_clip: float, act: tuple[float, float], grad_clip: float, grad: float, lr: float,
-              dp_lr: float) -> tuple[Setting, ...]:
+              dp_lr: float, optimizer: str = "sgd") -> tuple[Setting, ...]:
     """No defence; activation noise at two levels; gradient (label) noise; DP-SGD at epsilon 8; all three."""
-    return (
+    return tuple(replace(s, optimizer=optimizer) for s in (
         Setting("none", PrivacyConfig(), lr),
         Setting(f"act-noise {act[0]}", PrivacyConfig(cut_noise_clip=act_clip, cut_noise_sigma=act[0]), lr),
         Setting(f"act-noise {act[1]}", PrivacyConfig(cut_noise_clip=act_clip, cut_noise_sigma=act[1]), lr),
@@ -79,7 +81,7 @@ def _settings(act_clip: float, act: tuple[float, float], grad_clip: float, grad:
         Setting("dp-sgd eps 8", PrivacyConfig(dp_target_epsilon=8.0, dp_max_grad_norm=1.0), dp_lr),
         Setting("all three", PrivacyConfig(dp_target_epsilon=8.0, cut_noise_clip=act_clip, cut_noise_sigma=act[1],
                                            cut_grad_clip=grad_clip, cut_grad_sigma=grad), dp_lr),
-    )
+    ))
 
 
 def mnist_task(quick: bool) -> Task:
@@ -95,17 +97,21 @@ def mnist_task(quick: bool) -> Task:
 def lm_task(quick: bool) -> Task:
     """Tiny GPT-2 (4 blocks, hidden 128) cut at (1, 3) on byte-level pydoc windows of 64 tokens.
 
-    Activations (64 x 128 per example) are clipped to 3 (about their norm at initialisation), returned
-    gradients to 0.5 (about 0.63 at initialisation). Noise on all 8,192 coordinates of an example costs this
-    model far more than the CNN: gradient noise of 0.02 and above diverges, so the levels are lower.
+    Activations (64 x 128 per example) are clipped to 30: their norm is 3 at initialisation but about 35
+    after 20 steps (the embeddings grow). Returned gradients are clipped to 0.5 (about 0.63 at
+    initialisation). Noise on all 8,192 coordinates of an example costs this model far more than the CNN:
+    gradient noise of 0.02 and above diverges with SGD here, so the levels are lower.
     """
     return Task("tiny-gpt2", 40 if quick else 120, 16, 100 if quick else 300,
-                _settings(act_clip=3.0, act=(0.001, 0.005), grad_clip=0.5, grad=0.01, lr=0.05, dp_lr=0.1))
+                _settings(act_clip=30.0, act=(0.001, 0.005), grad_clip=0.5, grad=0.01, lr=0.05, dp_lr=0.1))
 
 
 # -- training through the split channel ---------------------------------------------------------------
-def _client_optimizer(model: SplitModel, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.SGD([p for p in model.client_modules().parameters() if p.requires_grad], lr=lr, momentum=0.9)
+def _client_optimizer(model: SplitModel, setting: Setting) -> torch.optim.Optimizer:
+    params = [p for p in model.client_modules().parameters() if p.requires_grad]
+    if setting.optimizer == "adam":
+        return torch.optim.Adam(params, lr=setting.lr)
+    return torch.optim.SGD(params, lr=setting.lr, momentum=0.9)
 
 
 def train_setting(parts: Any, setting: Setting, data: Any, kind: str, steps: int, batch_size: int,
@@ -116,10 +122,10 @@ def train_setting(parts: Any, setting: Setting, data: Any, kind: str, steps: int
     from splitfed.errors import ChannelError, TensorValueError
     from splitfed.training import train
 
-    server = TrunkServer(parts.trunk, insecure=True, lr=setting.lr, momentum=0.9).start()
+    server = TrunkServer(parts.trunk, insecure=True, optimizer=setting.optimizer, lr=setting.lr, momentum=0.9).start()
     trunk = RemoteTrunk(f"127.0.0.1:{server.port}", insecure=True)
     model = SplitModel(parts.bottom, trunk, parts.top, task=parts.task, config=parts.config)
-    optimizer = _client_optimizer(model, setting.lr)
+    optimizer = _client_optimizer(model, setting)
     started = time.perf_counter()
     try:
         with ClientPrivacy(setting.privacy, model, optimizer, dataset_size=len(data), batch_size=batch_size,
@@ -240,6 +246,12 @@ def ssim(a: torch.Tensor, b: torch.Tensor, window: int = 7) -> float:
     return float(s.mean())
 
 
+def _standardize(public: torch.Tensor, private: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """Scale both by the public data's per-feature mean and std (what any attacker does first)."""
+    mean, std = public.mean(dims, keepdim=True), public.std(dims, keepdim=True).clamp_min(1e-8)
+    return (public - mean) / std, (private - mean) / std
+
+
 def _fit(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable[..., torch.Tensor],
          steps: int, batch: int, generator: torch.Generator, lr: float = 2e-3) -> nn.Module:
     opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -255,6 +267,7 @@ def invert_images(public_act: torch.Tensor, public_x: torch.Tensor, private_act:
                   private_x: torch.Tensor, steps: int, generator: torch.Generator) -> dict[str, float]:
     """Train a decoder activation -> image on public data; score it on the private activations."""
     channels = public_act.shape[1]
+    public_act, private_act = _standardize(public_act, private_act, (0, 2, 3))
     decoder = nn.Sequential(nn.Conv2d(channels, 32, 3, padding=1), nn.ReLU(),
                             nn.ConvTranspose2d(32, 1, 4, stride=2, padding=1), nn.Sigmoid())
     _fit(decoder, public_act, public_x, nn.functional.mse_loss, steps, 64, generator)
@@ -271,6 +284,7 @@ def invert_tokens(public_act: torch.Tensor, public_ids: torch.Tensor, private_ac
                   private_ids: torch.Tensor, vocab: int, steps: int, generator: torch.Generator) -> dict[str, float]:
     """Train a per-position probe hidden state -> token id on public windows; accuracy on private ones."""
     hidden = public_act.shape[-1]
+    public_act, private_act = _standardize(public_act, private_act, (0, 1))
     probe = nn.Sequential(nn.Linear(hidden, 256), nn.ReLU(), nn.Linear(256, vocab))
     _fit(probe, public_act.reshape(-1, hidden), public_ids.reshape(-1), nn.functional.cross_entropy, steps, 512,
          generator)
@@ -353,105 +367,27 @@ def run_lm(task: Task, seed: int = 0) -> list[dict[str, Any]]:
     return rows
 
 
-# -- federated DP-SGD run through the Flower apps ----------------------------------------------------------------
-def client_train_private(cfg: Any, privacy: PrivacyConfig, state: dict[str, torch.Tensor], trunk: nn.Module,
-                         splits: Any, server_round: int, partition_id: int, proximal_mu: float = 0.0,
-                         privacy_state: Any = None) -> tuple[Any, dict[str, Any]]:
-    """``splitfed.runner.client_train`` with privacy: the integration docs/privacy.md proposes, line for line.
+# -- federated DP-SGD run through `flwr run` ------------------------------------------------------------------
+def run_federated(rounds: int, local_steps: int, num_nodes: int = 4, **overrides: Any) -> dict[str, Any]:
+    """The main job through ``flwr run . local`` with run-config ``overrides``; returns its per-round numbers."""
+    import subprocess
 
-    Returns the client's result and the accountants' state to keep in ``context.state``.
-    """
-    from splitfed.optim import make_optimizer
-    from splitfed.runner import ClientResult, _client_model, _proximal
-    from splitfed.split import unique_state
-    from splitfed.training import train
-
-    model = _client_model(cfg, state, trunk)
-    client_parts = model.client_modules()
-    optimizer = make_optimizer(cfg.optimizer, client_parts.parameters(), cfg.lr, momentum=cfg.momentum,
-                               weight_decay=cfg.weight_decay)
-    before_step = _proximal(client_parts, proximal_mu) if proximal_mu > 0 else None
-    steps = cfg.local_steps or cfg.local_epochs * -(-len(splits.train) // cfg.batch_size)
-    # --- the privacy lines -------------------------------------------------------------------------
-    with ClientPrivacy(privacy, model, optimizer, dataset_size=len(splits.train), batch_size=cfg.batch_size,
-                       steps=steps, planned_steps=cfg.num_server_rounds * steps, state=privacy_state,
-                       after_noise=before_step) as private:  # unseeded: DP needs unpredictable noise
-        report = train(model, private.optimizer, private.batches(splits.train, splits.kind), steps,
-                       before_step=private.before_step, progress=f"round {server_round} local training")
-        metrics = report.metrics("train-")
-        metrics.update(private.metrics())
-        metrics["num-examples"] = private.expected_examples()  # the actual count depends on the sampling
-        new_state = private.state_dict()
-    return ClientResult(unique_state(client_parts), metrics), new_state
-
-
-#: Key of the client's privacy state in Flower's ``context.state``.
-PRIVACY_STATE = "splitfed-privacy"
-
-
-def private_client_app(privacy: PrivacyConfig) -> Any:
-    """A ClientApp like ``apps/client_app.py`` whose training adds ``privacy`` and keeps its accountants'
-    state in ``context.state`` across rounds."""
-    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
-    from flwr.clientapp import ClientApp
-
-    from apps.client_app import _setup
-    from apps.client_app import evaluate as plain_evaluate
-    from splitfed.runner import SERVER_ROUND
-    from strategies import SPLITFED_RECORD
-
-    app = ClientApp()
-
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        cfg, state, trunk, splits, partition_id = _setup(msg, context)
-        config = msg.content["config"]
-        previous = context.state[PRIVACY_STATE] if PRIVACY_STATE in context.state else None
-        try:
-            result, new_state = client_train_private(
-                cfg, privacy, state, trunk, splits, int(msg.content[SPLITFED_RECORD][SERVER_ROUND]), partition_id,
-                proximal_mu=float(config.get("proximal-mu", 0.0)), privacy_state=previous)
-        finally:
-            trunk.close()
-        if new_state:
-            context.state[PRIVACY_STATE] = ConfigRecord(new_state)
-        return Message(RecordDict({"arrays": ArrayRecord(torch_state_dict=result.state),
-                                   "metrics": MetricRecord(result.metrics)}), reply_to=msg)
-
-    app.evaluate()(plain_evaluate)
-    return app
-
-
-def run_federated(privacy: PrivacyConfig, rounds: int, local_steps: int, num_nodes: int = 4,
-                  **overrides: Any) -> dict[str, Any]:
-    """The real ServerApp and a (private) ClientApp over an in-process Grid; returns the last round's numbers."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from flower_harness import SUPERLINK_NODE, ThreadGrid, default_run_config  # the in-process Grid of the tests
-    from flwr.app import Context, RecordDict
-    from flwr.supercore.task_identity import TaskIdentity
-
-    from apps.server_app import app as server_app
-
+    env = dict(os.environ, FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1", FLWR_TELEMETRY_ENABLED="0",
+               FLWR_DISABLE_UPDATE_CHECK="1")
     with tempfile.TemporaryDirectory() as tmp:
-        config = default_run_config(output_dir=str(Path(tmp) / "out"), num_server_rounds=rounds,
-                                    local_steps=local_steps, **overrides)
-        client_app = private_client_app(privacy)
-        grid = ThreadGrid(client_app, num_nodes, config, concurrency=2)
-        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = grid.run_id, SUPERLINK_NODE, 1
+        out = Path(tmp) / "out"
+        values = {"num-server-rounds": rounds, "local-steps": local_steps, "output-dir": str(out), **overrides}
+        config = " ".join(f"{k}='{v}'" if isinstance(v, str) else f"{k}={v}" for k, v in values.items())
         started = time.perf_counter()
-        try:
-            server_app(grid, Context(run_id=grid.run_id, node_id=SUPERLINK_NODE, node_config={}, state=RecordDict(),
-                                     run_config=config))
-        finally:
-            grid.close()
-        history = json.loads((Path(tmp) / "out" / "history.json").read_text())
-        states = {n: dict(c.state[PRIVACY_STATE]) for n, c in grid.contexts.items() if PRIVACY_STATE in c.state}
-    last = history["rounds"][-1]
+        subprocess.run(["flwr", "run", ".", "local", "--stream", "--run-config", config, "--federation-config",
+                        f"num-supernodes={num_nodes} client-resources-num-cpus=1"], cwd=ROOT, env=env, check=True,
+                       stdout=subprocess.DEVNULL)
+        history = json.loads((out / "history.json").read_text())
+    rounds_ = sorted(history["rounds"], key=lambda r: r["round"])
     return {"rounds": rounds, "local-steps": local_steps, "clients": num_nodes,
-            "eval-accuracy": [r["evaluate"].get("eval-accuracy") for r in history["rounds"]],
-            "train-epsilon": last["train"].get("train-epsilon"),
-            "noise-multiplier": last["train"].get("train-dp-noise-multiplier"),
-            "client-steps-accounted": sorted({sum(s.get("dp-steps", [])) for s in states.values()}),
+            "eval-accuracy": [r["evaluate"].get("eval-accuracy") for r in rounds_],
+            "train-epsilon": [r["train"].get("train-epsilon") for r in rounds_],
+            "noise-multiplier": rounds_[-1]["train"].get("train-dp-noise-multiplier"),
             "seconds": time.perf_counter() - started}
 
 
@@ -498,12 +434,14 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}"}
     if args.federated:
         base = {"lr": 0.05, "batch-size": 64}
-        plain = run_federated(PrivacyConfig(), args.rounds, args.local_steps, **base)
-        private = run_federated(PrivacyConfig(dp_target_epsilon=8.0, dp_delta=1e-5, dp_max_grad_norm=1.0),
-                                args.rounds, args.local_steps, **{**base, "lr": args.dp_lr, "trunk-lr": base["lr"]})
+        plain = run_federated(args.rounds, args.local_steps, **base)
+        private = run_federated(args.rounds, args.local_steps, **{
+            **base, "lr": args.dp_lr, "trunk-lr": base["lr"], "dp-target-epsilon": 8.0, "dp-delta": 1e-5,
+            "dp-max-grad-norm": 1.0})
         out.update({"no-privacy": plain, "dp-sgd": private})
         text = "\n".join(f"{name:>11}: eval accuracy by round {[round(a, 4) for a in r['eval-accuracy']]}, "
-                         f"epsilon {r['train-epsilon']}, noise multiplier {r['noise-multiplier']}, {r['seconds']:.0f}s"
+                         f"epsilon by round {r['train-epsilon']}, noise multiplier {r['noise-multiplier']}, "
+                         f"{r['seconds']:.0f}s"
                          for name, r in [("no privacy", plain), ("DP-SGD", private)])
     else:
         rows: list[dict[str, Any]] = []

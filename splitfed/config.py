@@ -85,6 +85,18 @@ class RunConfig:
     token_ttl: float = 3600.0
     wire_dtype: str = "fp32"
     precision: str = "fp32"  # bf16: autocast on every part
+    # Privacy (see docs/privacy.md).
+    dp_noise_multiplier: float = 0.0  # DP-SGD noise / clip on the client parts; 0 with dp-target-epsilon 0: off
+    dp_target_epsilon: float = 0.0  # > 0: derive the noise to spend this over num-server-rounds x local steps
+    dp_max_grad_norm: float = 1.0
+    dp_delta: float = 1e-5
+    dp_accountant: str = "prv"  # prv or rdp
+    dp_unsupported: str = "error"  # or "freeze": layers opacus cannot handle
+    cut_noise_clip: float = 0.0  # clip each example's activation sent to the trunk; 0: off
+    cut_noise_sigma: float = 0.0
+    cut_noise_eval: bool = True
+    cut_grad_clip: float = 0.0  # clip each example's gradient sent back (protects labels); 0: off
+    cut_grad_sigma: float = 0.0
     # Outputs.
     output_dir: str = "outputs"
     resume: bool = False  # resume from the output folder's checkpoint (after a crash)
@@ -152,6 +164,9 @@ class RunConfig:
             raise ConfigError("trunk-insecure = false needs tls-cert and tls-key (and tls-root-ca for clients)")
         if self.trunk_advertise and ":" not in self.trunk_advertise:
             raise ConfigError(f"trunk-advertise must be host:port, got {self.trunk_advertise!r}")
+        from splitfed.privacy import PrivacyConfig  # lazy: keeps config import-light
+
+        PrivacyConfig.from_mapping(self.to_mapping())  # ConfigError naming the privacy key
 
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:

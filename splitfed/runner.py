@@ -50,6 +50,7 @@ from splitfed.parts import (
     state_nbytes,
     trainable_state,
 )
+from splitfed.privacy import ClientPrivacy, PrivacyConfig, install_eval_noise
 from splitfed.split import SplitModel
 from splitfed.training import evaluate, perplexity, train
 
@@ -110,6 +111,7 @@ class ClientResult:
 
     state: dict[str, torch.Tensor]
     metrics: dict[str, float | int]
+    privacy_state: dict[str, Any] = field(default_factory=dict)  # the DP accountant, kept across rounds
 
 
 def _client_model(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Module) -> SplitModel:
@@ -145,8 +147,14 @@ def _proximal(parts: nn.Module, mu: float) -> Any:
 
 
 def client_train(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Module, splits: Splits,
-                 server_round: int, partition_id: int, proximal_mu: float = 0.0) -> ClientResult:
-    """One round of local training: returns the updated bottom/top state and the round's metrics."""
+                 server_round: int, partition_id: int, proximal_mu: float = 0.0,
+                 privacy_state: Mapping[str, Any] | None = None) -> ClientResult:
+    """One round of local training: returns the updated bottom/top state and the round's metrics.
+
+    With differential privacy on (``dp-*``, ``cut-*`` keys), training runs under
+    :class:`~splitfed.privacy.ClientPrivacy` (opacus DP-SGD on the client parts, noise at
+    the cut) and ``privacy_state`` carries the accountant from round to round.
+    """
     model = _client_model(cfg, state, trunk)
     parts = model.client_modules()
     optimizer = make_optimizer(cfg.optimizer, parts.parameters(), cfg.lr, momentum=cfg.momentum,
@@ -159,13 +167,26 @@ def client_train(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Mo
     else:
         data = batches(splits.train, cfg.batch_size, splits.kind, seed=seed)
         steps = cfg.local_steps
-    report = train(model, optimizer, data, steps, before_step=before_step, autocast_dtype=_autocast(cfg),
-                   progress=f"round {server_round} local training")
-    metrics = report.metrics("train-")
-    metrics["num-examples"] = report.num_examples
+    privacy = PrivacyConfig.from_mapping(cfg.to_mapping())
+    progress = f"round {server_round} local training"
+    if privacy.enabled:
+        with ClientPrivacy(privacy, model, optimizer, dataset_size=len(splits.train), batch_size=cfg.batch_size,
+                           steps=steps, planned_steps=cfg.num_server_rounds * steps, state=privacy_state,
+                           after_noise=before_step) as private:
+            report = train(model, private.optimizer, private.batches(splits.train, splits.kind), steps,
+                           before_step=private.before_step, autocast_dtype=_autocast(cfg), progress=progress)
+            metrics = {**report.metrics("train-"), **private.metrics()}
+            metrics["num-examples"] = private.expected_examples()
+            new_privacy_state = private.state_dict()
+    else:
+        report = train(model, optimizer, data, steps, before_step=before_step, autocast_dtype=_autocast(cfg),
+                       progress=progress)
+        metrics = report.metrics("train-")
+        metrics["num-examples"] = report.num_examples
+        new_privacy_state = {}
     new_state = client_state(SplitModel(model.bottom, model.trunk, model.top, task=model.task))
     metrics["train-state-bytes"] = state_nbytes(new_state)
-    return ClientResult(new_state, metrics)
+    return ClientResult(new_state, metrics, new_privacy_state)
 
 
 def _autocast(cfg: RunConfig) -> torch.dtype | None:
@@ -176,8 +197,13 @@ def client_evaluate(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn
                     ) -> dict[str, float | int]:
     """Forward-only evaluation of the global client parts with the trunk on the held-out split."""
     model = _client_model(cfg, state, trunk)
-    report = evaluate(model, batches(splits.test, cfg.batch_size, splits.kind, shuffle=False, epochs=1),
-                      max_batches=cfg.eval_batches)
+    noise = install_eval_noise(PrivacyConfig.from_mapping(cfg.to_mapping()), model)
+    try:
+        report = evaluate(model, batches(splits.test, cfg.batch_size, splits.kind, shuffle=False, epochs=1),
+                          max_batches=cfg.eval_batches)
+    finally:
+        if noise is not None:
+            noise.remove()
     metrics = report.metrics("eval-", training=False)
     metrics["num-examples"] = report.num_examples
     if model.task == "causal-lm":

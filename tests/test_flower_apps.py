@@ -98,10 +98,10 @@ def test_a_failing_client_does_not_stop_the_round(tmp_path, monkeypatch) -> None
 
     real = client_app.client_train
 
-    def flaky(cfg, state, trunk, splits, server_round, partition_id, proximal_mu=0.0):
+    def flaky(cfg, state, trunk, splits, server_round, partition_id, **kwargs):
         if partition_id == 1:
             raise RuntimeError("device unplugged")
-        return real(cfg, state, trunk, splits, server_round, partition_id, proximal_mu)
+        return real(cfg, state, trunk, splits, server_round, partition_id, **kwargs)
 
     monkeypatch.setattr(client_app, "client_train", flaky)
     _, out = run_apps(tmp_path, num_nodes=3, concurrency=3, num_server_rounds=1, local_steps=4, trunk_timeout=5.0)

@@ -477,12 +477,22 @@ def test_client_side_central_dp_clips_on_the_client(tmp_path) -> None:
     assert not _STASH
 
 
-def test_private_client_app_keeps_the_accountant_in_context_state() -> None:
-    from bench.leakage import run_federated
+def test_private_client_app_keeps_the_accountant_in_context_state(tmp_path) -> None:
+    """The real ServerApp and ClientApp with DP-SGD and cut noise set in the run config."""
+    import json
 
-    out = run_federated(PrivacyConfig(dp_noise_multiplier=1.0, cut_noise_clip=20.0, cut_noise_sigma=0.01),
-                        rounds=2, local_steps=3, num_nodes=2, batch_size=16)
-    assert out["client-steps-accounted"] == [6]  # 3 steps in each of 2 rounds, across fresh client models
+    from flower_harness import run_apps
+
+    grid, out = run_apps(tmp_path, num_nodes=2, concurrency=2, num_server_rounds=2, local_steps=3, batch_size=16,
+                         dp_noise_multiplier=1.0, cut_noise_clip=20.0, cut_noise_sigma=0.01)
+    states = {n: dict(c.state["splitfed-privacy"]) for n, c in grid.contexts.items()
+              if "splitfed-privacy" in c.state}
+    assert len(states) == 2
+    # 3 steps in each of 2 rounds, accounted across fresh client models (the state lives in context.state).
+    assert sorted({sum(s.get("dp-steps", [])) for s in states.values()}) == [6]
+    rounds = json.loads((out / "history.json").read_text())["rounds"]
     q = 16 / 2000  # each of 2 clients holds 2,000 training images
-    assert out["train-epsilon"] == pytest.approx(_opacus_epsilon([(1.0, q, 6)]), rel=1e-6)
-    assert out["noise-multiplier"] == 1.0 and len(out["eval-accuracy"]) == 2
+    assert rounds[-1]["train"]["train-epsilon"] == pytest.approx(_opacus_epsilon([(1.0, q, 6)]), rel=1e-6)
+    assert rounds[0]["train"]["train-epsilon"] < rounds[1]["train"]["train-epsilon"]
+    assert rounds[-1]["train"]["train-dp-noise-multiplier"] == 1.0 and "train-cut-epsilon" in rounds[-1]["train"]
+    assert (out / "epsilon.png").exists()

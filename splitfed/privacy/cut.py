@@ -47,8 +47,8 @@ def clip_and_noise(x: torch.Tensor, clip: float, sigma: float, *, scale: float =
     its example's own loss: pass ``scale=batch_size`` for such gradients.
 
     Returns ``(noised, norms)`` where ``norms`` are the rows' norms before clipping
-    (after scaling). Pure: differentiable in ``x`` (the clip factor is treated as a
-    constant), does not modify ``x``.
+    (after scaling). Pure: differentiable in ``x`` (through the clip factor too), does
+    not modify ``x``.
     """
     if clip <= 0:
         raise ConfigError(f"the clip norm must be > 0, got {clip}")
@@ -57,9 +57,10 @@ def clip_and_noise(x: torch.Tensor, clip: float, sigma: float, *, scale: float =
     if x.shape[0] == 0:
         return x, x.new_zeros(0)
     y = x.float() * scale
-    norms = y.detach().flatten(1).norm(dim=1)
-    factor = (clip / (norms + 1e-12)).clamp(max=1.0)
+    norms = y.flatten(1).norm(dim=1)
+    factor = (clip / (norms + 1e-12)).clamp(max=1.0)  # differentiable: the bottom learns what is really sent
     y = y * factor.view(-1, *([1] * (y.dim() - 1)))
+    norms = norms.detach()
     if sigma > 0:
         noise = torch.randn(y.shape, generator=generator, device=y.device, dtype=y.dtype)
         y = y + noise * (sigma * clip)
