@@ -20,8 +20,6 @@ and epsilon per round.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
 import json
 import logging
 import os
@@ -40,7 +38,7 @@ import torch
 from torch import nn
 
 from splitfed.data import ByteTokenizer, collate, mnist, text_windows
-from splitfed.privacy import ClientPrivacy, CutNoise, PrivacyConfig
+from splitfed.privacy import ClientPrivacy, PrivacyConfig
 from splitfed.split import SplitModel, split_model
 
 log = logging.getLogger("bench.leakage")

@@ -67,9 +67,9 @@ def load_exported(path: str | Path) -> nn.Module:
     folder = Path(path)
     meta_file = folder / SPLITFED_JSON
     if (folder / "config.json").exists():
-        from splitfed.models import load_pretrained
+        from splitfed.llm import load_model
 
-        return load_pretrained(str(folder))
+        return load_model(str(folder))
     if not meta_file.exists():
         raise ModelLoadError(f"{folder} holds neither config.json nor {SPLITFED_JSON}; is it an export folder?")
     from safetensors.torch import load_file

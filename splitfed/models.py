@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from splitfed.errors import ConfigError, ModelLoadError
+from splitfed.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +53,8 @@ NAMED: dict[str, ModelInfo] = {
 
 def build_model(name: str, *, seed: int = 0, vocab_size: int | None = None, dtype: torch.dtype | None = None,
                 attn_implementation: str | None = None) -> nn.Module:
-    """Build a model by name: a named model of :data:`NAMED`, a local folder or a hub id.
-
-    Hub ids load with ``from_pretrained`` semantics (the Hugging Face cache, or
-    the network where there is one); ``HF_HUB_OFFLINE=1`` forbids the network.
-    """
+    """Build a model by name: a named model of :data:`NAMED`, else a pretrained one (a named LLM, a local
+    folder or a hub id, through :func:`splitfed.llm.load_model`)."""
     torch.manual_seed(seed)
     if name == "mnist-cnn":
         return mnist_cnn()
@@ -69,28 +64,7 @@ def build_model(name: str, *, seed: int = 0, vocab_size: int | None = None, dtyp
         if vocab_size is None:
             raise ConfigError("tiny-gpt2 needs the tokenizer's vocab_size")
         return GPT2LMHeadModel(tiny_gpt2_config(vocab_size))
-    return load_pretrained(name, dtype=dtype, attn_implementation=attn_implementation)
+    from splitfed.llm import load_model
 
-
-def load_pretrained(name_or_path: str, *, dtype: torch.dtype | None = None, attn_implementation: str | None = None,
-                    **kwargs: Any) -> nn.Module:
-    """``AutoModelForCausalLM`` (or, for BERT, sequence classification) from a folder or a hub id."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    path = Path(name_or_path).expanduser()
-    where = str(path) if path.exists() else name_or_path
-    try:
-        config = AutoConfig.from_pretrained(where)
-    except (OSError, ValueError) as exc:
-        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
-        raise ModelLoadError(
-            f"cannot load model {name_or_path!r}: not a local folder with config.json"
-            + (" and HF_HUB_OFFLINE=1 forbids the hub" if offline else ", and the hub lookup failed")
-            + f" ({exc})") from exc
-    cls = AutoModelForSequenceClassification if config.model_type == "bert" else AutoModelForCausalLM
-    extra = dict(kwargs)
-    if dtype is not None:
-        extra["dtype"] = dtype
-    if attn_implementation is not None:
-        extra["attn_implementation"] = attn_implementation
-    return cls.from_pretrained(where, **extra)
+    extra = {} if attn_implementation is None else {"_attn_implementation": attn_implementation}
+    return load_model(name, dtype=dtype, **extra)

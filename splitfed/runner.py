@@ -34,7 +34,7 @@ from splitfed.data import (
     partition,
     text_windows,
 )
-from splitfed.errors import ConfigError, ModelLoadError
+from splitfed.errors import ModelLoadError
 from splitfed.models import NAMED
 from splitfed.optim import make_optimizer
 from splitfed.parts import (

@@ -355,7 +355,7 @@ def saved_gpt2(tmp_path):
 
 
 def _expected_text(path, tokenizer, prompt: str, n: int) -> str:
-    from splitfed.models import load_pretrained
+    from splitfed.llm import load_model as load_pretrained
 
     model = load_pretrained(str(path)).eval()
     ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -376,7 +376,7 @@ def test_cli_generate_with_a_local_trunk(saved_gpt2, capsys) -> None:
 
 def test_cli_generate_with_a_remote_trunk(saved_gpt2, trunk_server, capsys) -> None:
     from splitfed.cli import main
-    from splitfed.models import load_pretrained
+    from splitfed.llm import load_model as load_pretrained
 
     path, tokenizer = saved_gpt2
     server = trunk_server(split_model(load_pretrained(str(path)).eval(), CUTS).trunk, cuts=CUTS)

@@ -3,7 +3,6 @@ bounded give-up, and memory that returns to baseline."""
 
 from __future__ import annotations
 
-import copy
 import multiprocessing as mp
 import threading
 import time

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import datetime
-import time
 import uuid
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 from conftest import tiny_model

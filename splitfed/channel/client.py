@@ -26,7 +26,7 @@ from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel import split_channel_pb2_grpc as pb_grpc
 from splitfed.channel.server import CLIENT_ID_KEY, SERVICE_NAME, ChannelLimits
 from splitfed.channel.wire import assemble, decode_single, encode, encode_state, frames, payload_bytes
-from splitfed.codec import EncodedTensor, TensorLimits, WireDType, wire_dtype
+from splitfed.codec import EncodedTensor, TensorLimits, WireDType
 from splitfed.tuning import tune_malloc
 from splitfed.errors import ChannelError, ConfigError
 from splitfed.split.base import CutState

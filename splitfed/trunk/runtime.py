@@ -217,7 +217,8 @@ class TrunkRuntime:
             return out_value, self._version
 
     # -- backward ------------------------------------------------------------
-    def backward(self, client_id: str, activation_id: str, grad: torch.Tensor, *, retry: bool = False) -> BackwardResult:
+    def backward(self, client_id: str, activation_id: str, grad: torch.Tensor, *,
+                 retry: bool = False) -> BackwardResult:
         """Gradient of the loss w.r.t. the forward's input; hand the trunk's gradient to the aggregator."""
         if retry:
             answered = self._answer_retry(client_id, activation_id)
