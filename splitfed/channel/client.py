@@ -27,6 +27,7 @@ from splitfed.channel import split_channel_pb2_grpc as pb_grpc
 from splitfed.channel.server import CLIENT_ID_KEY, SERVICE_NAME, ChannelLimits
 from splitfed.channel.wire import assemble, decode_single, encode, encode_state, frames, payload_bytes
 from splitfed.codec import EncodedTensor, TensorLimits, WireDType
+from splitfed.codec import wire_dtype as to_wire_dtype
 from splitfed.tuning import tune_malloc
 from splitfed.errors import ChannelError, ConfigError
 from splitfed.split.base import CutState
@@ -105,7 +106,7 @@ class TrunkClient:
             raise ConfigError("the trunk client needs TLS credentials, or insecure=True for plaintext")
         self.address = address
         self.client_id = client_id or uuid.uuid4().hex[:12]
-        self.wire_dtype = globals()["wire_dtype"](wire_dtype)
+        self.wire_dtype = to_wire_dtype(wire_dtype)
         self.limits = limits
         self.retry = retry
         self.compression = compression
