@@ -16,7 +16,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 VOCAB = 97
-ARCHS = ("gpt2", "llama", "qwen2", "gemma", "mistral", "bert")
+ARCHS = ("gpt2", "llama", "qwen2", "qwen3", "gemma", "mistral", "bert")
 
 
 def tiny_config(arch: str, layers: int = 4, attn: str = "sdpa"):
@@ -37,6 +37,8 @@ def tiny_config(arch: str, layers: int = 4, attn: str = "sdpa"):
     elif arch == "gemma":
         cfg = tf.GemmaConfig(num_key_value_heads=2, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                              **common)
+    elif arch == "qwen3":
+        cfg = tf.Qwen3Config(num_key_value_heads=2, head_dim=8, **common)
     elif arch == "mistral":
         cfg = tf.MistralConfig(num_key_value_heads=2, sliding_window=None, **common)
     elif arch == "bert":
