@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -338,13 +337,3 @@ class RemoteTrunk(nn.Module):
     def close(self) -> None:
         """Close the connection."""
         self.client.close()
-
-
-def wait_for_server(address: str, timeout: float = 30.0, **client_kwargs: Any) -> None:
-    """Block until a trunk server answers at ``address``."""
-    deadline = time.monotonic() + timeout
-    client = TrunkClient(address, **client_kwargs)
-    try:
-        client.wait_ready(max(deadline - time.monotonic(), 0.1))
-    finally:
-        client.close()
