@@ -7,15 +7,9 @@ from flwr.clientapp import ClientApp
 
 from splitfed.config import RunConfig
 from splitfed.logs import setup_logging
-from splitfed.runner import (
-    SERVER_ROUND,
-    TRUNK_ADDRESS,
-    TRUNK_TOKEN,
-    client_evaluate,
-    client_train,
-    connect_trunk,
-    load_splits,
-)
+from splitfed.client import client_evaluate, client_train, connect_trunk
+from splitfed.messages import SERVER_ROUND, TRUNK_ADDRESS, TRUNK_TOKEN
+from splitfed.workload import load_splits
 from strategies import SPLITFED_RECORD
 
 app = ClientApp()

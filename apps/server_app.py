@@ -11,7 +11,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from splitfed.config import RunConfig
 from splitfed.logs import setup_logging
-from splitfed.runner import ServerRunner
+from splitfed.server import ServerRunner
 from strategies import SplitFed, build_strategy
 
 log = logging.getLogger("splitfed")

@@ -19,7 +19,7 @@ from flwr.supercore import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from splitfed.runner import ServerRunner
+from splitfed.server import ServerRunner
 
 #: Name of the per-node record SplitFed adds to train and evaluate messages.
 SPLITFED_RECORD = "splitfed"

@@ -1,0 +1,132 @@
+"""What a client does with one round's message, independent of Flower.
+
+:func:`client_train` trains the client parts (bottom and top) against the remote
+trunk; :func:`client_evaluate` evaluates them; :func:`connect_trunk` opens the
+channel to the run's trunk server.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from splitfed.config import RunConfig
+from splitfed.data import Splits, batches
+from splitfed.optim import make_optimizer
+from splitfed.parts import CLIENT_ROLES, build_parts, client_state, load_client_state, state_nbytes
+from splitfed.privacy import ClientPrivacy, PrivacyConfig, install_eval_noise
+from splitfed.split import SplitModel
+from splitfed.training import evaluate, perplexity, train
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ClientResult:
+    """A client's reply: its updated parts and what it measured."""
+
+    state: dict[str, torch.Tensor]
+    metrics: dict[str, float | int]
+    privacy_state: dict[str, Any] = field(default_factory=dict)  # the DP accountant, kept across rounds
+
+
+def _client_model(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Module) -> SplitModel:
+    split = build_parts(cfg, CLIENT_ROLES)
+    load_client_state(split, state)
+    return SplitModel(split.bottom, trunk, split.top, task=split.task, config=split.config)
+
+
+def connect_trunk(cfg: RunConfig, address: str, token: str | None, client_id: str) -> nn.Module:
+    """A :class:`~splitfed.channel.client.RemoteTrunk` to the run's trunk server (TLS when configured)."""
+    from splitfed.channel.client import RemoteTrunk, RetryPolicy
+
+    credentials = None
+    if not cfg.trunk_insecure:
+        from splitfed.channel.security import channel_credentials
+
+        credentials = channel_credentials(cfg.tls_root_ca or None)
+    return RemoteTrunk(address, client_id=client_id, insecure=cfg.trunk_insecure, credentials=credentials,
+                       token=token, wire_dtype=cfg.wire_dtype,
+                       retry=RetryPolicy(timeout_s=max(cfg.trunk_timeout * 3, 60.0)))
+
+
+def _proximal(parts: nn.Module, mu: float) -> Any:
+    """FedProx: add ``mu * (w - w_global)`` to every gradient before the step."""
+    anchors = [(p, p.detach().clone()) for p in parts.parameters() if p.requires_grad]
+
+    def add_term() -> None:
+        with torch.no_grad():
+            for p, p0 in anchors:
+                if p.grad is not None:
+                    p.grad.add_(p - p0, alpha=mu)
+    return add_term
+
+
+def client_train(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Module, splits: Splits,
+                 server_round: int, partition_id: int, proximal_mu: float = 0.0,
+                 privacy_state: Mapping[str, Any] | None = None) -> ClientResult:
+    """One round of local training: returns the updated bottom/top state and the round's metrics.
+
+    With differential privacy on (``dp-*``, ``cut-*`` keys), training runs under
+    :class:`~splitfed.privacy.ClientPrivacy` (opacus DP-SGD on the client parts, noise at
+    the cut) and ``privacy_state`` carries the accountant from round to round.
+    """
+    model = _client_model(cfg, state, trunk)
+    parts = model.client_modules()
+    optimizer = make_optimizer(cfg.optimizer, parts.parameters(), cfg.lr, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay)
+    before_step = _proximal(parts, proximal_mu) if proximal_mu > 0 else None
+    seed = cfg.seed * 100_003 + server_round * 1009 + partition_id
+    if cfg.local_epochs:
+        data = batches(splits.train, cfg.batch_size, splits.kind, seed=seed, epochs=cfg.local_epochs)
+        steps = cfg.local_epochs * -(-len(splits.train) // cfg.batch_size)
+    else:
+        data = batches(splits.train, cfg.batch_size, splits.kind, seed=seed)
+        steps = cfg.local_steps
+    privacy = PrivacyConfig.from_mapping(cfg.to_mapping())
+    progress = f"round {server_round} local training"
+    if privacy.enabled:
+        with ClientPrivacy(privacy, model, optimizer, dataset_size=len(splits.train), batch_size=cfg.batch_size,
+                           steps=steps, planned_steps=cfg.num_server_rounds * steps, state=privacy_state,
+                           after_noise=before_step) as private:
+            report = train(model, private.optimizer, private.batches(splits.train, splits.kind), steps,
+                           before_step=private.before_step, autocast_dtype=_autocast(cfg), progress=progress)
+            metrics = {**report.metrics("train-"), **private.metrics()}
+            metrics["num-examples"] = private.expected_examples()
+            new_privacy_state = private.state_dict()
+    else:
+        report = train(model, optimizer, data, steps, before_step=before_step, autocast_dtype=_autocast(cfg),
+                       progress=progress)
+        metrics = report.metrics("train-")
+        metrics["num-examples"] = report.num_examples
+        new_privacy_state = {}
+    new_state = client_state(SplitModel(model.bottom, model.trunk, model.top, task=model.task))
+    metrics["train-state-bytes"] = state_nbytes(new_state)
+    return ClientResult(new_state, metrics, new_privacy_state)
+
+
+def _autocast(cfg: RunConfig) -> torch.dtype | None:
+    return torch.bfloat16 if cfg.precision == "bf16" else None
+
+
+def client_evaluate(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Module, splits: Splits
+                    ) -> dict[str, float | int]:
+    """Forward-only evaluation of the global client parts with the trunk on the held-out split."""
+    model = _client_model(cfg, state, trunk)
+    noise = install_eval_noise(PrivacyConfig.from_mapping(cfg.to_mapping()), model)
+    try:
+        report = evaluate(model, batches(splits.test, cfg.batch_size, splits.kind, shuffle=False, epochs=1),
+                          max_batches=cfg.eval_batches)
+    finally:
+        if noise is not None:
+            noise.remove()
+    metrics = report.metrics("eval-", training=False)
+    metrics["num-examples"] = report.num_examples
+    if model.task == "causal-lm":
+        metrics["eval-perplexity"] = perplexity(report.loss)
+    return metrics

@@ -1,0 +1,229 @@
+"""The server side of a SplitFed run, independent of Flower.
+
+:class:`ServerRunner` builds the model, keeps the trunk in a running
+:class:`~splitfed.channel.server.TrunkServer`, issues per-client tokens,
+checkpoints every round and exports the trained model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from splitfed.config import RunConfig
+from splitfed.errors import ModelLoadError
+from splitfed.messages import SERVER_ROUND, TRUNK_ADDRESS, TRUNK_TOKEN
+from splitfed.optim import make_optimizer
+from splitfed.parts import (
+    ALL_ROLES,
+    build_parts,
+    full_split_for_export,
+    initial_client_state,
+    is_pretrained,
+    load_client_state,
+    model_cuts,
+    trainable_state,
+)
+from splitfed.workload import tokenizer_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundRecord:
+    """One round in the history."""
+
+    round: int
+    train: dict[str, float] = field(default_factory=dict)
+    evaluate: dict[str, float] = field(default_factory=dict)
+    trunk: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class ServerRunner:
+    """The server side of a run: trunk server, tokens, checkpoints, history and export.
+
+    Args:
+        cfg: the run's settings.
+        run_id: Flower's run id (tokens of other runs are refused).
+        output_dir: where checkpoints, the history and the exported model go.
+    """
+
+    def __init__(self, cfg: RunConfig, run_id: str = "0", output_dir: str | Path | None = None) -> None:
+        from splitfed.auth import TokenIssuer
+        from splitfed.channel.server import TrunkServer
+        from splitfed.trunk.aggregation import make_aggregator
+        from splitfed.trunk.runtime import GradientGuard, TrunkRuntime
+
+        self.cfg = cfg
+        self.run_id = str(run_id)
+        self.output_dir = Path(output_dir or cfg.output_dir)
+        self.cuts = model_cuts(cfg)
+        # A pretrained model's client parts are never read here (clients read their own copy).
+        self.split = build_parts(cfg, ("trunk",) if is_pretrained(cfg) else ALL_ROLES)
+        trunk = self.split.trunk
+        trainable = [p for p in trunk.parameters() if p.requires_grad]
+        optimizer = make_optimizer(cfg.optimizer, trainable, cfg.effective_trunk_lr, momentum=cfg.momentum,
+                                   weight_decay=cfg.weight_decay) if trainable else None
+        aggregator = make_aggregator(cfg.trunk_mode, quorum=cfg.quorum, max_staleness=cfg.max_staleness,
+                                     staleness_policy=cfg.staleness_policy, timeout=cfg.trunk_timeout)
+        self.runtime = TrunkRuntime(trunk, optimizer, aggregator=aggregator,
+                                    guard=GradientGuard(cfg.grad_guard_norm or None),
+                                    autocast_dtype=torch.bfloat16 if cfg.precision == "bf16" else None)
+        self.tokens = TokenIssuer(self.run_id, ttl_s=cfg.token_ttl) if cfg.auth else None
+        self.history: list[RoundRecord] = []
+        self.round_offset = 0
+        self.client_state = initial_client_state(cfg, self.split)
+        if cfg.resume:
+            self._resume()
+        credentials = None
+        if not cfg.trunk_insecure:
+            from splitfed.channel.security import server_credentials
+
+            credentials = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca or None)
+        self.server = TrunkServer(self.runtime, host=cfg.trunk_bind, port=cfg.trunk_port,
+                                  insecure=cfg.trunk_insecure, credentials=credentials, model_name=cfg.model,
+                                  cuts=self.cuts, authenticate=None if self.tokens is None else
+                                  self.tokens.authenticate,
+                                  metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port,
+                                  metrics_host=cfg.trunk_bind)
+        self._round_started = time.monotonic()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> ServerRunner:
+        """Start the trunk server."""
+        self.server.start()
+        log.info("SplitFed: trunk (blocks %d..%d of %s) served at %s, clients dial %s; trunk mode %s",
+                 self.cuts[0], self.cuts[1] - 1, self.cfg.model, self.server.address, self.advertised_address,
+                 self.runtime.aggregator.describe())
+        return self
+
+    def stop(self) -> None:
+        """Stop the trunk server."""
+        self.server.stop(grace=1.0)
+
+    @property
+    def advertised_address(self) -> str:
+        """The address clients dial: ``trunk-advertise``, else the bound one."""
+        if self.cfg.trunk_advertise:
+            return self.cfg.trunk_advertise
+        host = "127.0.0.1" if self.cfg.trunk_bind in ("0.0.0.0", "::", "[::]") else self.server.host
+        return f"{host}:{self.server.port}"
+
+    @property
+    def rounds_left(self) -> int:
+        """Rounds still to run (fewer after resuming)."""
+        return max(self.cfg.num_server_rounds - self.round_offset, 0)
+
+    # -- per message ------------------------------------------------------------------------------
+    def trunk_config(self, node_id: int, server_round: int) -> dict[str, str | int]:
+        """What a client needs to reach the trunk this round (address and its token)."""
+        out: dict[str, str | int] = {TRUNK_ADDRESS: self.advertised_address, SERVER_ROUND: server_round}
+        if self.tokens is not None:
+            out[TRUNK_TOKEN] = self.tokens.issue(node_id, server_round)
+        return out
+
+    def trunk_metrics(self) -> dict[str, float]:
+        """The trunk's counters (version, steps, outcomes, evictions)."""
+        agg = self.runtime.aggregator
+        out = {"trunk-version": float(self.runtime.version), "trunk-evicted": float(self.runtime.store.evicted)}
+        out.update({f"trunk-{k}": float(v) for k, v in agg.stats.items()})
+        return out
+
+    # -- per round ----------------------------------------------------------------------------------
+    def end_round(self, server_round: int, client_state: Mapping[str, torch.Tensor] | None,
+                  train_metrics: Mapping[str, float] | None, eval_metrics: Mapping[str, float] | None) -> None:
+        """Record the round, checkpoint trunk + client parts + history, and log a summary line."""
+        if client_state is not None:
+            self.client_state = {k: v.detach().clone() for k, v in client_state.items()}
+        now = time.monotonic()
+        record = RoundRecord(server_round, dict(train_metrics or {}), dict(eval_metrics or {}), self.trunk_metrics(),
+                             now - self._round_started)
+        self._round_started = now
+        self.history = [r for r in self.history if r.round != server_round] + [record]
+        epsilon = max((v for k, v in record.train.items() if k.endswith("epsilon")), default=None)
+        if epsilon is not None and self.server.metrics is not None:
+            self.server.metrics.set_epsilon(float(epsilon))
+        self.checkpoint(server_round)
+        ev = record.evaluate
+        log.info("round %d done in %.1fs: train loss %.4f, eval loss %s, eval accuracy %s, trunk version %d",
+                 server_round, record.seconds, record.train.get("train-loss", float("nan")),
+                 f"{ev['eval-loss']:.4f}" if "eval-loss" in ev else "-",
+                 f"{ev['eval-accuracy']:.4f}" if "eval-accuracy" in ev else "-", self.runtime.version)
+
+    def checkpoint(self, server_round: int) -> Path:
+        """Write trunk, optimizer, client parts and history for ``server_round`` (atomically)."""
+        from safetensors.torch import save_file
+
+        target = self.output_dir / "checkpoint"
+        tmp = self.output_dir / f".checkpoint-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        state = self.runtime.state_dict()
+        trunk_state = trainable_state(self.runtime.trunk) if self.cfg.lora_rank else state["trunk"]
+        save_file({k: v.contiguous() for k, v in trunk_state.items()}, str(tmp / "trunk.safetensors"))
+        save_file({k: v.contiguous() for k, v in self.client_state.items()}, str(tmp / "clients.safetensors"))
+        if state["optimizer"] is not None:
+            torch.save(state["optimizer"], tmp / "optimizer.pt")
+        meta = {"round": server_round, "trunk-version": state["version"], "model": self.cfg.model,
+                "cuts": list(self.cuts), "history": [r.__dict__ for r in self.history]}
+        (tmp / "state.json").write_text(json.dumps(meta, indent=1))
+        old = self.output_dir / ".checkpoint-old"
+        shutil.rmtree(old, ignore_errors=True)
+        if target.exists():
+            target.rename(old)
+        tmp.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+        return target
+
+    def _resume(self) -> None:
+        from safetensors.torch import load_file
+
+        folder = self.output_dir / "checkpoint"
+        if not (folder / "state.json").exists():
+            return
+        meta = json.loads((folder / "state.json").read_text())
+        if meta.get("model") != self.cfg.model or tuple(meta.get("cuts", ())) != tuple(self.cuts):
+            raise ModelLoadError(f"the checkpoint in {folder} is for model {meta.get('model')} cut at "
+                                 f"{meta.get('cuts')}; use another output-dir or set resume = false")
+        optimizer = None
+        if (folder / "optimizer.pt").exists():
+            optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
+        self.runtime.load_state_dict({"trunk": load_file(str(folder / "trunk.safetensors")),
+                                      "optimizer": optimizer, "version": meta["trunk-version"]},
+                                     strict=not self.cfg.lora_rank)
+        self.client_state = load_file(str(folder / "clients.safetensors"))
+        self.round_offset = int(meta["round"])
+        self.history = [RoundRecord(**r) for r in meta.get("history", [])]
+        log.warning("resuming from the checkpoint of round %d in %s (trunk version %d)", self.round_offset, folder,
+                    self.runtime.version)
+
+    # -- end of run ------------------------------------------------------------------------------------
+    def finish(self) -> Path:
+        """Export the trained model and write the history; returns the output folder."""
+        from splitfed.export import export_model
+
+        if is_pretrained(self.cfg) or self.cfg.lora_rank:
+            full = full_split_for_export(self.cfg, self.runtime.trunk.state_dict(), self.client_state)
+        else:
+            load_client_state(self.split, self.client_state)
+            full = self.split
+        export_model(full, self.cfg.model, self.cuts, self.output_dir / "model")
+        if is_pretrained(self.cfg):
+            tokenizer_for(self.cfg).save_pretrained(self.output_dir / "model")
+        history = {"config": self.cfg.to_mapping(), "run-id": self.run_id,
+                   "rounds": [r.__dict__ for r in sorted(self.history, key=lambda r: r.round)]}
+        (self.output_dir / "history.json").write_text(json.dumps(history, indent=1))
+        from splitfed.report import plot, summary_table
+
+        plot(history, self.output_dir)
+        log.info("SplitFed: model, history and plots written to %s\n%s", self.output_dir, summary_table(history))
+        return self.output_dir
