@@ -1,4 +1,4 @@
-"""TLS credentials for the split channel (server, client, and mutual TLS)."""
+"""TLS credentials for the split channel (server, client, mutual TLS, and pinned zero-configuration CAs)."""
 
 from __future__ import annotations
 
@@ -35,3 +35,17 @@ def channel_credentials(root_ca: str | Path | None = None, client_cert: str | Pa
         root_certificates=None if root_ca is None else _read(root_ca, "root CA certificate"),
         private_key=None if client_key is None else _read(client_key, "client private key"),
         certificate_chain=None if client_cert is None else _read(client_cert, "client certificate"))
+
+
+def server_credentials_from_pem(cert_chain_pem: bytes, private_key_pem: bytes) -> grpc.ServerCredentials:
+    """Server TLS from PEM bytes held in memory (the zero-configuration certificate; see ``autotls``)."""
+    return grpc.ssl_server_credentials([(private_key_pem, cert_chain_pem)])
+
+
+def pinned_channel_credentials(ca_pem: str | bytes) -> grpc.ChannelCredentials:
+    """Client TLS that trusts ``ca_pem`` only (the CA certificate the trunk sent in the round's message)."""
+    data = ca_pem.encode("ascii") if isinstance(ca_pem, str) else bytes(ca_pem)
+    if b"-----BEGIN CERTIFICATE-----" not in data:
+        raise ConfigError("the trunk CA certificate sent with the round is not PEM; update the ServerApp and "
+                          "ClientApp to the same splitfed version")
+    return grpc.ssl_channel_credentials(root_certificates=data)
