@@ -24,9 +24,18 @@ from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel import split_channel_pb2_grpc as pb_grpc
 from splitfed.channel.server import CLIENT_ID_KEY, SERVICE_NAME, ChannelLimits
-from splitfed.channel.wire import assemble, decode_single, encode, encode_state, frames, payload_bytes
-from splitfed.codec import EncodedTensor, TensorLimits, WireDType
+from splitfed.channel.wire import (
+    assemble,
+    decode_single,
+    encode,
+    encode_state,
+    frames,
+    payload_bytes,
+    spec_to_proto,
+)
+from splitfed.codec import EncodedTensor, TensorLimits, WireDType, encode_packed, torch_dtype
 from splitfed.codec import wire_dtype as to_wire_dtype
+from splitfed.compression import ErrorFeedback, WireCompression
 from splitfed.tuning import tune_malloc
 from splitfed.errors import ChannelError, ConfigError
 from splitfed.split.base import CutState
@@ -93,13 +102,17 @@ class TrunkClient:
         limits: message sizes and the unary/stream threshold.
         retry: retry policy and overall timeout per call.
         compression: gRPC compression for every call (e.g. ``grpc.Compression.Gzip``).
+        wire_compression: compression of what crosses the cut (``none``, ``int8``, ``topk`` or a
+            :class:`~splitfed.compression.WireCompression`): this client compresses what it sends
+            (error feedback on its gradients) and asks the server to compress its replies alike.
     """
 
     def __init__(self, address: str, *, client_id: str | None = None, insecure: bool = False,
                  credentials: grpc.ChannelCredentials | None = None, token: str | None = None,
                  wire_dtype: str | WireDType = "fp32", limits: ChannelLimits = ChannelLimits(),
                  retry: RetryPolicy = RetryPolicy(), compression: grpc.Compression | None = None,
-                 options: Sequence[tuple[str, Any]] = ()) -> None:
+                 options: Sequence[tuple[str, Any]] = (),
+                 wire_compression: WireCompression | str | None = None) -> None:
         tune_malloc()
         if credentials is None and not insecure:
             raise ConfigError("the trunk client needs TLS credentials, or insecure=True for plaintext")
@@ -109,6 +122,9 @@ class TrunkClient:
         self.limits = limits
         self.retry = retry
         self.compression = compression
+        self.wire_compression = WireCompression.of(wire_compression)
+        #: Error-feedback residuals of the gradients this client sends.
+        self.feedback = ErrorFeedback()
         # The server checks what it receives for NaN/Inf; the client checks its loss instead
         # (see splitfed.training), which catches a bad trunk output without another pass.
         self.tensor_limits = TensorLimits(max_bytes=limits.max_tensor_bytes, require_finite=False)
@@ -195,10 +211,11 @@ class TrunkClient:
                 num_examples: int | None = None, session_id: str = "") -> tuple[torch.Tensor, int]:
         """Send a cut state; returns the trunk's output hidden state and the trunk version it saw."""
         activation_id = activation_id or uuid.uuid4().hex
-        encs = encode_state(state, self.wire_dtype)
+        act = self.wire_compression.activations
+        encs = encode_state(state, self.wire_dtype, act)
         n = int(num_examples if num_examples is not None else state.hidden.shape[0])
         req = pb.ForwardRequest(activation_id=activation_id, train=train, reply_dtype=int(self.wire_dtype),
-                                num_examples=n, session_id=session_id)
+                                num_examples=n, session_id=session_id, reply_compression=spec_to_proto(act))
         sent = payload_bytes(encs)
         if sent <= self.limits.stream_threshold_bytes and not self._reply_needs_stream:
             try:
@@ -219,9 +236,20 @@ class TrunkClient:
         return hidden, reply.trunk_version
 
     def backward(self, activation_id: str, grad: torch.Tensor) -> BackwardReply:
-        """Send the gradient of the loss w.r.t. a forward's output; returns the gradient w.r.t. its input."""
-        encs = [encode("grad", grad, self.wire_dtype)]
-        req = pb.BackwardRequest(activation_id=activation_id, reply_dtype=int(self.wire_dtype))
+        """Send the gradient of the loss w.r.t. a forward's output; returns the gradient w.r.t. its input.
+
+        With gradient compression, the gradient travels compressed with this
+        client's error-feedback residual added; the residual it leaves is kept
+        once the call succeeded.
+        """
+        spec, token = self.wire_compression.gradients, None
+        if spec.active and grad.is_floating_point():
+            packed, token = self.feedback.compress("grad", grad, spec, torch_dtype(self.wire_dtype))
+            encs = [encode_packed("grad", packed)]
+        else:
+            encs = [encode("grad", grad, self.wire_dtype)]
+        req = pb.BackwardRequest(activation_id=activation_id, reply_dtype=int(self.wire_dtype),
+                                 reply_compression=spec_to_proto(spec))
         sent = payload_bytes(encs)
         if sent <= self.limits.stream_threshold_bytes:
             parsed = self._invoke("Backward", self._backward, fastwire.Parsed(req, encs))
@@ -231,6 +259,8 @@ class TrunkClient:
                                     "backward_request", encs, "backward_reply")
             reply, out = asm.header, asm.tensors
         grad_in = decode_single(out, "grad", self.tensor_limits)
+        if token is not None:
+            self.feedback.commit(token)
         self._account(sent, payload_bytes(out))
         return BackwardReply(grad_in, _OUTCOME_NAMES.get(reply.outcome, "UNKNOWN"), reply.trunk_version,
                              reply.staleness)

@@ -26,7 +26,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from splitfed.channel import split_channel_pb2 as pb
-from splitfed.codec import EncodedTensor, WireDType
+from splitfed.codec import Compressed, CompressionMethod, EncodedTensor, WireDType
 from splitfed.errors import CodecError
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
@@ -34,7 +34,8 @@ _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _TENSOR_FIELD = {pb.ForwardRequest: 3, pb.ForwardReply: 2, pb.BackwardRequest: 2, pb.BackwardReply: 2}
 _FRAME_CHUNK = 5
 _CHUNK_OFFSET, _CHUNK_DATA = 1, 2
-_T_NAME, _T_DTYPE, _T_SHAPE, _T_DATA = 1, 2, 3, 4
+_T_NAME, _T_DTYPE, _T_SHAPE, _T_DATA, _T_COMPRESSED = 1, 2, 3, 4, 5
+_C_METHOD, _C_DTYPE, _C_BLOCK, _C_COUNT, _C_SCALES, _C_INDICES = 1, 2, 3, 4, 5, 6
 
 
 def _varint(value: int) -> bytes:
@@ -93,8 +94,35 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+def _enum(value: int, kind: type) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        return value  # the codec refuses it with a precise message
+
+
+def _parse_compressed(buf: memoryview, pos: int, end: int) -> Compressed:
+    ints = {_C_METHOD: 0, _C_DTYPE: 0, _C_BLOCK: 0, _C_COUNT: 0}
+    scales = indices = buf[pos:pos]
+    while pos < end:
+        key, pos = _read_varint(buf, pos, end)
+        field, wire_type = key >> 3, key & 7
+        if field in ints and wire_type == _VARINT:
+            value, pos = _read_varint(buf, pos, end)
+            ints[field] = _signed(value)
+            continue
+        start, pos = _skip(buf, pos, end, wire_type)
+        if field == _C_SCALES and start >= 0:
+            scales = buf[start:pos]
+        elif field == _C_INDICES and start >= 0:
+            indices = buf[start:pos]
+    return Compressed(_enum(ints[_C_METHOD], CompressionMethod), _enum(ints[_C_DTYPE], WireDType),
+                      ints[_C_BLOCK], ints[_C_COUNT], scales, indices)
+
+
 def _parse_tensor(buf: memoryview, pos: int, end: int) -> EncodedTensor:
     name, dtype, shape, data = "", 0, [], buf[pos:pos]
+    compressed: Compressed | None = None
     while pos < end:
         key, pos = _read_varint(buf, pos, end)
         field, wire_type = key >> 3, key & 7
@@ -122,11 +150,9 @@ def _parse_tensor(buf: memoryview, pos: int, end: int) -> EncodedTensor:
                 raise CodecError("malformed tensor: name is not UTF-8") from None
         elif field == _T_DATA and start >= 0:
             data = buf[start:pos]
-    try:
-        wdt: Any = WireDType(dtype)
-    except ValueError:
-        wdt = dtype  # the codec refuses it with a precise message
-    return EncodedTensor(name, wdt, tuple(shape), data)
+        elif field == _T_COMPRESSED and start >= 0:
+            compressed = _parse_compressed(buf, start, pos)
+    return EncodedTensor(name, _enum(dtype, WireDType), tuple(shape), data, compressed)
 
 
 @dataclass
@@ -137,8 +163,27 @@ class Parsed:
     tensors: list[EncodedTensor]
 
 
+def _bytes_field(number: int, data: bytes | memoryview) -> list[Any]:
+    """Key, length and the bytes (as a view, not copied) of a length-delimited field; nothing when empty."""
+    if not len(data):
+        return []
+    view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+    return [_key(number, _LEN), _varint(len(view)), view]
+
+
+def _compressed_parts(info: Compressed) -> list[Any]:
+    meta = pb.Compressed(method=int(info.method), dtype=int(info.dtype), block_size=info.block_size,
+                         count=info.count).SerializeToString()
+    inner = [meta, *_bytes_field(_C_SCALES, info.scales), *_bytes_field(_C_INDICES, info.indices)]
+    return [_key(_T_COMPRESSED, _LEN), _varint(sum(len(p) for p in inner)), *inner]
+
+
 def serialize(header: Message, tensors: Sequence[EncodedTensor]) -> bytes:
-    """Protobuf bytes of ``header`` with ``tensors`` appended as its repeated ``tensors`` field."""
+    """Protobuf bytes of ``header`` with ``tensors`` appended as its repeated ``tensors`` field.
+
+    Fields go in protobuf's own order (a compressed tensor's descriptor after
+    its data), so the bytes equal ``SerializeToString`` of the full message.
+    """
     field = _TENSOR_FIELD[type(header)]
     parts: list[Any] = [header.SerializeToString()]
     data_key = _key(_T_DATA, _LEN)
@@ -146,8 +191,10 @@ def serialize(header: Message, tensors: Sequence[EncodedTensor]) -> bytes:
         meta = pb.Tensor(name=enc.name, dtype=int(enc.dtype), shape=list(enc.shape)).SerializeToString()
         data = memoryview(enc.data).cast("B") if not isinstance(enc.data, bytes) else enc.data
         size = _varint(len(data))
-        parts += [_key(field, _LEN), _varint(len(meta) + len(data_key) + len(size) + len(data)), meta, data_key,
-                  size, data]
+        inner: list[Any] = [meta, data_key, size, data]
+        if enc.compressed is not None:
+            inner += _compressed_parts(enc.compressed)
+        parts += [_key(field, _LEN), _varint(sum(len(p) for p in inner)), *inner]
     return b"".join(parts)
 
 

@@ -17,6 +17,13 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INT32: _ClassVar[DType]
     BOOL: _ClassVar[DType]
     UINT8: _ClassVar[DType]
+    INT8: _ClassVar[DType]
+
+class CompressionMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMPRESSION_NONE: _ClassVar[CompressionMethod]
+    INT8_BLOCKWISE: _ClassVar[CompressionMethod]
+    TOPK: _ClassVar[CompressionMethod]
 
 class UpdateOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -34,6 +41,10 @@ INT64: DType
 INT32: DType
 BOOL: DType
 UINT8: DType
+INT8: DType
+COMPRESSION_NONE: CompressionMethod
+INT8_BLOCKWISE: CompressionMethod
+TOPK: CompressionMethod
 UPDATE_OUTCOME_UNSPECIFIED: UpdateOutcome
 APPLIED: UpdateOutcome
 DOWNWEIGHTED: UpdateOutcome
@@ -41,33 +52,65 @@ REJECTED_STALE: UpdateOutcome
 REJECTED_GUARD: UpdateOutcome
 NOT_TRAINED: UpdateOutcome
 
+class Compressed(_message.Message):
+    __slots__ = ("method", "dtype", "block_size", "count", "scales", "indices")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    method: CompressionMethod
+    dtype: DType
+    block_size: int
+    count: int
+    scales: bytes
+    indices: bytes
+    def __init__(self, method: _Optional[_Union[CompressionMethod, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., block_size: _Optional[int] = ..., count: _Optional[int] = ..., scales: _Optional[bytes] = ..., indices: _Optional[bytes] = ...) -> None: ...
+
+class CompressionSpec(_message.Message):
+    __slots__ = ("method", "topk_ratio", "block_size", "error_feedback")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    TOPK_RATIO_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FEEDBACK_FIELD_NUMBER: _ClassVar[int]
+    method: CompressionMethod
+    topk_ratio: float
+    block_size: int
+    error_feedback: bool
+    def __init__(self, method: _Optional[_Union[CompressionMethod, str]] = ..., topk_ratio: _Optional[float] = ..., block_size: _Optional[int] = ..., error_feedback: _Optional[bool] = ...) -> None: ...
+
 class Tensor(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "data")
+    __slots__ = ("name", "dtype", "shape", "data", "compressed")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSED_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    compressed: Compressed
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., compressed: _Optional[_Union[Compressed, _Mapping]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("activation_id", "train", "tensors", "reply_dtype", "num_examples", "session_id")
+    __slots__ = ("activation_id", "train", "tensors", "reply_dtype", "num_examples", "session_id", "reply_compression")
     ACTIVATION_ID_FIELD_NUMBER: _ClassVar[int]
     TRAIN_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     REPLY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLY_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     activation_id: str
     train: bool
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     reply_dtype: DType
     num_examples: int
     session_id: str
-    def __init__(self, activation_id: _Optional[str] = ..., train: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., num_examples: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+    reply_compression: CompressionSpec
+    def __init__(self, activation_id: _Optional[str] = ..., train: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., num_examples: _Optional[int] = ..., session_id: _Optional[str] = ..., reply_compression: _Optional[_Union[CompressionSpec, _Mapping]] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("activation_id", "tensors", "trunk_version")
@@ -80,14 +123,16 @@ class ForwardReply(_message.Message):
     def __init__(self, activation_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., trunk_version: _Optional[int] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
-    __slots__ = ("activation_id", "tensors", "reply_dtype")
+    __slots__ = ("activation_id", "tensors", "reply_dtype", "reply_compression")
     ACTIVATION_ID_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     REPLY_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    REPLY_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     activation_id: str
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     reply_dtype: DType
-    def __init__(self, activation_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    reply_compression: CompressionSpec
+    def __init__(self, activation_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., reply_compression: _Optional[_Union[CompressionSpec, _Mapping]] = ...) -> None: ...
 
 class BackwardReply(_message.Message):
     __slots__ = ("activation_id", "tensors", "trunk_version", "outcome", "staleness")

@@ -1,4 +1,4 @@
-"""Protobuf messages <-> codec tensors, and the chunked framing of large requests and replies."""
+"""Protobuf messages <-> codec tensors, the chunked framing of large requests and replies, and reply compression."""
 
 from __future__ import annotations
 
@@ -12,13 +12,19 @@ import torch
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel.fastwire import ChunkView
 from splitfed.codec import (
+    Compressed,
+    CompressionMethod,
     EncodedTensor,
     TensorLimits,
     WireDType,
+    compressed_sizes,
     decode,
     declared_nbytes,
     encode,
+    encode_packed,
+    torch_dtype,
 )
+from splitfed.compression import DEFAULT_BLOCK, CompressionSpec, FeedbackStore
 from splitfed.errors import CodecError, ResourceExhaustedError, TensorValueError
 from splitfed.split.base import CUT_FIELDS, CutState
 
@@ -27,32 +33,142 @@ _INT_FIELDS = frozenset({"attention_mask", "position_ids"})
 
 
 def to_proto(enc: EncodedTensor, with_data: bool = True) -> pb.Tensor:
-    """A ``Tensor`` message; without data when the bytes follow as chunks."""
-    return pb.Tensor(name=enc.name, dtype=int(enc.dtype), shape=list(enc.shape),
-                     data=bytes(enc.data) if with_data else b"")
+    """A ``Tensor`` message; without data (nor scales or indices) when the bytes follow as chunks."""
+    msg = pb.Tensor(name=enc.name, dtype=int(enc.dtype), shape=list(enc.shape),
+                    data=bytes(enc.data) if with_data else b"")
+    c = enc.compressed
+    if c is not None:
+        msg.compressed.CopyFrom(pb.Compressed(
+            method=int(c.method), dtype=int(c.dtype), block_size=c.block_size, count=c.count,
+            scales=bytes(c.scales) if with_data else b"", indices=bytes(c.indices) if with_data else b""))
+    return msg
 
+
+def _compressed(t: pb.Tensor) -> Compressed | None:
+    if not t.HasField("compressed"):
+        return None
+    c = t.compressed
+    return Compressed(c.method, c.dtype, c.block_size, c.count, c.scales, c.indices)
 
 
 def from_proto(t: pb.Tensor, data: bytes | memoryview | None = None) -> EncodedTensor:
-    """An :class:`EncodedTensor` from a message (``data`` given for chunked tensors)."""
+    """An :class:`EncodedTensor` from a message (``data`` given for chunked tensors: data, then scales or indices)."""
     try:
         dtype = WireDType(t.dtype)
     except ValueError:
         raise CodecError(f"tensor {t.name!r} has unknown dtype {t.dtype}") from None
-    return EncodedTensor(t.name, dtype, tuple(int(d) for d in t.shape), t.data if data is None else data)
+    shape = tuple(int(d) for d in t.shape)
+    info = _compressed(t)
+    if data is None:
+        return EncodedTensor(t.name, dtype, shape, t.data, info)
+    if info is None:
+        return EncodedTensor(t.name, dtype, shape, data)
+    enc = EncodedTensor(t.name, dtype, shape, b"", info)
+    n_data, n_scales, _ = compressed_sizes(enc)
+    view = memoryview(data)
+    info = Compressed(info.method, info.dtype, info.block_size, info.count,
+                      scales=view[n_data:n_data + n_scales], indices=view[n_data + n_scales:])
+    return EncodedTensor(t.name, dtype, shape, view[:n_data], info)
+
+
+def stream_nbytes(t: pb.Tensor) -> int:
+    """Bytes a streamed header's tensor declares (a compressed one's data, scales and indices)."""
+    if not t.HasField("compressed"):
+        return declared_nbytes(t.dtype, list(t.shape))
+    c = t.compressed
+    if c.scales or c.indices:
+        raise CodecError(f"header tensor {t.name!r} carries inline scales or indices; streamed tensors travel "
+                         "as chunks")
+    try:
+        dtype = WireDType(t.dtype)
+    except ValueError:
+        raise CodecError(f"tensor {t.name!r} has unknown dtype {t.dtype}") from None
+    torch_dtype(dtype)
+    return sum(compressed_sizes(EncodedTensor(t.name, dtype, tuple(int(d) for d in t.shape), b"",
+                                              _compressed(t))))
 
 
 def payload_bytes(encs: Sequence[EncodedTensor]) -> int:
-    """Total raw bytes of ``encs``."""
-    return sum(len(e.data) for e in encs)
+    """Total bytes of ``encs`` on the wire: raw data, or compressed data with its scales or indices."""
+    return sum(e.wire_nbytes for e in encs)
 
 
-def encode_state(state: CutState, dtype: WireDType | str | None) -> list[EncodedTensor]:
-    """Encode what crosses a cut: ``hidden`` in ``dtype``, masks and positions as they are."""
+def encode_state(state: CutState, dtype: WireDType | str | None,
+                 compression: CompressionSpec | None = None) -> list[EncodedTensor]:
+    """Encode what crosses a cut: ``hidden`` in ``dtype`` (compressed when asked), masks and positions as they are."""
     out = []
     for name, tensor in state.tensors().items():
-        out.append(encode(name, tensor, dtype if name == "hidden" else None))
+        if name == "hidden":
+            out.append(encode(name, tensor, dtype, compression))
+        else:
+            out.append(encode(name, tensor))
     return out
+
+
+# -- reply compression ---------------------------------------------------------------
+_METHOD_NAMES = {CompressionMethod.NONE: "none", CompressionMethod.INT8_BLOCKWISE: "int8",
+                 CompressionMethod.TOPK: "topk"}
+_METHOD_NUMBERS = {v: k for k, v in _METHOD_NAMES.items()}
+
+
+def spec_to_proto(spec: CompressionSpec | None) -> pb.CompressionSpec | None:
+    """The ``CompressionSpec`` message asking the server to compress a reply (None: uncompressed)."""
+    if spec is None or not spec.active:
+        return None
+    return pb.CompressionSpec(method=int(_METHOD_NUMBERS[spec.method]), topk_ratio=spec.topk_ratio,
+                              block_size=spec.block_size, error_feedback=spec.error_feedback)
+
+
+def reply_spec(request: Any) -> CompressionSpec | None:
+    """The reply compression a request asks for (None: none); raises :class:`CodecError` for a bad one.
+
+    Checked before the request touches the trunk, so a bad one changes nothing.
+    """
+    if not request.HasField("reply_compression"):
+        return None
+    msg = request.reply_compression
+    try:
+        method = _METHOD_NAMES[CompressionMethod(msg.method)]
+    except ValueError:
+        raise CodecError(f"reply_compression has unknown method {msg.method}; use INT8_BLOCKWISE or TOPK") from None
+    if method == "none":
+        return None
+    if method == "topk" and not 0.0 < msg.topk_ratio <= 1.0:
+        raise CodecError(f"reply_compression.topk_ratio must be in (0, 1], got {msg.topk_ratio}")
+    block = msg.block_size or DEFAULT_BLOCK
+    ratio = msg.topk_ratio if method == "topk" else 1.0
+    try:
+        return CompressionSpec(method, ratio, block, msg.error_feedback)
+    except ValueError as exc:
+        raise CodecError(f"reply_compression is not valid: {exc}") from None
+
+
+class ReplyCompression:
+    """The trunk server's compression of its replies, with error feedback per client.
+
+    Forward replies (activations) are compressed without feedback; backward
+    replies (input gradients) carry each client's residual from its previous
+    backward, kept in a bounded :class:`~splitfed.compression.FeedbackStore`
+    and dropped when the client leaves.
+    """
+
+    def __init__(self, store: FeedbackStore | None = None) -> None:
+        self.store = store or FeedbackStore()
+
+    def encode(self, client: str, request_id: str, name: str, tensor: torch.Tensor, dtype: WireDType | None,
+               spec: CompressionSpec | None, feedback: bool = True) -> EncodedTensor:
+        """Encode a reply tensor as ``spec`` asks (uncompressed without one)."""
+        if spec is None or not tensor.is_floating_point():
+            return encode(name, tensor, dtype)
+        target = torch_dtype(dtype) if dtype else tensor.dtype
+        if not (feedback and spec.error_feedback):
+            return encode(name, tensor, dtype, spec)
+        return self.store.compress(client, request_id, name, tensor, spec, target,
+                                   build=lambda packed: encode_packed(name, packed))
+
+    def forget(self, client: str) -> None:
+        """Drop a client's residuals (it left)."""
+        self.store.drop(client)
 
 
 def decode_state(encs: Sequence[EncodedTensor], limits: TensorLimits) -> CutState:
@@ -102,11 +218,13 @@ def frames(header: pb.Frame, field: str, encs: Sequence[EncodedTensor], chunk_by
     yield header
     offset = 0
     for enc in encs:
-        view = memoryview(enc.data).cast("B") if not isinstance(enc.data, bytes) else memoryview(enc.data)
-        for start in range(0, len(view), chunk_bytes):
-            piece = view[start:start + chunk_bytes]
-            yield ChunkView(offset, piece)
-            offset += len(piece)
+        parts = [enc.data] if enc.compressed is None else [enc.data, enc.compressed.scales, enc.compressed.indices]
+        for part in parts:
+            view = memoryview(part).cast("B") if not isinstance(part, bytes) else memoryview(part)
+            for start in range(0, len(view), chunk_bytes):
+                piece = view[start:start + chunk_bytes]
+                yield ChunkView(offset, piece)
+                offset += len(piece)
 
 
 @dataclass
@@ -135,7 +253,7 @@ def assemble(stream: Iterable[pb.Frame | ChunkView], field: str, max_bytes: int)
     for t in header.tensors:
         if t.data:
             raise CodecError(f"header tensor {t.name!r} carries inline data; streamed tensors travel as chunks")
-        sizes.append(declared_nbytes(t.dtype, list(t.shape)))
+        sizes.append(stream_nbytes(t))
     total = sum(sizes)
     if total > max_bytes:
         raise ResourceExhaustedError(f"streamed tensors declare {total} bytes, above the limit of {max_bytes}")
