@@ -44,6 +44,7 @@ def _client_model(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.M
 def connect_trunk(cfg: RunConfig, address: str, token: str | None, client_id: str) -> nn.Module:
     """A :class:`~splitfed.channel.client.RemoteTrunk` to the run's trunk server (TLS when configured)."""
     from splitfed.channel.client import RemoteTrunk, RetryPolicy
+    from splitfed.compression import WireCompression
 
     credentials = None
     if not cfg.trunk_insecure:
@@ -52,6 +53,9 @@ def connect_trunk(cfg: RunConfig, address: str, token: str | None, client_id: st
         credentials = channel_credentials(cfg.tls_root_ca or None)
     return RemoteTrunk(address, client_id=client_id, insecure=cfg.trunk_insecure, credentials=credentials,
                        token=token, wire_dtype=cfg.wire_dtype,
+                       wire_compression=WireCompression.of(
+                           cfg.wire_compression, act=cfg.wire_compression_act, grad=cfg.wire_compression_grad,
+                           topk_ratio=cfg.topk_ratio, error_feedback=cfg.wire_error_feedback),
                        retry=RetryPolicy(timeout_s=max(cfg.trunk_timeout * 3, 60.0)))
 
 

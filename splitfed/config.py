@@ -56,7 +56,8 @@ class RunConfig:
     strategy: str = "fedavg"
     fraction_train: float = 1.0
     fraction_evaluate: float = 1.0
-    min_train_nodes: int = 2
+    min_train_nodes: int = 2  # a round with fewer successful train replies fails the run
+    accept_failures: float = 0.5  # fraction of a round's sampled clients that may fail before the run fails
     proximal_mu: float = 0.01  # fedprox
     server_lr: float = 0.01  # fedadam, fedadagrad, fedyogi (eta)
     server_momentum: float = 0.9  # fedavgm
@@ -84,6 +85,11 @@ class RunConfig:
     auth: bool = True  # per-client signed tokens on the split channel
     token_ttl: float = 3600.0
     wire_dtype: str = "fp32"
+    wire_compression: str = "none"  # int8: activations and gradients; topk: gradients (docs/compression.md)
+    wire_compression_act: str = ""  # activations: none or int8 (empty: as wire-compression says)
+    wire_compression_grad: str = ""  # gradients: none, int8 or topk (empty: as wire-compression says)
+    topk_ratio: float = 0.01  # fraction of a gradient's elements top-k keeps
+    wire_error_feedback: bool = True  # carry each gradient's compression error into the next one
     precision: str = "fp32"  # bf16: autocast on every part
     # Privacy (see docs/privacy.md).
     dp_noise_multiplier: float = 0.0  # DP-SGD noise / clip on the client parts; 0 with dp-target-epsilon 0: off
@@ -99,6 +105,7 @@ class RunConfig:
     cut_grad_sigma: float = 0.0
     # Outputs.
     output_dir: str = "outputs"
+    tensorboard_dir: str = ""  # TensorBoard event files of every round's metrics; relative: inside output-dir
     resume: bool = False  # resume from the output folder's checkpoint (after a crash)
     metrics_port: int = -1  # Prometheus endpoint of the trunk server; -1: off, 0: free port
     log_level: str = "INFO"
@@ -138,6 +145,11 @@ class RunConfig:
         _choice("strategy", self.strategy, _STRATEGIES)
         _choice("optimizer", self.optimizer, _OPTIMIZERS)
         _choice("wire-dtype", self.wire_dtype, _WIRE)
+        _choice("wire-compression", self.wire_compression, ("none", "int8", "topk"))
+        _choice("wire-compression-act", self.wire_compression_act, ("", "none", "int8"))
+        _choice("wire-compression-grad", self.wire_compression_grad, ("", "none", "int8", "topk"))
+        if not 0.0 < self.topk_ratio <= 1.0:
+            raise ConfigError(f"topk-ratio must be in (0, 1], got {self.topk_ratio}")
         _choice("precision", self.precision, _PRECISION)
         _choice("staleness-policy", self.staleness_policy, ("reject", "downweight"))
         for key, value, low in [("num-server-rounds", self.num_server_rounds, 1), ("batch-size", self.batch_size, 1),
@@ -155,7 +167,8 @@ class RunConfig:
                            ("dirichlet-alpha", self.dirichlet_alpha), ("token-ttl", self.token_ttl)]:
             if not value > 0:
                 raise ConfigError(f"{key} must be > 0, got {value}")
-        for key, value in [("fraction-train", self.fraction_train), ("fraction-evaluate", self.fraction_evaluate)]:
+        for key, value in [("fraction-train", self.fraction_train), ("fraction-evaluate", self.fraction_evaluate),
+                           ("accept-failures", self.accept_failures)]:
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"{key} must be in [0, 1], got {value}")
         if not 0 <= self.trunk_port <= 65535:
