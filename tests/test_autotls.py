@@ -19,7 +19,7 @@ from cryptography.x509.verification import PolicyBuilder, Store, VerificationErr
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitfed.channel.autotls import CLOCK_SKEW, DEFAULT_VALIDITY, issue, san_hosts
-from splitfed.channel.client import TrunkClient
+from splitfed.channel.client import RetryPolicy, TrunkClient
 from splitfed.channel.security import pinned_channel_credentials
 from splitfed.channel.transport import (
     CA_FILE,
@@ -144,7 +144,8 @@ def test_grpc_pins_the_ephemeral_ca_and_checks_the_name(trunk_server) -> None:
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     stranger = client_credentials(server.address, pinned_ca=issue(["127.0.0.1", "localhost"]).ca_pem)
     with pytest.raises(ChannelError) as err:  # another CA's trust root, even for the right names
-        TrunkClient(server.address, credentials=stranger).forward(CutState(torch.randn(2, 5, 32)), train=False)
+        TrunkClient(server.address, credentials=stranger, retry=RetryPolicy(max_attempts=2, initial_backoff_s=0.05)
+                    ).forward(CutState(torch.randn(2, 5, 32)), train=False)
     assert err.value.code == "UNAVAILABLE"
 
 
