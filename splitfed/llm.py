@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from splitfed.errors import ConfigError, ModelLoadError
+from splitfed.extras import require
 from splitfed.split import SplitModel, split_model
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ def _convert_gguf(source: Path, gguf: str, target: Path) -> None:
     """Dequantize a GGUF checkpoint once and save it as a from_pretrained folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    require("gguf", f"loading the GGUF checkpoint {gguf}")
     log.warning("converting %s to safetensors in %s (once; about a minute)", gguf, target)
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -160,7 +162,17 @@ def load_tokenizer(name_or_path: str) -> Any:
     """The model's tokenizer (a pad token is set to EOS when the model has none)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir(name_or_path))
+    folder = model_dir(name_or_path)
+    if not any(folder.glob("tokenizer*")) and not any(folder.glob("*.model")) and \
+            not (folder / "vocab.json").exists() and not (folder / "vocab.txt").exists():
+        raise ModelLoadError(f"the model folder {folder} has no tokenizer (no tokenizer.json, tokenizer_config.json, "
+                             "vocab or sentencepiece file): save it beside the weights, e.g. "
+                             f"AutoTokenizer.from_pretrained(<source>).save_pretrained('{folder}')")
+    try:
+        tok = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"the tokenizer in {folder} could not be loaded ({type(exc).__name__}: {exc}); save a "
+                             "working tokenizer beside the weights with tokenizer.save_pretrained(folder)") from exc
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -30,7 +30,9 @@ TARGETS: dict[str, list[str]] = {
 def lora_config(arch: str, rank: int, alpha: float | None = None, dropout: float = 0.0,
                 targets: list[str] | None = None) -> object:
     """A peft ``LoraConfig`` for ``arch`` (GPT-2's Conv1D layers need ``fan_in_fan_out``)."""
-    from peft import LoraConfig
+    from splitfed.extras import require
+
+    LoraConfig = require("peft", "LoRA (lora-rank > 0)").LoraConfig
 
     if rank < 1:
         raise ConfigError(f"lora-rank must be >= 1 to use LoRA (0 means full fine-tuning), got {rank}")

@@ -4,3 +4,10 @@ from __future__ import annotations
 
 #: Keys of the per-node "splitfed" ConfigRecord the ServerApp adds to each message.
 TRUNK_ADDRESS, TRUNK_TOKEN, SERVER_ROUND = "trunk-address", "trunk-token", "server-round"
+
+#: In the "splitfed" ConfigRecord: JSON of the privacy accountants the server holds, by client key.
+PRIVACY_STATES = "privacy-states"
+#: Name of the ConfigRecord in a train reply that carries the client's accountants (and its key).
+PRIVACY_RECORD = "splitfed-privacy"
+#: In that record: the client's key (its partition id), stable across runs and restarts.
+CLIENT_KEY = "client-key"

@@ -34,8 +34,9 @@ def _series(rounds: list[dict[str, Any]], section: str, key: str) -> tuple[list[
 
 def plot(history: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """Write loss, accuracy, bytes, seconds (and epsilon, with DP) per round as PNGs; returns their paths."""
-    import matplotlib
+    from splitfed.extras import require
 
+    matplotlib = require("matplotlib", "the PNG plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
@@ -85,9 +86,13 @@ def plot(history: dict[str, Any], out_dir: str | Path) -> list[Path]:
 
 
 def summary_table(history: dict[str, Any]) -> str:
-    """A plain-text table: round, train loss, eval loss, eval accuracy, bytes, seconds."""
+    """A plain-text table: round, train loss, eval loss, eval accuracy, bytes, seconds, failed clients.
+
+    ``failed`` is the clients that failed training / were sent training (``-`` for rounds recorded
+    before failures were counted); a failed round's first error follows the table.
+    """
     header = f"{'round':>5}  {'train-loss':>10}  {'eval-loss':>9}  {'eval-acc':>8}  {'MB sent':>8}  {'MB recv':>8}" \
-             f"  {'seconds':>7}"
+             f"  {'seconds':>7}  {'failed':>6}"
     lines = [header, "-" * len(header)]
     for r in sorted(history.get("rounds", []), key=lambda r: r["round"]):
         t, e = r.get("train", {}), r.get("evaluate", {})
@@ -98,5 +103,19 @@ def summary_table(history: dict[str, Any]) -> str:
         sent = (t.get("train-bytes-sent", 0) + e.get("eval-bytes-sent", 0)) / 1e6
         recv = (t.get("train-bytes-received", 0) + e.get("eval-bytes-received", 0)) / 1e6
         lines.append(f"{r['round']:>5}  {num(t, 'train-loss', '10.4f'):>10}  {num(e, 'eval-loss', '9.4f'):>9}  "
-                     f"{num(e, 'eval-accuracy', '8.4f'):>8}  {sent:8.2f}  {recv:8.2f}  {r.get('seconds', 0):7.1f}")
+                     f"{num(e, 'eval-accuracy', '8.4f'):>8}  {sent:8.2f}  {recv:8.2f}  {r.get('seconds', 0):7.1f}  "
+                     f"{_failed(r):>6}")
+    for r in sorted(history.get("rounds", []), key=lambda r: r["round"]):
+        first = r.get("failures", {}).get("first-error")
+        if first:
+            lines.append(f"round {r['round']} first failure: {first}")
+    if history.get("error"):
+        lines.append(f"run failed: {history['error']}")
     return "\n".join(lines)
+
+
+def _failed(record: dict[str, Any]) -> str:
+    failures = record.get("failures")
+    if not failures:
+        return "-"
+    return f"{int(failures.get('train', 0))}/{int(failures.get('train-sent', 0))}"

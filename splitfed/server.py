@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from splitfed.config import RunConfig
+from splitfed.checkpoint import Checkpoint, flatten, read_checkpoint, unflatten, write_checkpoint
 from splitfed.errors import ModelLoadError
 from splitfed.messages import SERVER_ROUND, TRUNK_ADDRESS, TRUNK_TOKEN
 from splitfed.optim import make_optimizer
@@ -32,6 +32,7 @@ from splitfed.parts import (
     model_cuts,
     trainable_state,
 )
+from splitfed.tensorboard import RoundWriter
 from splitfed.workload import tokenizer_for
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ class RoundRecord:
     evaluate: dict[str, float] = field(default_factory=dict)
     trunk: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+    #: Clients that failed: ``train`` / ``train-sent``, ``evaluate`` / ``evaluate-sent``, ``first-error``.
+    failures: dict[str, Any] = field(default_factory=dict)
 
 
 class ServerRunner:
@@ -82,6 +85,11 @@ class ServerRunner:
         self.history: list[RoundRecord] = []
         self.round_offset = 0
         self.client_state = initial_client_state(cfg, self.split)
+        #: The inner Flower strategy's own state (server optimizer moments, momentum), by tensor name.
+        self.strategy_state: dict[str, torch.Tensor] = {}
+        #: Each client's privacy accountants (JSON-able), by client key (its partition id).
+        self.privacy_states: dict[str, dict[str, Any]] = {}
+        self.tensorboard = RoundWriter.for_run(cfg.tensorboard_dir, self.output_dir)
         if cfg.resume:
             self._resume()
         credentials = None
@@ -107,8 +115,9 @@ class ServerRunner:
         return self
 
     def stop(self) -> None:
-        """Stop the trunk server."""
+        """Stop the trunk server (and close the TensorBoard writer)."""
         self.server.stop(grace=1.0)
+        self.tensorboard.close()
 
     @property
     def advertised_address(self) -> str:
@@ -140,71 +149,85 @@ class ServerRunner:
 
     # -- per round ----------------------------------------------------------------------------------
     def end_round(self, server_round: int, client_state: Mapping[str, torch.Tensor] | None,
-                  train_metrics: Mapping[str, float] | None, eval_metrics: Mapping[str, float] | None) -> None:
-        """Record the round, checkpoint trunk + client parts + history, and log a summary line."""
+                  train_metrics: Mapping[str, float] | None, eval_metrics: Mapping[str, float] | None,
+                  failures: Mapping[str, Any] | None = None,
+                  strategy_state: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Record the round, checkpoint trunk + client parts + strategy and privacy state + history, log a line."""
         if client_state is not None:
             self.client_state = {k: v.detach().clone() for k, v in client_state.items()}
-        now = time.monotonic()
-        record = RoundRecord(server_round, dict(train_metrics or {}), dict(eval_metrics or {}), self.trunk_metrics(),
-                             now - self._round_started)
-        self._round_started = now
-        self.history = [r for r in self.history if r.round != server_round] + [record]
+        if strategy_state is not None:
+            self.strategy_state = {k: v.detach().clone() for k, v in strategy_state.items()}
+        record = self._record(server_round, train_metrics, eval_metrics, failures)
         epsilon = max((v for k, v in record.train.items() if k.endswith("epsilon")), default=None)
         if epsilon is not None and self.server.metrics is not None:
             self.server.metrics.set_epsilon(float(epsilon))
         self.checkpoint(server_round)
         ev = record.evaluate
-        log.info("round %d done in %.1fs: train loss %.4f, eval loss %s, eval accuracy %s, trunk version %d",
+        log.info("round %d done in %.1fs: train loss %.4f, eval loss %s, eval accuracy %s, trunk version %d%s",
                  server_round, record.seconds, record.train.get("train-loss", float("nan")),
                  f"{ev['eval-loss']:.4f}" if "eval-loss" in ev else "-",
-                 f"{ev['eval-accuracy']:.4f}" if "eval-accuracy" in ev else "-", self.runtime.version)
+                 f"{ev['eval-accuracy']:.4f}" if "eval-accuracy" in ev else "-", self.runtime.version,
+                 f"; {record.failures['train']} of {record.failures['train-sent']} clients failed: "
+                 f"{record.failures.get('first-error')}" if record.failures.get("train") else "")
+
+    def fail_round(self, server_round: int, failures: Mapping[str, Any], error: str) -> None:
+        """Record a round that did not train and write the history with the run's error.
+
+        Nothing is checkpointed and no model is exported: the last good checkpoint stays current.
+        """
+        self._record(server_round, None, None, failures)
+        log.error("round %d failed: %s", server_round, error)
+        self._write_history(status="failed", error=error)
+
+    def _record(self, server_round: int, train_metrics: Mapping[str, float] | None,
+                eval_metrics: Mapping[str, float] | None, failures: Mapping[str, Any] | None) -> RoundRecord:
+        now = time.monotonic()
+        record = RoundRecord(server_round, dict(train_metrics or {}), dict(eval_metrics or {}), self.trunk_metrics(),
+                             now - self._round_started, dict(failures or {}))
+        self._round_started = now
+        self.history = [r for r in self.history if r.round != server_round] + [record]
+        self.tensorboard.write(record)
+        return record
+
+    def record_privacy_state(self, client_key: str, state: Mapping[str, Any]) -> None:
+        """Keep a client's privacy accountants (from its train reply) for checkpoints and later rounds."""
+        self.privacy_states[str(client_key)] = dict(state)
 
     def checkpoint(self, server_round: int) -> Path:
-        """Write trunk, optimizer, client parts and history for ``server_round`` (atomically)."""
-        from safetensors.torch import save_file
+        """Write trunk, optimizer, client parts, strategy and privacy state and history for ``server_round``.
 
-        target = self.output_dir / "checkpoint"
-        tmp = self.output_dir / f".checkpoint-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        See :mod:`splitfed.checkpoint`: files are fsynced and the switch is one atomic rename,
+        so a crash at any point leaves the previous checkpoint current and whole.
+        """
         state = self.runtime.state_dict()
         trunk_state = trainable_state(self.runtime.trunk) if self.cfg.lora_rank else state["trunk"]
-        save_file({k: v.contiguous() for k, v in trunk_state.items()}, str(tmp / "trunk.safetensors"))
-        save_file({k: v.contiguous() for k, v in self.client_state.items()}, str(tmp / "clients.safetensors"))
-        if state["optimizer"] is not None:
-            torch.save(state["optimizer"], tmp / "optimizer.pt")
-        meta = {"round": server_round, "trunk-version": state["version"], "model": self.cfg.model,
-                "cuts": list(self.cuts), "history": [r.__dict__ for r in self.history]}
-        (tmp / "state.json").write_text(json.dumps(meta, indent=1))
-        old = self.output_dir / ".checkpoint-old"
-        shutil.rmtree(old, ignore_errors=True)
-        if target.exists():
-            target.rename(old)
-        tmp.rename(target)
-        shutil.rmtree(old, ignore_errors=True)
-        return target
+        optimizer: dict[str, torch.Tensor] = {}
+        optimizer_doc = flatten(state["optimizer"], optimizer)
+        meta = {"trunk-version": state["version"], "model": self.cfg.model, "cuts": list(self.cuts),
+                "optimizer": optimizer_doc, "privacy": self.privacy_states,
+                "history": [r.__dict__ for r in self.history]}
+        tensors = {"trunk": dict(trunk_state), "clients": dict(self.client_state), "optimizer": optimizer,
+                   "strategy": dict(self.strategy_state)}
+        return write_checkpoint(self.output_dir, server_round, Checkpoint(tensors, meta))
 
     def _resume(self) -> None:
-        from safetensors.torch import load_file
+        def same_model(meta: dict[str, Any]) -> None:
+            if meta.get("model") != self.cfg.model or tuple(meta.get("cuts", ())) != tuple(self.cuts):
+                raise ModelLoadError(f"the checkpoint in {self.output_dir} is for model {meta.get('model')} cut at "
+                                     f"{meta.get('cuts')}; use another output-dir or set resume = false")
 
-        folder = self.output_dir / "checkpoint"
-        if not (folder / "state.json").exists():
-            return
-        meta = json.loads((folder / "state.json").read_text())
-        if meta.get("model") != self.cfg.model or tuple(meta.get("cuts", ())) != tuple(self.cuts):
-            raise ModelLoadError(f"the checkpoint in {folder} is for model {meta.get('model')} cut at "
-                                 f"{meta.get('cuts')}; use another output-dir or set resume = false")
-        optimizer = None
-        if (folder / "optimizer.pt").exists():
-            optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
-        self.runtime.load_state_dict({"trunk": load_file(str(folder / "trunk.safetensors")),
-                                      "optimizer": optimizer, "version": meta["trunk-version"]},
-                                     strict=not self.cfg.lora_rank)
-        self.client_state = load_file(str(folder / "clients.safetensors"))
+        saved = read_checkpoint(self.output_dir, accept=same_model)
+        meta = saved.meta
+        optimizer = unflatten(meta["optimizer"], saved.tensors.get("optimizer", {}))
+        self.runtime.load_state_dict({"trunk": saved.tensors["trunk"], "optimizer": optimizer,
+                                      "version": meta["trunk-version"]}, strict=not self.cfg.lora_rank)
+        self.client_state = saved.tensors["clients"]
+        self.strategy_state = saved.tensors.get("strategy", {})
+        self.privacy_states = {str(k): dict(v) for k, v in meta.get("privacy", {}).items()}
         self.round_offset = int(meta["round"])
         self.history = [RoundRecord(**r) for r in meta.get("history", [])]
-        log.warning("resuming from the checkpoint of round %d in %s (trunk version %d)", self.round_offset, folder,
-                    self.runtime.version)
+        log.warning("resuming from the checkpoint of round %d in %s (trunk version %d)", self.round_offset,
+                    saved.folder, self.runtime.version)
 
     # -- end of run ------------------------------------------------------------------------------------
     def finish(self) -> Path:
@@ -219,11 +242,25 @@ class ServerRunner:
         export_model(full, self.cfg.model, self.cuts, self.output_dir / "model")
         if is_pretrained(self.cfg):
             tokenizer_for(self.cfg).save_pretrained(self.output_dir / "model")
-        history = {"config": self.cfg.to_mapping(), "run-id": self.run_id,
-                   "rounds": [r.__dict__ for r in sorted(self.history, key=lambda r: r.round)]}
-        (self.output_dir / "history.json").write_text(json.dumps(history, indent=1))
+        history = self._write_history(status="completed")
+        from splitfed.errors import MissingExtraError
         from splitfed.report import plot, summary_table
 
-        plot(history, self.output_dir)
+        try:
+            plot(history, self.output_dir)
+        except MissingExtraError as exc:
+            log.warning("no PNG plots: %s", exc)
         log.info("SplitFed: model, history and plots written to %s\n%s", self.output_dir, summary_table(history))
         return self.output_dir
+
+    def _write_history(self, status: str, error: str | None = None) -> dict[str, Any]:
+        """Write ``history.json`` (settings, run id, status, rounds; the error of a failed run)."""
+        history: dict[str, Any] = {"config": self.cfg.to_mapping(), "run-id": self.run_id, "status": status,
+                                   "rounds": [r.__dict__ for r in sorted(self.history, key=lambda r: r.round)]}
+        if error is not None:
+            history["error"] = error
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.output_dir / f".history-{self.run_id}.json"
+        tmp.write_text(json.dumps(history, indent=1))
+        tmp.replace(self.output_dir / "history.json")
+        return history

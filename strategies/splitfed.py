@@ -5,21 +5,32 @@ own) samples nodes and aggregates the client parts (bottom and top) exactly as
 it would a whole model. SplitFed adds what split learning needs around it:
 every message gets a ``splitfed`` ConfigRecord with the trunk server's address
 and a token for that node and round, replies are checked for the trunk's
-counters, and after each round the trunk, the client parts and the history are
+counters, and after each round the trunk, the client parts, the inner
+strategy's state, the clients' privacy accountants and the history are
 checkpointed so a restarted ServerApp resumes from the last completed round.
+
+A round in which fewer clients train than ``min-train-nodes``, or more than the
+``accept-failures`` fraction fail, stops the run with :class:`RoundFailedError`
+quoting the first client's error (Flower then marks the run failed); the round's
+failures are in the history either way.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
-from logging import INFO
+from logging import INFO, WARNING
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.supercore import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
+from splitfed.errors import RoundFailedError
+from splitfed.messages import CLIENT_KEY, PRIVACY_RECORD, PRIVACY_STATES
 from splitfed.server import ServerRunner
+from strategies.replies import RoundReplies, merge_records
+from strategies.state import load_strategy_state, strategy_state
 
 #: Name of the per-node record SplitFed adds to train and evaluate messages.
 SPLITFED_RECORD = "splitfed"
@@ -39,18 +50,35 @@ class SplitFed(Strategy):
         self._offset = runner.round_offset
         self._last_train: MetricRecord | None = None
         self._last_eval: MetricRecord | None = None
+        self._sent = {"train": 0, "evaluate": 0}
+        self._outcomes: dict[str, RoundReplies | None] = {"train": None, "evaluate": None}
+        self._node_keys: dict[int, str] = {}  # node id -> client key, learnt from train replies
+        if runner.strategy_state:
+            load_strategy_state(strategy, runner.strategy_state)
 
     # -- helpers ---------------------------------------------------------------------------------
     def _round(self, server_round: int) -> int:
         """The run's round number (rounds continue after a resume)."""
         return server_round + self._offset
 
+    def _privacy_for(self, node: int) -> str | None:
+        """JSON of the accountants this node may need: its own once known, else every client's."""
+        states = self.runner.privacy_states
+        if not states:
+            return None
+        key = self._node_keys.get(node)
+        return json.dumps({key: states[key]} if key in states else states)
+
     def _with_trunk(self, messages: Iterable[Message], server_round: int) -> list[Message]:
         out = []
         for msg in messages:
             node = msg.metadata.dst_node_id
             content = RecordDict(dict(msg.content.items()))
-            content[SPLITFED_RECORD] = ConfigRecord(self.runner.trunk_config(node, server_round))
+            record = self.runner.trunk_config(node, server_round)
+            privacy = self._privacy_for(node) if msg.metadata.message_type == "train" else None
+            if privacy is not None:
+                record[PRIVACY_STATES] = privacy
+            content[SPLITFED_RECORD] = ConfigRecord(record)
             out.append(Message(content=content, dst_node_id=node, message_type=msg.metadata.message_type,
                                group_id=msg.metadata.group_id or None))
         return out
@@ -60,26 +88,75 @@ class SplitFed(Strategy):
                         ) -> Iterable[Message]:
         """The inner strategy's train messages, each with the trunk's address and a fresh token."""
         run_round = self._round(server_round)
-        messages = self.strategy.configure_train(run_round, arrays, config, grid)
-        return self._with_trunk(messages, run_round)
+        messages = self._with_trunk(self.strategy.configure_train(run_round, arrays, config, grid), run_round)
+        self._sent["train"] = len(messages)
+        self._outcomes = {"train": None, "evaluate": None}
+        return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The inner strategy aggregates the client parts; the trunk's counters join the metrics."""
-        arrays, metrics = self.strategy.aggregate_train(self._round(server_round), replies)
-        metrics = MetricRecord({**(dict(metrics) if metrics is not None else {}), **self.runner.trunk_metrics()})
+        """The inner strategy aggregates the client parts; the trunk's counters and the failures join the metrics.
+
+        Raises:
+            RoundFailedError: fewer successful replies than ``min-train-nodes``, or more failures than
+                ``accept-failures`` allows; the message quotes the first client's error.
+        """
+        run_round = self._round(server_round)
+        replies = list(replies)
+        outcome = RoundReplies.sort("train", self._sent["train"], replies)
+        self._outcomes["train"] = outcome
+        cfg = self.runner.cfg
+        needed = outcome.needed(cfg.min_train_nodes, cfg.accept_failures)
+        if len(outcome.ok) < needed:
+            error = (f"round {run_round}: {len(outcome.ok)} of {outcome.sent} clients trained, {needed} needed "
+                     f"(min-train-nodes = {cfg.min_train_nodes}, accept-failures = {cfg.accept_failures}); "
+                     f"first failure: {outcome.errors[0] if outcome.errors else 'none'}")
+            self.runner.fail_round(run_round, merge_records(outcome), error)
+            raise RoundFailedError(error)
+        if outcome.errors:
+            log(WARNING, "round %s: %s of %s clients failed; first: %s", run_round, outcome.failed, outcome.sent,
+                outcome.errors[0])
+        for reply in outcome.ok:
+            self._keep_privacy_state(reply)
+        arrays, metrics = self.strategy.aggregate_train(run_round, outcome.ok)
+        metrics = MetricRecord({**(dict(metrics) if metrics is not None else {}), **self.runner.trunk_metrics(),
+                                "train-failures": outcome.failed})
         self._last_train = metrics
         return arrays, metrics
+
+    def _keep_privacy_state(self, reply: Message) -> None:
+        if PRIVACY_RECORD not in reply.content.config_records:
+            return
+        record = dict(reply.content.config_records[PRIVACY_RECORD])
+        key = str(record.pop(CLIENT_KEY))
+        self._node_keys[reply.metadata.src_node_id] = key
+        self.runner.record_privacy_state(key, record)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
                            ) -> Iterable[Message]:
         """The inner strategy's evaluate messages, each with the trunk's address and a token."""
         run_round = self._round(server_round)
-        return self._with_trunk(self.strategy.configure_evaluate(run_round, arrays, config, grid), run_round)
+        messages = self._with_trunk(self.strategy.configure_evaluate(run_round, arrays, config, grid), run_round)
+        self._sent["evaluate"] = len(messages)
+        return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """The inner strategy aggregates the evaluation metrics."""
-        metrics = self.strategy.aggregate_evaluate(self._round(server_round), replies)
+        """The inner strategy aggregates the evaluation metrics; failed evaluations are counted.
+
+        Raises:
+            RoundFailedError: every client's evaluation failed.
+        """
+        run_round = self._round(server_round)
+        outcome = RoundReplies.sort("evaluate", self._sent["evaluate"], list(replies))
+        self._outcomes["evaluate"] = outcome
+        if outcome.sent and not outcome.ok:
+            error = (f"round {run_round}: all {outcome.sent} clients failed to evaluate; first failure: "
+                     f"{outcome.errors[0]}")
+            self.runner.fail_round(run_round, merge_records(self._outcomes["train"], outcome), error)
+            raise RoundFailedError(error)
+        metrics = self.strategy.aggregate_evaluate(run_round, outcome.ok)
+        if metrics is not None:
+            metrics = MetricRecord({**dict(metrics), "eval-failures": outcome.failed})
         self._last_eval = metrics
         return metrics
 
@@ -102,7 +179,9 @@ class SplitFed(Strategy):
             central = evaluate_fn(self._round(server_round), arrays) if evaluate_fn is not None else None
             if server_round > 0:
                 self.runner.end_round(self._round(server_round), arrays.to_torch_state_dict(),
-                                      dict(self._last_train or {}), dict(self._last_eval or {}))
+                                      dict(self._last_train or {}), dict(self._last_eval or {}),
+                                      failures=merge_records(self._outcomes["train"], self._outcomes["evaluate"]),
+                                      strategy_state=strategy_state(self.strategy))
             return central
 
         return super().start(grid, initial_arrays, num_rounds=num_rounds, timeout=timeout, train_config=train_config,
