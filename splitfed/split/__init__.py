@@ -19,14 +19,9 @@ from splitfed.split.base import (
     load_unique_state,
     unique_state,
 )
+from splitfed.split.families import BERT_FAMILY, GPT2_FAMILY, LLAMA_FAMILY, attention_kinds
 from splitfed.split.sequential import SequentialPart, split_sequential
-from splitfed.split.transformer import (
-    BERT_FAMILY,
-    GPT2_FAMILY,
-    LLAMA_FAMILY,
-    TransformerPart,
-    split_transformer,
-)
+from splitfed.split.transformer import TransformerPart, split_transformer
 
 SUPPORTED_ARCHITECTURES = sorted(GPT2_FAMILY | LLAMA_FAMILY | BERT_FAMILY) + ["nn.Sequential"]
 
@@ -79,6 +74,7 @@ __all__ = [
     "SplitModel",
     "SplitOutput",
     "TransformerPart",
+    "attention_kinds",
     "causal_lm_loss",
     "check_cuts",
     "classification_loss",

@@ -8,6 +8,11 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_outputs import (
+    CausalLMOutput,
+    ImageClassifierOutputWithNoAttention,
+    SequenceClassifierOutput,
+)
 
 from splitfed.errors import SplitError
 
@@ -106,12 +111,9 @@ def reindex_layers(layers: nn.ModuleList) -> None:
                 module.layer_idx = i
 
 
-@dataclass
-class SplitOutput:
-    """Logits, and the loss when labels were given."""
-
-    logits: torch.Tensor
-    loss: torch.Tensor | None = None
+#: What :meth:`SplitModel.forward` returns: a Hugging Face ``ModelOutput`` with ``loss`` (None without labels)
+#: and ``logits``, readable as ``out.loss``, ``out["loss"]`` and ``out[0]``.
+SplitOutput = CausalLMOutput | SequenceClassifierOutput | ImageClassifierOutputWithNoAttention
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -121,18 +123,44 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            ignore_index=-100)
 
 
-def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross entropy for class labels; mean squared error when there is one output."""
-    if logits.shape[-1] == 1:
-        return F.mse_loss(logits.squeeze(-1).float(), labels.float())
-    return F.cross_entropy(logits.float(), labels.to(logits.device))
+def classification_loss(logits: torch.Tensor, labels: torch.Tensor, problem_type: str | None = None) -> torch.Tensor:
+    """The loss ``*ForSequenceClassification`` computes for ``problem_type``.
+
+    Without a problem type it is inferred as transformers does: one output is
+    ``regression`` (mean squared error), integer labels are
+    ``single_label_classification`` (cross entropy), anything else is
+    ``multi_label_classification`` (binary cross entropy with logits).
+    """
+    labels = labels.to(logits.device)
+    num_labels = logits.shape[-1]
+    if problem_type is None:
+        if num_labels == 1:
+            problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            problem_type = "single_label_classification"
+        else:
+            problem_type = "multi_label_classification"
+    if problem_type == "regression":
+        if num_labels == 1:
+            return F.mse_loss(logits.squeeze().float(), labels.squeeze().float())
+        return F.mse_loss(logits.float(), labels.float())
+    if problem_type == "single_label_classification":
+        return F.cross_entropy(logits.float().reshape(-1, num_labels), labels.reshape(-1))
+    if problem_type == "multi_label_classification":
+        return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+    raise SplitError(f"unknown problem_type {problem_type!r}: use regression, single_label_classification or "
+                     "multi_label_classification")
 
 
 class SplitModel(nn.Module):
     """Bottom, trunk and top run in sequence; the trunk may be local or a :class:`RemoteTrunk`.
 
-    ``forward`` takes what the unsplit model takes (token ids or images, an
-    optional padding mask and labels) and returns a :class:`SplitOutput`.
+    ``forward`` takes what the unsplit Hugging Face model takes, by the same
+    names (``input_ids``, ``attention_mask``, ``labels``, ``position_ids``,
+    ``token_type_ids``), so ``model(**tokenizer(texts, return_tensors="pt"))``
+    and ``transformers.Trainer`` work; image models take their tensor
+    positionally or as ``pixel_values``. It returns a Hugging Face
+    ``ModelOutput`` (:data:`SplitOutput`).
     """
 
     def __init__(self, bottom: nn.Module, trunk: nn.Module, top: nn.Module, task: Task,
@@ -144,16 +172,42 @@ class SplitModel(nn.Module):
         self.task = task
         self.config = config
 
-    def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> SplitOutput:
-        """Run the three parts; compute the task's loss when ``labels`` is given."""
-        state = self.bottom(inputs, attention_mask=attention_mask, position_ids=position_ids)
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None) -> SplitOutput:
+        """Run the three parts; compute the task's loss when ``labels`` is given.
+
+        Args:
+            input_ids: token ids (B, T); for image models, the image batch (also accepted as ``pixel_values``).
+            attention_mask: 2-D padding mask, 1 = token, 0 = padding.
+            labels: next-token targets (-100 = ignored) for causal LMs, class labels (or targets) otherwise.
+            position_ids: explicit positions (B, T), e.g. for left-padded batches.
+            token_type_ids: segment ids of sentence pairs (BERT; GPT-2 adds them too; the bottom uses them).
+            pixel_values: the image batch, for image models.
+
+        Returns:
+            ``CausalLMOutput`` for causal LMs, ``SequenceClassifierOutput`` for token classifiers,
+            ``ImageClassifierOutputWithNoAttention`` for image (float) inputs.
+        """
+        if (input_ids is None) == (pixel_values is None):
+            raise SplitError("pass exactly one of input_ids (token ids, or an image batch positionally) and "
+                             "pixel_values")
+        inputs = input_ids if input_ids is not None else pixel_values
+        extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+        state = self.bottom(inputs, attention_mask=attention_mask, position_ids=position_ids, **extra)
         state = self.trunk(state)
         logits = self.top(state)
         loss = None
         if labels is not None:
-            loss = causal_lm_loss(logits, labels) if self.task == "causal-lm" else classification_loss(logits, labels)
-        return SplitOutput(logits=logits, loss=loss)
+            if self.task == "causal-lm":
+                loss = causal_lm_loss(logits, labels)
+            else:
+                loss = classification_loss(logits, labels, getattr(self.config, "problem_type", None))
+        if self.task == "causal-lm":
+            return CausalLMOutput(loss=loss, logits=logits)
+        if inputs.is_floating_point():
+            return ImageClassifierOutputWithNoAttention(loss=loss, logits=logits)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
 
     def client_modules(self) -> nn.ModuleDict:
         """Bottom and top together, as the client holds them (tied weights stay tied)."""

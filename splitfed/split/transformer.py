@@ -6,7 +6,8 @@ contiguous run of blocks, re-indexed from 0 so that it can hold its own
 ``DynamicCache``, and a copy of the model config whose ``num_hidden_layers``
 (and ``layer_types``) describe just those blocks. Masks and rotary embeddings
 are rebuilt per part from the 2-D padding mask and the position ids that cross
-the cut, so a split model computes exactly what the unsplit model computes.
+the cut, following the family's own rules (:mod:`splitfed.split.families`), so a
+split model computes exactly what the unsplit model computes.
 """
 
 from __future__ import annotations
@@ -23,10 +24,18 @@ from transformers.masking_utils import (
 )
 
 from splitfed.split.base import CutState, Part, PartSpec, Role, reindex_layers
+from splitfed.split.families import (
+    BERT_FAMILY,
+    BIDIRECTIONAL,
+    FULL,
+    GPT2_FAMILY,
+    LLAMA_FAMILY,
+    SLIDING,
+    attention_kinds,
+    check_config,
+)
 
-LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma"})
-GPT2_FAMILY = frozenset({"gpt2"})
-BERT_FAMILY = frozenset({"bert"})
+_MASKS = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
 
 
 def part_config(config: Any, first: int, count: int) -> Any:
@@ -101,12 +110,13 @@ class TransformerBottom(TransformerPart):
     """Embeddings and the first blocks; turns token ids into a :class:`CutState`."""
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, cache: Any = None, use_cache: bool = False) -> CutState:
-        """Embed ``input_ids`` and run the bottom blocks."""
+                position_ids: torch.Tensor | None = None, cache: Any = None, use_cache: bool = False,
+                token_type_ids: torch.Tensor | None = None) -> CutState:
+        """Embed ``input_ids`` (and ``token_type_ids`` where the family uses them) and run the bottom blocks."""
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             position_ids = default_positions(input_ids, past)
-        hidden = self._runner.embed(self, input_ids, position_ids)
+        hidden = self._runner.embed(self, input_ids, position_ids, token_type_ids)
         state = CutState(hidden, attention_mask, position_ids if self._runner.uses_positions else None)
         return state.with_hidden(self.run_layers(state, cache, use_cache))
 
@@ -133,25 +143,27 @@ class _Runner:
 
     uses_positions = True
 
-    def embed(self, part: TransformerPart, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, part: TransformerPart, input_ids: torch.Tensor, position_ids: torch.Tensor,
+              token_type_ids: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
     def run(self, part: TransformerPart, state: CutState, cache: Any, use_cache: bool) -> torch.Tensor:
         raise NotImplementedError
 
     def head(self, part: TransformerPart, hidden: torch.Tensor) -> torch.Tensor:
+        # No supported family soft-caps its logits (Gemma 1 does not; a stray final_logit_softcapping is ignored).
         hidden = part.norm(hidden) if part.norm is not None else hidden
-        logits = part.head(hidden)
-        cap = getattr(part.config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return part.head(hidden)
 
 
 class _GPT2Runner(_Runner):
-    def embed(self, part: TransformerPart, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, part: TransformerPart, input_ids: torch.Tensor, position_ids: torch.Tensor,
+              token_type_ids: torch.Tensor | None) -> torch.Tensor:
         emb = part.embed
-        return emb.drop(emb.wte(input_ids) + emb.wpe(position_ids))
+        hidden = emb.wte(input_ids) + emb.wpe(position_ids)
+        if token_type_ids is not None:  # GPT2Model embeds token types with the word embeddings
+            hidden = hidden + emb.wte(token_type_ids)
+        return emb.drop(hidden)
 
     def run(self, part: TransformerPart, state: CutState, cache: Any, use_cache: bool) -> torch.Tensor:
         hidden = state.hidden
@@ -163,8 +175,9 @@ class _GPT2Runner(_Runner):
 
 
 class _LlamaRunner(_Runner):
-    def embed(self, part: TransformerPart, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return part.embed(input_ids)
+    def embed(self, part: TransformerPart, input_ids: torch.Tensor, position_ids: torch.Tensor,
+              token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        return part.embed(input_ids)  # the Llama family ignores token types, as its forward does
 
     def run(self, part: TransformerPart, state: CutState, cache: Any, use_cache: bool) -> torch.Tensor:
         hidden, pos = state.hidden, state.position_ids
@@ -172,12 +185,10 @@ class _LlamaRunner(_Runner):
             pos = default_positions(hidden, cache.get_seq_length() if cache is not None else 0)
         kwargs = dict(config=part.config, inputs_embeds=hidden, attention_mask=state.attention_mask, cache=cache,
                       position_ids=pos)
-        layer_types = getattr(part.config, "layer_types", None) or ["full_attention"] * len(part.layers)
-        masks = {"full_attention": create_causal_mask(**kwargs)} if "full_attention" in layer_types else {}
-        if "sliding_attention" in layer_types:
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+        kinds = attention_kinds(part.config)
+        masks = {kind: _MASKS[kind](**kwargs) for kind in dict.fromkeys(kinds)}
         position_embeddings = part.rotary(hidden, position_ids=pos)
-        for layer, kind in zip(part.layers, layer_types):
+        for layer, kind in zip(part.layers, kinds, strict=True):
             hidden = layer(hidden, attention_mask=masks[kind], position_embeddings=position_embeddings,
                            position_ids=pos, cache=cache, use_cache=use_cache)
         return hidden
@@ -186,12 +197,18 @@ class _LlamaRunner(_Runner):
 class _BertRunner(_Runner):
     uses_positions = False  # absolute positions are added inside the embeddings
 
-    def embed(self, part: TransformerPart, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return part.embed(input_ids=input_ids)
+    def embed(self, part: TransformerPart, input_ids: torch.Tensor, position_ids: torch.Tensor,
+              token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        return part.embed(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
 
     def run(self, part: TransformerPart, state: CutState, cache: Any, use_cache: bool) -> torch.Tensor:
         hidden = state.hidden
-        mask = create_bidirectional_mask(config=part.config, inputs_embeds=hidden, attention_mask=state.attention_mask)
+        if attention_kinds(part.config)[0] == BIDIRECTIONAL:
+            mask = create_bidirectional_mask(config=part.config, inputs_embeds=hidden,
+                                             attention_mask=state.attention_mask)
+        else:  # is_decoder: BertModel builds the causal mask (without position ids)
+            mask = create_causal_mask(config=part.config, inputs_embeds=hidden, attention_mask=state.attention_mask,
+                                      cache=cache)
         for layer in part.layers:
             hidden = layer(hidden, mask)
         return hidden
@@ -215,6 +232,7 @@ def split_transformer(model: nn.Module, a: int, b: int) -> tuple[TransformerBott
     """
     config = model.config
     family = config.model_type
+    check_config(config)
     if family in GPT2_FAMILY:
         base, n = model.transformer, config.num_hidden_layers
         embed = nn.Module()
