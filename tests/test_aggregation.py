@@ -96,7 +96,7 @@ def test_leave_releases_a_waiting_bucket() -> None:
     assert results["a"].outcome is Outcome.APPLIED and len(rec.updates) == 1
 
 
-def test_quorum_steps_at_k_and_applies_late_ones_by_the_staleness_policy() -> None:
+def test_quorum_steps_at_k_and_stale_gradients_join_the_open_bucket() -> None:
     agg, rec = QuorumAggregator(2, timeout=10, max_staleness=1), Recorder()
     agg.bind(rec)
     for name in "abc":
@@ -105,21 +105,34 @@ def test_quorum_steps_at_k_and_applies_late_ones_by_the_staleness_policy() -> No
     for t in _submit_all(agg, [_c("a", 1.0), _c("b", 3.0)], results):
         t.join(5)
     assert len(rec.updates) == 1 and rec.updates[0][0].item() == pytest.approx(2.0)
-    late = agg.submit(_c("c", 5.0, version=0))  # computed on version 0, trunk is at 1
-    assert late.outcome is Outcome.APPLIED and late.staleness == 1 and agg.version == 2
-    too_late = agg.submit(_c("c", 5.0, version=0))
-    assert too_late.outcome is Outcome.REJECTED_STALE and agg.version == 2
+    # c computed on version 0 (trunk is at 1): it joins a's fresh gradient in one step, not a step of its own.
+    late = agg.offer(_c("c", 5.0, version=0))
+    assert not late.done() and agg.pending == 1
+    fresh = agg.submit(_c("a", 1.0, version=1))
+    assert late.result(1).outcome is Outcome.APPLIED and late.result(1).staleness == 1
+    assert fresh.staleness == 0 and agg.version == 2 and len(rec.updates) == 2
+    assert rec.updates[1][0].item() == pytest.approx(3.0)
+    too_late = agg.submit(_c("c", 5.0, version=0))  # 2 stale: rejected at once, nothing waits
+    assert too_late.outcome is Outcome.REJECTED_STALE and too_late.staleness == 2 and agg.version == 2
 
 
-def test_quorum_finishes_when_a_client_never_sends() -> None:
+def test_quorum_drops_a_dead_member_and_shrinks_to_the_live_ones() -> None:
     agg, rec = QuorumAggregator(3, timeout=0.3), Recorder()
     agg.bind(rec)
     for name in "abc":
         agg.join(name)
     results: dict = {}
+    start = time.monotonic()
     for t in _submit_all(agg, [_c("a", 1.0), _c("b", 1.0)], results):
         t.join(5)
-    assert len(rec.updates) == 1 and agg.members == {"a", "b", "c"}
+    assert 0.25 <= time.monotonic() - start < 2
+    assert len(rec.updates) == 1 and agg.members == {"a", "b"} and agg.stats["dropped-members"] == 1
+    # The quorum is now min(3, 2 live members): the next steps do not wait for the dead one.
+    for version in (1, 2, 3):
+        start = time.monotonic()
+        for t in _submit_all(agg, [_c("a", 1.0, version), _c("b", 1.0, version)], results):
+            t.join(5)
+        assert time.monotonic() - start < 0.2 and agg.version == version + 1
 
 
 def test_async_applies_each_and_rejects_beyond_max_staleness() -> None:

@@ -15,9 +15,10 @@ status code, direction, wire dtype, gradient outcome. Client ids are never label
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -34,6 +35,7 @@ from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
 
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -104,17 +106,17 @@ class TrunkMetrics:
             self._http.server_close()
             self._http = None
 
-    def interceptor(self) -> grpc.ServerInterceptor:
+    def interceptor(self) -> grpc.aio.ServerInterceptor:
         """A server interceptor that counts and times every RPC."""
         return _MetricsInterceptor(self)
 
 
-class _MetricsInterceptor(grpc.ServerInterceptor):
+class _MetricsInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: TrunkMetrics) -> None:
         self.metrics = metrics
 
-    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        handler = continuation(details)
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
+        handler = await continuation(details)
         if handler is None:
             return None
         method = details.method.rsplit("/", 1)[-1]
@@ -124,38 +126,50 @@ class _MetricsInterceptor(grpc.ServerInterceptor):
             metrics.retries.labels(method).inc()
             log.warning("retried request: %s (attempt %s)", method, int(md["grpc-previous-rpc-attempts"]) + 1)
 
-        def record(context: grpc.ServicerContext, start: float, failed: bool) -> None:
-            code = context.code() if hasattr(context, "code") else None
-            if code is None:
-                code = grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
-            name = code.name if hasattr(code, "name") else str(code)
+        def record(context: Any, start: float, outcome: str) -> None:
+            code = context.code()
+            if isinstance(code, int):
+                code = _CODES.get(code)
+            if outcome == "cancelled" or context.cancelled():
+                name = "CANCELLED"
+            elif code is None or (code is grpc.StatusCode.OK and outcome != "ok"):
+                name = "OK" if outcome == "ok" else "UNKNOWN"
+            else:
+                name = code.name
             metrics.rpcs.labels(method, name).inc()
             metrics.rpc_seconds.labels(method).observe(time.perf_counter() - start)
 
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
-            def unary(request: Any, context: grpc.ServicerContext) -> Any:
-                start, failed = time.perf_counter(), True
+            async def unary(request: Any, context: Any) -> Any:
+                start, outcome = time.perf_counter(), "failed"
                 try:
-                    response = inner(request, context)
-                    failed = False
+                    response = await inner(request, context)
+                    outcome = "ok"
                     return response
+                except asyncio.CancelledError:
+                    outcome = "cancelled"
+                    raise
                 finally:
-                    record(context, start, failed)
+                    record(context, start, outcome)
 
             return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
                                                        response_serializer=handler.response_serializer)
         if handler.stream_stream is not None:
             inner_stream = handler.stream_stream
 
-            def stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-                start, failed = time.perf_counter(), True
+            async def stream(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+                start, outcome = time.perf_counter(), "failed"
                 try:
-                    yield from inner_stream(requests, context)
-                    failed = False
+                    async for reply in inner_stream(requests, context):
+                        yield reply
+                    outcome = "ok"
+                except asyncio.CancelledError:
+                    outcome = "cancelled"
+                    raise
                 finally:
-                    record(context, start, failed)
+                    record(context, start, outcome)
 
             return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=handler.request_deserializer,
                                                          response_serializer=handler.response_serializer)
@@ -173,7 +187,13 @@ class _RuntimeCollector(Collector):
         rt = self.runtime
         yield GaugeMetricFamily("splitfed_saved_forwards", "Forwards held for their backward", value=len(rt.store))
         yield GaugeMetricFamily("splitfed_saved_forward_bytes", "Bytes held by saved forwards",
-                                value=rt.store.bytes_held)
+                                value=rt.store.forward_bytes)
+        held = GaugeMetricFamily("splitfed_held_bytes", "Bytes the trunk holds between requests, by kind (all "
+                                 "count against the saved-state budget)", labels=["kind"])
+        held.add_metric(["forwards"], rt.store.forward_bytes)
+        held.add_metric(["frozen-weights"], rt.store.frozen_bytes)
+        held.add_metric(["answers"], rt.store.done_bytes)
+        yield held
         yield CounterMetricFamily("splitfed_evictions", "Saved forwards evicted (TTL or client left)",
                                   value=rt.store.evicted)
         yield GaugeMetricFamily("splitfed_trunk_version", "Optimizer steps the trunk has taken", value=rt.version)
@@ -185,6 +205,8 @@ class _RuntimeCollector(Collector):
         yield outcomes
         yield CounterMetricFamily("splitfed_dropped_members", "Clients dropped from a step after its timeout",
                                   value=agg.stats.get("dropped-members", 0))
+        yield CounterMetricFamily("splitfed_failed_steps", "Trunk steps that failed (none of their gradients "
+                                  "applied)", value=agg.stats.get("failed-steps", 0))
         yield GaugeMetricFamily("splitfed_step_group_members", "Clients in the trunk's step group",
                                 value=len(agg.members))
         yield CounterMetricFamily("splitfed_forwards", "Trunk forwards (training and evaluation)",

@@ -1,20 +1,33 @@
 """When and how client gradients update the trunk: sync, async and quorum modes.
 
-Pure logic: no gRPC, no Flower. The trunk runtime hands each client's trunk
-gradient to an aggregator as a :class:`Contribution` and blocks as long as the
-mode says; the aggregator calls back ``apply_update`` with the weighted
-gradients whenever the trunk should take an optimizer step.
+Pure logic: no gRPC, no Flower, no threads of its own. The trunk runtime hands
+each client's trunk gradient to an aggregator as a :class:`Contribution` with
+:meth:`TrunkAggregator.offer`, which returns at once with a future; the
+aggregator calls back ``apply_update`` with the combined gradient whenever the
+trunk should take an optimizer step, and resolves the futures of every gradient
+that step decided. Nobody waits inside the aggregator: a server awaits the
+futures, and whoever drives the aggregator calls :meth:`TrunkAggregator.poll`
+at :meth:`TrunkAggregator.deadline` so that timeouts fire.
 
 The three modes are one mechanism with different rules:
 
-* a *bucket* collects gradients computed on the current trunk version;
-* :meth:`TrunkAggregator.ready` says when the bucket is complete (``sync``: every
-  member of the step group contributed; ``quorum``: k of them did; ``async``: one);
-* a bucket still open ``timeout`` seconds after its first gradient is applied
-  with what it holds (``sync`` also drops the members that did not contribute);
-* a gradient computed on an older version is *stale*: :meth:`staleness_weight`
-  returns its weight, or ``None`` to reject it; stale gradients that are not
-  rejected are applied on their own.
+* a *bucket* collects gradients until :meth:`TrunkAggregator.ready` says it is
+  complete (``sync``: every member of the step group contributed; ``quorum``:
+  ``min(k, members)`` did; ``async``: one did);
+* a member that has not been heard from (training forward, join or gradient)
+  for ``timeout`` seconds and has no gradient in the open bucket is dropped from
+  the group, in every mode; it rejoins with its next training forward. So a
+  dead client holds up one step for at most ``timeout`` after its last sign of
+  life, and a client that joined a moment ago is never dropped for the time the
+  bucket had already been open;
+* a gradient computed on an older trunk version is *stale*: its weight is
+  :meth:`staleness_weight` of its staleness, or ``None`` to reject it. A stale
+  gradient that may still be applied joins the open bucket like any other; the
+  staleness and weight of every item are checked again when its bucket closes,
+  and what a client is told is exactly what was applied;
+* a step is all-or-nothing: if ``apply_update`` raises, every gradient of the
+  bucket gets the same :class:`~splitfed.errors.TrunkStepError` and none of
+  them is applied later.
 
 Researchers subclass :class:`TrunkAggregator` (or one of the modes) and
 override ``ready``, ``staleness_weight`` or ``combine``.
@@ -27,11 +40,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import torch
 
-from splitfed.errors import ConfigError
+from splitfed.errors import ConfigError, TrunkStepError
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +81,8 @@ class Contribution:
 
 @dataclass(frozen=True)
 class Result:
-    """What :meth:`TrunkAggregator.submit` reports back to the client."""
+    """What the aggregator reports back to the client: the outcome, the trunk version after the step,
+    the staleness the gradient was applied (or rejected) at, and its weight."""
 
     outcome: Outcome
     version: int
@@ -75,12 +91,20 @@ class Result:
 
 
 @dataclass
+class _Item:
+    contribution: Contribution
+    future: Future[Result]
+    offered: float
+
+
+@dataclass
 class _Bucket:
-    generation: int
     opened: float | None = None
-    items: list[Contribution] = field(default_factory=list)
-    clients: set[str] = field(default_factory=set)
-    result: dict[int, Result] = field(default_factory=dict)  # by id() of the Contribution
+    items: list[_Item] = field(default_factory=list)
+
+    @property
+    def clients(self) -> set[str]:
+        return {i.contribution.client_id for i in self.items}
 
 
 ApplyUpdate = Callable[[Grads], None]
@@ -110,6 +134,12 @@ def weighted_mean(contributions: Sequence[Contribution]) -> Grads | None:
     return out
 
 
+def _resolved(result: Result) -> Future[Result]:
+    fut: Future[Result] = Future()
+    fut.set_result(result)
+    return fut
+
+
 class TrunkAggregator:
     """Base aggregator; see the module docstring for the shared mechanism.
 
@@ -117,13 +147,15 @@ class TrunkAggregator:
         max_staleness: versions a gradient may lag the trunk and still be applied.
         staleness_policy: ``reject`` drops gradients beyond ``max_staleness``;
             ``downweight`` applies them scaled by ``1 / (1 + staleness - max_staleness)``.
-        timeout: seconds a bucket waits after its first gradient before it is applied
-            with what it holds.
+        timeout: seconds without a sign of life after which a member is dropped
+            from the step group (and stops holding up the open bucket).
+        clock: monotonic seconds (injected by tests).
     """
 
     mode = "base"
 
-    def __init__(self, *, max_staleness: int = 0, staleness_policy: str = "reject", timeout: float = 30.0) -> None:
+    def __init__(self, *, max_staleness: int = 0, staleness_policy: str = "reject", timeout: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if max_staleness < 0:
             raise ConfigError(f"max-staleness must be >= 0, got {max_staleness}")
         if staleness_policy not in ("reject", "downweight"):
@@ -133,13 +165,15 @@ class TrunkAggregator:
         self.max_staleness = max_staleness
         self.staleness_policy = staleness_policy
         self.timeout = timeout
-        self._cond = threading.Condition()
-        self._members: set[str] = set()
-        self._bucket = _Bucket(generation=0)
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._members: dict[str, float] = {}  # client -> last sign of life
+        self._bucket = _Bucket()
         self._steps_applied = 0
         self._get_version: GetVersion = lambda: self._steps_applied
         self._apply: ApplyUpdate | None = None
-        self.stats: dict[str, int] = {o.value: 0 for o in Outcome} | {"dropped-members": 0, "steps": 0}
+        self.stats: dict[str, int] = {o.value: 0 for o in Outcome} | {
+            "dropped-members": 0, "expired-members": 0, "steps": 0, "failed-steps": 0}
         #: Called with ("wait_seconds" | "bucket_size" | "staleness", value); metrics hook in here.
         self.observer: Callable[[str, float], None] | None = None
 
@@ -167,24 +201,29 @@ class TrunkAggregator:
     @property
     def members(self) -> frozenset[str]:
         """Clients currently in the step group."""
-        with self._cond:
+        with self._lock:
             return frozenset(self._members)
 
+    @property
+    def pending(self) -> int:
+        """Gradients waiting in the open bucket."""
+        with self._lock:
+            return len(self._bucket.items)
+
     def join(self, client_id: str) -> int:
-        """Add a client to the step group; returns the group size."""
-        with self._cond:
+        """Add a client to the step group (or mark it alive); returns the group size."""
+        with self._lock:
             if client_id not in self._members:
-                self._members.add(client_id)
-                log.info("client %s joined the trunk step group (%d members)", client_id, len(self._members))
+                log.info("client %s joined the trunk step group (%d members)", client_id, len(self._members) + 1)
+            self._members[client_id] = self.clock()
             return len(self._members)
 
     def leave(self, client_id: str) -> int:
         """Remove a client from the step group; a bucket it held up may complete now."""
-        with self._cond:
-            if client_id in self._members:
-                self._members.discard(client_id)
+        with self._lock:
+            if self._members.pop(client_id, None) is not None:
                 log.info("client %s left the trunk step group (%d members)", client_id, len(self._members))
-                self._maybe_apply()
+                self._maybe_close()
             return len(self._members)
 
     # -- rules (override these) -------------------------------------------
@@ -205,82 +244,133 @@ class TrunkAggregator:
         return weighted_mean(contributions)
 
     # -- mechanism ----------------------------------------------------------
-    def submit(self, c: Contribution) -> Result:
-        """Hand over one gradient; blocks until the mode has decided what to do with it."""
+    def offer(self, c: Contribution) -> Future[Result]:
+        """Hand over one gradient; returns at once with a future of what the mode decides for it."""
         if self._apply is None:
             raise RuntimeError("aggregator is not bound to a trunk; call bind() first")
-        entered = time.monotonic()
-        with self._cond:
-            self._members.add(c.client_id)
-            staleness = self.version - c.version_seen
-            self._observe("staleness", max(staleness, 0))
-            if staleness > 0:
-                return self._handle_stale(c, staleness)
-            bucket = self._bucket
-            if bucket.opened is None:
-                bucket.opened = time.monotonic()
-            bucket.items.append(c)
-            bucket.clients.add(c.client_id)
-            self._maybe_apply()
-            while id(c) not in bucket.result:
-                remaining = bucket.opened + self.timeout - time.monotonic()
-                if remaining <= 0:
-                    self._apply_on_timeout(bucket)
-                    break
-                self._cond.wait(remaining)
-            self._observe("wait_seconds", time.monotonic() - entered)
-            return bucket.result[id(c)]
+        with self._lock:
+            now = self.clock()
+            self._members[c.client_id] = now
+            staleness = max(self.version - c.version_seen, 0)
+            self._observe("staleness", staleness)
+            if c.grads is not None and staleness and self.staleness_weight(staleness) is None:
+                return _resolved(self._reject(c, staleness))  # it can only get staler
+            item = _Item(c, Future(), now)
+            if self._bucket.opened is None:
+                self._bucket.opened = now
+            self._bucket.items.append(item)
+            self._maybe_close()
+            return item.future
 
-    def _handle_stale(self, c: Contribution, staleness: int) -> Result:
-        weight = None if c.grads is None else self.staleness_weight(staleness)
-        if weight is None:
-            outcome = Outcome.REJECTED_GUARD if c.grads is None else Outcome.REJECTED_STALE
-            self.stats[outcome.value] += 1
-            if outcome is Outcome.REJECTED_STALE:
-                log.warning("rejected a gradient from client %s: %d versions stale (max %d)", c.client_id,
-                            staleness, self.max_staleness)
-            return Result(outcome, self.version, staleness, 0.0)
-        c.weight = weight
-        self._step(self.combine([c]))
-        outcome = Outcome.APPLIED if weight == 1.0 else Outcome.DOWNWEIGHTED
-        if outcome is Outcome.DOWNWEIGHTED:
-            log.warning("applied a gradient from client %s %d versions stale with weight %.3g", c.client_id,
-                        staleness, weight)
-        self.stats[outcome.value] += 1
-        return Result(outcome, self.version, staleness, weight)
+    def submit(self, c: Contribution) -> Result:
+        """Blocking :meth:`offer` for callers without a scheduler: waits, firing timeouts itself."""
+        future = self.offer(c)
+        return self.wait(future)
 
-    def _maybe_apply(self) -> None:
+    def wait(self, future: Future[Result]) -> Result:
+        """Wait for ``future``, calling :meth:`poll` whenever a deadline passes (for callers without a scheduler)."""
+        while True:
+            deadline = self.deadline()
+            remaining = None if deadline is None else max(deadline - self.clock(), 0.0) + 0.001
+            try:
+                return future.result(timeout=remaining if remaining is not None else self.timeout)
+            except FutureTimeout:
+                self.poll()
+
+    def deadline(self) -> float | None:
+        """When :meth:`poll` next has something to do (a member falls silent), or None."""
+        with self._lock:
+            waiting = self._bucket.clients
+            times = [seen + self.timeout for client, seen in self._members.items() if client not in waiting]
+            return min(times) if times else None
+
+    def poll(self) -> None:
+        """Drop members silent for ``timeout`` and close the open bucket if that completes it."""
+        with self._lock:
+            now = self.clock()
+            waiting = self._bucket.clients
+            silent = [m for m, seen in self._members.items() if m not in waiting and now - seen >= self.timeout]
+            if not silent:
+                return
+            holding_up = bool(self._bucket.items)
+            for client_id in silent:
+                del self._members[client_id]
+                if holding_up:
+                    self.stats["dropped-members"] += 1
+                    log.warning("%s: dropped client %s from the step group: no sign of life within %.1fs",
+                                self.mode, client_id, self.timeout)
+                else:
+                    self.stats["expired-members"] += 1
+                    log.info("client %s left the trunk step group after %.1fs without a sign of life", client_id,
+                             self.timeout)
+            self.on_drop(silent, holding_up)
+            self._maybe_close()
+
+    def on_drop(self, dropped: list[str], held_up_a_step: bool) -> None:
+        """Called when members are dropped for silence (``held_up_a_step``: a bucket was waiting)."""
+
+    def _reject(self, c: Contribution, staleness: int) -> Result:
+        self.stats[Outcome.REJECTED_STALE.value] += 1
+        log.warning("rejected a gradient from client %s: %d versions stale (max %d)", c.client_id, staleness,
+                    self.max_staleness)
+        return Result(Outcome.REJECTED_STALE, self.version, staleness, 0.0)
+
+    def _maybe_close(self) -> None:
         bucket = self._bucket
-        if bucket.items and self.ready(bucket.clients, self._members):
+        if bucket.items and self.ready(bucket.clients, set(self._members)):
             self._close(bucket)
 
-    def _apply_on_timeout(self, bucket: _Bucket) -> None:
-        if bucket is not self._bucket or bucket.result:
-            return
-        missing = self._members - bucket.clients
-        log.warning("%s step timed out after %.1fs with %d of %d gradients", self.mode, self.timeout,
-                    len(bucket.clients), len(self._members))
-        self.on_timeout(missing)
-        self._close(bucket)
-
-    def on_timeout(self, missing: set[str]) -> None:
-        """Called when a bucket times out, with the members that did not contribute."""
-
     def _close(self, bucket: _Bucket) -> None:
-        self._observe("bucket_size", len(bucket.items))
-        update = self.combine(bucket.items)
-        if update is not None:
-            self._step(update)
-        for c in bucket.items:
-            outcome = Outcome.APPLIED if c.grads is not None else Outcome.REJECTED_GUARD
-            self.stats[outcome.value] += 1
-            bucket.result[id(c)] = Result(outcome, self.version, 0, c.weight)
-        self._bucket = _Bucket(generation=bucket.generation + 1)
-        self._cond.notify_all()
-
-    def _step(self, update: Grads | None) -> None:
-        if update is None:
+        self._bucket = _Bucket()
+        now, version = self.clock(), self.version
+        for item in bucket.items:  # waiting for a step is a sign of life
+            if item.contribution.client_id in self._members:
+                self._members[item.contribution.client_id] = now
+        decided: list[tuple[_Item, Result | None]] = []
+        applied: list[Contribution] = []
+        for item in bucket.items:
+            c = item.contribution
+            staleness = max(version - c.version_seen, 0)
+            if c.grads is None:
+                decided.append((item, Result(Outcome.REJECTED_GUARD, version, staleness, 0.0)))
+                continue
+            weight = self.staleness_weight(staleness)
+            if weight is None:
+                decided.append((item, self._reject(c, staleness)))
+                continue
+            c.weight = weight
+            applied.append(c)
+            decided.append((item, None))
+        self._observe("bucket_size", len(applied))
+        update = self.combine(applied) if applied else None
+        try:
+            if update is not None:
+                self._step(update)
+        except Exception as exc:  # all-or-nothing: every waiter learns it, nothing is retried
+            self.stats["failed-steps"] += 1
+            log.error("%s: the trunk step over %d gradients failed: %s", self.mode, len(applied), exc)
+            error = TrunkStepError(f"the trunk step failed on the server ({type(exc).__name__}: {exc}); none of "
+                                   f"the {len(applied)} gradients of that step was applied; run the forward again")
+            for item, _ in decided:
+                item.future.set_exception(error)
             return
+        after = self.version
+        for item, result in decided:
+            c = item.contribution
+            if result is None:
+                staleness = max(version - c.version_seen, 0)
+                outcome = Outcome.APPLIED if c.weight == 1.0 else Outcome.DOWNWEIGHTED
+                if outcome is Outcome.DOWNWEIGHTED:
+                    log.warning("applied a gradient from client %s %d versions stale with weight %.3g",
+                                c.client_id, staleness, c.weight)
+                result = Result(outcome, after, staleness, c.weight)
+                self.stats[outcome.value] += 1
+            elif result.outcome is Outcome.REJECTED_GUARD:
+                self.stats[Outcome.REJECTED_GUARD.value] += 1
+            self._observe("wait_seconds", now - item.offered)
+            item.future.set_result(result)
+
+    def _step(self, update: Grads) -> None:
         assert self._apply is not None
         self._apply(update)
         self._steps_applied += 1
@@ -305,16 +395,9 @@ class SyncAggregator(TrunkAggregator):
     def ready(self, bucket_clients: set[str], members: set[str]) -> bool:
         return members <= bucket_clients
 
-    def on_timeout(self, missing: set[str]) -> None:
-        for client_id in missing:
-            log.warning("sync: dropped client %s from the step group: no gradient within %.1fs", client_id,
-                        self.timeout)
-            self._members.discard(client_id)
-            self.stats["dropped-members"] += 1
-
 
 class QuorumAggregator(TrunkAggregator):
-    """Step as soon as ``k`` members (or all, if fewer) sent their gradient, or on timeout."""
+    """Step as soon as ``min(k, members)`` members sent a gradient (fresh or stale within the bound)."""
 
     mode = "quorum"
 

@@ -4,11 +4,20 @@ Pure torch: the gRPC servicer decodes requests, calls :meth:`TrunkRuntime.forwar
 and :meth:`TrunkRuntime.backward`, and encodes what they return.
 
 Concurrency: trunk computation and optimizer steps run under one lock, so a
-step never changes weights under a running forward. A forward whose backward
-has not arrived when the trunk steps (``async`` and ``quorum`` modes) is
-*rebased*: its graph is dropped and the weights it saw are kept, so its
-backward recomputes the forward on those weights (same RNG state) and the
-gradient is exactly that of the version the client saw.
+step never changes weights under a running forward. Nothing here waits for
+other clients: :meth:`TrunkRuntime.start_backward` returns the input gradient
+at once with a future of the step's outcome, which a server awaits (see
+:mod:`splitfed.trunk.scheduler`); :meth:`TrunkRuntime.backward` is the
+blocking form for in-process callers. Whoever drives the runtime calls
+:meth:`TrunkRuntime.poll` at :meth:`TrunkRuntime.deadline` so that silent
+clients are dropped and saved forwards expire.
+
+A forward whose backward has not arrived when the trunk steps (``async`` and
+``quorum`` modes, or a client dropped in ``sync``) is *rebased*: its graph is
+dropped and the weights it saw are kept (one frozen copy per step, shared, a
+bounded number of them), so its backward recomputes the forward on those
+weights (same RNG state) and the gradient is exactly that of the version the
+client saw.
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,10 +37,11 @@ from torch import nn
 from torch.func import functional_call
 
 from splitfed.errors import (
-    ActivationStateError,
     DuplicateActivationError,
     PermissionDeniedError,
     TensorValueError,
+    TrunkBusyError,
+    TrunkStepError,
 )
 from splitfed.split.base import CutState
 from splitfed.trunk.aggregation import Contribution, Grads, Outcome, Result, SyncAggregator, TrunkAggregator
@@ -63,6 +75,36 @@ class BackwardResult:
 
     grad_in: torch.Tensor
     result: Result
+
+
+@dataclass(frozen=True)
+class PendingBackward:
+    """A computed Backward: the input gradient now, the step's outcome when the mode decides it."""
+
+    grad_in: torch.Tensor
+    result: Future[Result]
+
+
+#: Checks a Backward's reply before anything is consumed: called with the input's shape.
+ReplyCheck = Callable[[tuple[int, ...]], None]
+
+
+@dataclass(frozen=True)
+class ForwardRequest:
+    """One client's Forward, as the scheduler queues it."""
+
+    client_id: str
+    activation_id: str
+    state: CutState
+    train: bool
+    num_examples: int = 1
+    retry: bool = False
+
+    @property
+    def tokens(self) -> int:
+        """Positions this forward computes (batch x length; batch for non-sequence inputs)."""
+        h = self.state.hidden
+        return int(h.shape[0] * h.shape[1]) if h.dim() >= 3 else int(h.shape[0]) if h.dim() else 1
 
 
 class _SavedBytes:
@@ -123,7 +165,6 @@ class TrunkRuntime:
         self._names = [n for n, p in trunk.named_parameters() if p.requires_grad]
         self._trainable = [p for p in trunk.parameters() if p.requires_grad]
         self._lock = threading.RLock()
-        self._inflight: dict[str, threading.Event] = {}
         self._version = 0
         self.aggregator.bind(self._apply_update, lambda: self._version)
         self.stats: dict[str, int] = {"forwards": 0, "backwards": 0, "rebased": 0, "recomputed": 0}
@@ -190,7 +231,7 @@ class TrunkRuntime:
         refused.
         """
         if train and self.trains:
-            self.aggregator.join(client_id)
+            self.aggregator.join(client_id)  # joins, or marks a member alive
         with self._lock:
             if train:
                 existing = self.store.find(activation_id)
@@ -203,11 +244,12 @@ class TrunkRuntime:
             inputs, leaf = self._prepare(state, train)
             self.stats["forwards"] += 1
             if not train:
-                with torch.no_grad(), self._autocast():
+                with torch.no_grad(), self._autocast(), _busy_on_oom("forward"):
                     return self.trunk(inputs).hidden, self._version
             counter = _SavedBytes({p.untyped_storage().data_ptr() for p in self.trunk.parameters()})
             rng = _rng_state(self.device)
-            with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), self._autocast():
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), self._autocast(), \
+                    _busy_on_oom("forward"):
                 output = self.trunk(inputs).hidden
             out_value = output.detach()
             nbytes = counter.nbytes + out_value.numel() * out_value.element_size()
@@ -216,48 +258,81 @@ class TrunkRuntime:
                                         out_value, nbytes, max(int(num_examples), 1), rng))
             return out_value, self._version
 
+    def forward_request(self, request: ForwardRequest) -> tuple[torch.Tensor, int]:
+        """:meth:`forward` of a queued :class:`ForwardRequest`."""
+        r = request
+        return self.forward(r.client_id, r.activation_id, r.state, train=r.train, num_examples=r.num_examples,
+                            retry=r.retry)
+
+    def can_batch(self, request: ForwardRequest) -> bool:
+        """Whether ``request`` may be batched with other clients' forwards."""
+        return False
+
+    def forward_many(self, requests: list[ForwardRequest]) -> list[tuple[torch.Tensor, int] | BaseException]:
+        """Forwards of several clients; each entry is the result or the error of its request."""
+        out: list[tuple[torch.Tensor, int] | BaseException] = []
+        for request in requests:
+            try:
+                out.append(self.forward_request(request))
+            except Exception as exc:  # noqa: BLE001 - each caller gets its own error
+                out.append(exc)
+        return out
+
     # -- backward ------------------------------------------------------------
-    def backward(self, client_id: str, activation_id: str, grad: torch.Tensor, *,
-                 retry: bool = False) -> BackwardResult:
-        """Gradient of the loss w.r.t. the forward's input; hand the trunk's gradient to the aggregator."""
-        if retry:
-            answered = self._answer_retry(client_id, activation_id)
-            if answered is not None:
-                return answered
+    def start_backward(self, client_id: str, activation_id: str, grad: torch.Tensor, *, retry: bool = False,
+                       reply_check: ReplyCheck | None = None) -> PendingBackward:
+        """Gradient of the loss w.r.t. the forward's input now; the trunk's gradient goes to the aggregator.
+
+        Never waits for other clients. ``reply_check`` sees the input's shape
+        before anything is consumed, so a reply that could not be delivered is
+        refused with the saved forward still in place. A retried request
+        (``retry``) for a Backward already computed gets the same answer and the
+        same outcome, never a second contribution.
+        """
         with self._lock:
+            if retry:
+                done = self.store.done(activation_id)
+                if done is not None:
+                    if done.client_id != client_id:
+                        raise PermissionDeniedError(f"activation {activation_id} belongs to another client")
+                    return PendingBackward(done.grad_in, done.result)
             entry = self.store.get(activation_id, client_id)
             if tuple(grad.shape) != tuple(entry.out_value.shape):
                 raise TensorValueError(f"gradient shape {list(grad.shape)} differs from the forward's output "
                                        f"shape {list(entry.out_value.shape)}")
             if not grad.is_floating_point():
                 raise TensorValueError(f"gradient must be a floating tensor, got {grad.dtype}")
-            grads = self._gradients(entry, grad.to(self.device, entry.out_value.dtype))
+            if reply_check is not None:
+                reply_check(tuple(entry.inputs.hidden.shape))
             self.store.pop(activation_id)
-            self._inflight[activation_id] = threading.Event()
+            try:
+                grads = self._gradients(entry, grad.to(self.device, entry.out_value.dtype))
+            except RuntimeError as exc:  # out of memory included: the graph is spent, so no retry of this one
+                raise TrunkStepError(f"the backward of {activation_id} failed on the server: {exc}; run the "
+                                     "forward again") from None
             self.stats["backwards"] += 1
-        grad_in, trunk_grads = grads[0], list(grads[1:])
-        try:
-            result = self._submit(client_id, entry, trunk_grads)
-            with self._lock:
-                self.store.remember(activation_id, DoneBackward(client_id, grad_in, result))
-        finally:
-            with self._lock:
-                self._inflight.pop(activation_id).set()
-        return BackwardResult(grad_in, result)
+            grad_in, trunk_grads = grads[0], list(grads[1:])
+            assert grad_in is not None
+        result = self._submit(client_id, entry, trunk_grads)
+        with self._lock:
+            self.store.remember(activation_id, DoneBackward(client_id, grad_in, result))
+        return PendingBackward(grad_in, result)
 
-    def _answer_retry(self, client_id: str, activation_id: str) -> BackwardResult | None:
-        """The remembered answer to a retried Backward (waiting for the first attempt if it is in flight)."""
-        with self._lock:
-            event = self._inflight.get(activation_id)
-        if event is not None:
-            event.wait(self.aggregator.timeout * 2)
-        with self._lock:
-            done = self.store.done(activation_id)
-        if done is None:
-            return None
-        if done.client_id != client_id:
-            raise PermissionDeniedError(f"activation {activation_id} belongs to another client")
-        return BackwardResult(done.grad_in, done.result)
+    def backward(self, client_id: str, activation_id: str, grad: torch.Tensor, *,
+                 retry: bool = False) -> BackwardResult:
+        """Blocking :meth:`start_backward`: waits for the step's outcome (firing timeouts itself)."""
+        pending = self.start_backward(client_id, activation_id, grad, retry=retry)
+        return BackwardResult(pending.grad_in, self.wait(pending.result))
+
+    def wait(self, result: Future[Result]) -> Result:
+        """Wait for a step's outcome, polling at each deadline (for callers without a scheduler)."""
+        while True:
+            deadline = self.deadline()
+            remaining = self.aggregator.timeout if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                return result.result(timeout=remaining + 0.001)
+            except TimeoutError:
+                self.poll()
 
     def _gradients(self, entry: SavedForward, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         inputs = [entry.inputs.hidden]
@@ -275,22 +350,21 @@ class TrunkRuntime:
             targets = inputs + list(entry.frozen_params)
         if not self.trains:
             targets = inputs
-        try:
-            grads = torch.autograd.grad(output, targets, grad, allow_unused=True)
-        except RuntimeError as exc:  # pragma: no cover - would be a bug in rebasing
-            raise ActivationStateError(f"backward of {entry.activation_id} failed: {exc}") from exc
+        grads = torch.autograd.grad(output, targets, grad, allow_unused=True)
         if grads[0] is None:
             grads = (torch.zeros_like(entry.inputs.hidden),) + grads[1:]
         return grads
 
-    def _submit(self, client_id: str, entry: SavedForward, trunk_grads: Grads) -> Result:
+    def _submit(self, client_id: str, entry: SavedForward, trunk_grads: Grads) -> Future[Result]:
         if not self.trains:
-            return Result(Outcome.NOT_TRAINED, self._version, 0, 0.0)
+            done: Future[Result] = Future()
+            done.set_result(Result(Outcome.NOT_TRAINED, self._version, 0, 0.0))
+            return done
         refused = self.guard.check(trunk_grads)
         if refused is not None:
             log.warning("gradient guard refused client %s's gradient: %s", client_id, refused)
             trunk_grads = None  # type: ignore[assignment]
-        return self.aggregator.submit(Contribution(client_id, entry.version, trunk_grads, entry.num_examples))
+        return self.aggregator.offer(Contribution(client_id, entry.version, trunk_grads, entry.num_examples))
 
     # -- optimizer step --------------------------------------------------------
     def _apply_update(self, update: Grads) -> None:
@@ -298,20 +372,21 @@ class TrunkRuntime:
         assert self.optimizer is not None
         with self._lock:
             self._rebase_pending()
-            for p, g in zip(self._trainable, update):
-                p.grad = None if g is None else g.to(p.dtype)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            try:
+                for p, g in zip(self._trainable, update):
+                    p.grad = None if g is None else g.to(p.dtype)
+                self.optimizer.step()
+            finally:
+                self.optimizer.zero_grad(set_to_none=True)
             self._version += 1
 
     def _rebase_pending(self) -> None:
+        """Give forwards still waiting for their backward the weights they saw (before this step)."""
         pending = [e for e in self.store.entries() if e.output is not None]
         if not pending:
             return
         frozen = [p.detach().clone().requires_grad_(True) for p in self._trainable]
-        for entry in pending:
-            entry.output = None
-            entry.frozen_params = frozen
+        self.store.freeze(pending, self._version, frozen)
         self.stats["rebased"] += len(pending)
         log.debug("rebased %d pending forwards before trunk step %d", len(pending), self._version + 1)
 
@@ -343,16 +418,25 @@ class TrunkRuntime:
                 self.optimizer.load_state_dict(state["optimizer"])
             self._version = int(state["version"])
 
-    def wait_idle(self, timeout: float = 10.0) -> bool:
-        """Wait until no backward is in flight (for clean shutdowns and tests)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                events = list(self._inflight.values())
-            if not events:
-                return True
-            events[0].wait(max(deadline - time.monotonic(), 0))
-        return False
+    # -- driving ---------------------------------------------------------------------
+    def deadline(self) -> float | None:
+        """When :meth:`poll` next has work: a member falls silent (monotonic seconds), or None."""
+        return self.aggregator.deadline()
+
+    def poll(self) -> None:
+        """Drop silent members, closing a bucket they held up (their saved forwards wait for their TTL:
+        a slow client's late backward still gets its input gradient)."""
+        self.aggregator.poll()
+
+
+@contextlib.contextmanager
+def _busy_on_oom(what: str) -> Any:
+    """Turn a device out-of-memory error into :class:`TrunkBusyError` (retrying later can succeed)."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        raise TrunkBusyError(f"the trunk ran out of device memory in a {what}; retry later or send smaller "
+                             f"batches ({exc})") from None
 
 
 def _rng_devices(device: torch.device) -> list[int]:

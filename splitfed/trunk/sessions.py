@@ -52,17 +52,21 @@ class SessionLimits:
             opens, so a running session never runs out of room.
         idle_ttl_s: seconds without a step after which a session is evicted.
         max_length: longest sequence one session may ask for.
+        max_sessions_per_client: sessions one client may hold at once, so that no client
+            can take every session.
     """
 
     max_sessions: int = 64
     max_cache_bytes: int = 2 << 30
     idle_ttl_s: float = 300.0
     max_length: int = 1 << 16
+    max_sessions_per_client: int = 8
 
     def __post_init__(self) -> None:
-        if self.max_sessions < 1 or self.max_cache_bytes < 1 or self.idle_ttl_s <= 0 or self.max_length < 1:
+        if (self.max_sessions < 1 or self.max_cache_bytes < 1 or self.idle_ttl_s <= 0 or self.max_length < 1
+                or self.max_sessions_per_client < 1):
             raise ConfigError("session limits must be positive: max_sessions, max_cache_bytes, idle_ttl_s, "
-                              "max_length")
+                              "max_length, max_sessions_per_client")
 
 
 @dataclass
@@ -78,7 +82,7 @@ class Session:
     last_used: float
     length: int = 0  # positions the cache has seen
     steps: int = 0
-    last_step: tuple[int, int, torch.Tensor] | None = None  # (length before, new positions, output) for retries
+    last_step: tuple[str, int, torch.Tensor] | None = None  # (step id, length before, output) for retries
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -120,15 +124,17 @@ class SessionManager:
 
     Args:
         runtime: the trunk runtime; steps run its trunk under its lock.
-        max_sessions, max_cache_bytes, idle_ttl_s, max_length: see :class:`SessionLimits`.
+        max_sessions, max_cache_bytes, idle_ttl_s, max_length, max_sessions_per_client: see
+            :class:`SessionLimits`.
         clock: seconds, monotonic (injected by tests).
     """
 
     def __init__(self, runtime: TrunkRuntime, *, max_sessions: int = SessionLimits.max_sessions,
                  max_cache_bytes: int = SessionLimits.max_cache_bytes,
                  idle_ttl_s: float = SessionLimits.idle_ttl_s, max_length: int = SessionLimits.max_length,
+                 max_sessions_per_client: int = SessionLimits.max_sessions_per_client,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.limits = SessionLimits(max_sessions, max_cache_bytes, idle_ttl_s, max_length)
+        self.limits = SessionLimits(max_sessions, max_cache_bytes, idle_ttl_s, max_length, max_sessions_per_client)
         self.runtime = runtime
         self.clock = clock
         # Under autocast the cache is in the (narrower) autocast dtype: the weights' dtype is the worst case.
@@ -143,7 +149,8 @@ class SessionManager:
     def from_limits(cls, runtime: TrunkRuntime, limits: SessionLimits = SessionLimits()) -> SessionManager:
         """A manager with the bounds of a :class:`SessionLimits`."""
         return cls(runtime, max_sessions=limits.max_sessions, max_cache_bytes=limits.max_cache_bytes,
-                   idle_ttl_s=limits.idle_ttl_s, max_length=limits.max_length)
+                   idle_ttl_s=limits.idle_ttl_s, max_length=limits.max_length,
+                   max_sessions_per_client=limits.max_sessions_per_client)
 
     # -- bookkeeping -----------------------------------------------------------------
     @property
@@ -197,6 +204,12 @@ class SessionManager:
                     f"the trunk server holds its maximum of {self.limits.max_sessions} inference sessions; close "
                     "sessions you no longer use, or retry once idle ones expire "
                     f"(after {self.limits.idle_ttl_s:g} s)")
+            mine = sum(1 for s in self._sessions.values() if s.client_id == client_id)
+            if mine >= self.limits.max_sessions_per_client:
+                self.stats["refused"] += 1
+                raise ResourceExhaustedError(
+                    f"client {client_id} already holds {mine} inference sessions, the most one client may; close "
+                    "one before opening another")
             held = sum(s.reserved_bytes for s in self._sessions.values())
             if held + reserve > self.limits.max_cache_bytes:
                 self.stats["refused"] += 1
@@ -220,12 +233,14 @@ class SessionManager:
             self.stats["closed"] += 1
         log.debug("closed inference session %s of client %s", session_id, client_id)
 
-    def step(self, client_id: str, session_id: str, state: CutState) -> torch.Tensor:
+    def step(self, client_id: str, session_id: str, state: CutState, *, step_id: str = "") -> torch.Tensor:
         """Run the trunk on the new positions of a session's sequence; returns their output hidden states.
 
         ``state.attention_mask``, when given, must cover every position so far
-        (the cached ones and the new ones). A step repeated with the same mask
-        length (a retry whose reply was lost) gets the same answer again.
+        (the cached ones and the new ones). A step repeated with the same
+        ``step_id`` (the request's activation id: a retry whose reply was lost)
+        gets the same answer again and leaves the cache as it was, with or
+        without a mask.
         """
         with self._lock:
             session = self._get(client_id, session_id)
@@ -237,7 +252,7 @@ class SessionManager:
                                        f"got hidden of shape {list(hidden.shape)}")
             new = int(hidden.shape[1])
             last = session.last_step
-            if mask is not None and last is not None and mask.shape[1] == session.length and new == last[1]:
+            if step_id and last is not None and last[0] == step_id:
                 with self._lock:
                     self.stats["retried_steps"] += 1
                 log.debug("session %s: step repeated (retry); answering from the last step", session_id)
@@ -252,7 +267,7 @@ class SessionManager:
                                        f"this step would reach {total}; open a session with a larger max_length")
             out = self._compute(session, state)
             session.length, session.steps = total, session.steps + 1
-            session.last_step = (total - new, new, out)
+            session.last_step = (step_id, total - new, out)
         if self._per_position is None and self.bytes_held > self.limits.max_cache_bytes:
             with self._lock:  # no reservation was possible: enforce the cap on what the caches hold
                 self._end(session_id, "was dropped because the server's KV-cache memory was full")

@@ -23,15 +23,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StoreLimits:
-    """Bounds on saved forwards.
+    """Bounds on what the trunk keeps between requests.
 
     Args:
         ttl_s: seconds a saved forward waits for its Backward before it is evicted.
-        max_bytes: bytes all saved forwards may hold together (activations and
-            what autograd saved for the backward); a Forward over it is refused.
+        max_bytes: bytes all saved state may hold together: saved forwards (activations
+            and what autograd saved for the backward), frozen weight copies of rebased
+            forwards, and remembered Backward answers. A Forward over it is refused
+            (remembered answers are dropped first: they only serve retries).
         max_per_client: saved forwards one client may hold at once.
         done_ttl_s: seconds a completed Backward is remembered to answer retries.
         max_done: completed Backwards remembered at most.
+        max_frozen: frozen weight copies kept at most for rebased forwards; making
+            one more evicts the forwards that still need the oldest.
     """
 
     ttl_s: float = 120.0
@@ -39,6 +43,17 @@ class StoreLimits:
     max_per_client: int = 64
     done_ttl_s: float = 60.0
     max_done: int = 1024
+    max_frozen: int = 4
+
+
+@dataclass
+class FrozenWeights:
+    """A copy of the trainable trunk weights as they were at ``version``, shared by the forwards rebased then."""
+
+    version: int
+    params: list[torch.Tensor]
+    nbytes: int
+    users: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -55,7 +70,12 @@ class SavedForward:
     num_examples: int
     rng_state: Any
     created: float = field(default_factory=time.monotonic)
-    frozen_params: list[torch.Tensor] | None = None
+    frozen: FrozenWeights | None = None
+
+    @property
+    def frozen_params(self) -> list[torch.Tensor] | None:
+        """The weights this forward saw, once rebased."""
+        return None if self.frozen is None else self.frozen.params
 
 
 @dataclass
@@ -64,23 +84,43 @@ class DoneBackward:
 
     client_id: str
     grad_in: torch.Tensor
-    result: Any
+    result: Any  # a Future of the aggregator's Result
     finished: float = field(default_factory=time.monotonic)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this answer holds."""
+        return self.grad_in.numel() * self.grad_in.element_size()
 
 
 class ForwardStore:
     """Saved forwards by activation id, with a TTL, a byte budget and eviction counts.
 
-    Not thread-safe on its own: the trunk runtime calls it under its lock.
+    ``bytes_held`` counts everything kept between requests: saved forwards,
+    frozen weight copies and remembered Backward answers. Not thread-safe on its
+    own: the trunk runtime calls it under its lock.
     """
 
     def __init__(self, limits: StoreLimits = StoreLimits()) -> None:
         self.limits = limits
         self._items: OrderedDict[str, SavedForward] = OrderedDict()
         self._done: OrderedDict[str, DoneBackward] = OrderedDict()
+        self._frozen: OrderedDict[int, FrozenWeights] = OrderedDict()  # by id() of the copy, oldest first
         self._per_client: dict[str, int] = {}
-        self.bytes_held = 0
+        self.forward_bytes = 0
+        self.frozen_bytes = 0
+        self.done_bytes = 0
         self.evicted = 0
+
+    @property
+    def bytes_held(self) -> int:
+        """Bytes of saved forwards, frozen weight copies and remembered answers together."""
+        return self.forward_bytes + self.frozen_bytes + self.done_bytes
+
+    @property
+    def frozen_copies(self) -> int:
+        """Frozen weight copies held for rebased forwards."""
+        return len(self._frozen)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -93,22 +133,24 @@ class ForwardStore:
         return list(self._items.values())
 
     def admit(self, client_id: str, nbytes: int) -> None:
-        """Check that a new forward of ``nbytes`` fits; evict expired entries first."""
+        """Check that a new forward of ``nbytes`` fits; evict expired entries and old answers first."""
         self.sweep()
         if self._per_client.get(client_id, 0) >= self.limits.max_per_client:
             raise ResourceExhaustedError(
                 f"client {client_id} already holds {self.limits.max_per_client} forwards without a backward; "
                 "send their backwards (or let them expire) before new training forwards")
+        while self._done and self.bytes_held + nbytes > self.limits.max_bytes:
+            self._forget_done(next(iter(self._done)))
         if self.bytes_held + nbytes > self.limits.max_bytes:
             raise ResourceExhaustedError(
-                f"saved forwards hold {self.bytes_held} bytes; {nbytes} more would pass the budget of "
-                f"{self.limits.max_bytes}; retry later or use smaller batches")
+                f"the trunk holds {self.bytes_held} bytes for pending backwards; {nbytes} more would pass the "
+                f"budget of {self.limits.max_bytes}; retry later or use smaller batches")
 
     def add(self, entry: SavedForward) -> None:
         """Keep ``entry`` until its Backward (or its TTL)."""
         self._items[entry.activation_id] = entry
         self._per_client[entry.client_id] = self._per_client.get(entry.client_id, 0) + 1
-        self.bytes_held += entry.nbytes
+        self.forward_bytes += entry.nbytes
 
     def find(self, activation_id: str) -> SavedForward | None:
         """The saved forward with this id, if held."""
@@ -132,26 +174,66 @@ class ForwardStore:
         return entry
 
     def pop(self, activation_id: str) -> SavedForward:
-        """Remove and return a saved forward."""
+        """Remove and return a saved forward (releasing its share of a frozen weight copy)."""
         entry = self._items.pop(activation_id)
         self._per_client[entry.client_id] -= 1
         if not self._per_client[entry.client_id]:
             del self._per_client[entry.client_id]
-        self.bytes_held -= entry.nbytes
+        self.forward_bytes -= entry.nbytes
+        frozen = entry.frozen
+        if frozen is not None:
+            frozen.users.discard(activation_id)
+            if not frozen.users and self._frozen.pop(id(frozen), None) is not None:
+                self.frozen_bytes -= frozen.nbytes
         return entry
 
+    # -- frozen weights of rebased forwards ------------------------------------------
+    def freeze(self, pending: list[SavedForward], version: int, params: list[torch.Tensor]) -> int:
+        """Rebase ``pending`` onto one frozen copy of the weights (``params``, already copied).
+
+        Returns how many forwards had to be evicted to keep at most
+        ``max_frozen`` copies (those that still needed the oldest copy).
+        """
+        copy = FrozenWeights(version, params, sum(p.numel() * p.element_size() for p in params))
+        for entry in pending:
+            entry.output = None
+            entry.frozen = copy
+            copy.users.add(entry.activation_id)
+        self._frozen[id(copy)] = copy
+        self.frozen_bytes += copy.nbytes
+        evicted = 0
+        while len(self._frozen) > max(self.limits.max_frozen, 1):
+            oldest = next(iter(self._frozen.values()))
+            for activation_id in list(oldest.users):
+                entry = self.pop(activation_id)
+                evicted += 1
+                log.warning("evicted forward %s of client %s: it saw trunk version %d, older than the %d frozen "
+                            "weight copies the server keeps", activation_id, entry.client_id, oldest.version,
+                            self.limits.max_frozen)
+        self.evicted += evicted
+        return evicted
+
+    # -- remembered answers ---------------------------------------------------------------
     def remember(self, activation_id: str, done: DoneBackward) -> None:
-        """Keep a completed Backward's answer for retries (bounded count and TTL)."""
+        """Keep a completed Backward's answer for retries (bounded in count, bytes and time)."""
+        if activation_id in self._done:
+            self._forget_done(activation_id)
         self._done[activation_id] = done
-        while len(self._done) > self.limits.max_done:
-            self._done.popitem(last=False)
+        self.done_bytes += done.nbytes
+        while len(self._done) > self.limits.max_done or (len(self._done) > 1 and
+                                                          self.bytes_held > self.limits.max_bytes):
+            self._forget_done(next(iter(self._done)))
+
+    def _forget_done(self, activation_id: str) -> None:
+        done = self._done.pop(activation_id)
+        self.done_bytes -= done.nbytes
 
     def done(self, activation_id: str) -> DoneBackward | None:
         """A remembered completed Backward, if still held."""
         return self._done.get(activation_id)
 
     def sweep(self, now: float | None = None) -> int:
-        """Evict saved forwards older than the TTL; return how many were evicted."""
+        """Evict saved forwards older than the TTL and old answers; return how many forwards were evicted."""
         now = time.monotonic() if now is None else now
         evicted = 0
         for key in [k for k, e in self._items.items() if now - e.created > self.limits.ttl_s]:
@@ -160,7 +242,7 @@ class ForwardStore:
             log.warning("evicted forward %s of client %s: no backward within %.1fs", key, entry.client_id,
                         self.limits.ttl_s)
         for key in [k for k, d in self._done.items() if now - d.finished > self.limits.done_ttl_s]:
-            del self._done[key]
+            self._forget_done(key)
         self.evicted += evicted
         return evicted
 

@@ -1,0 +1,350 @@
+"""The split channel's asyncio servicer: decode, hand the work to the trunk's scheduler, await, encode.
+
+Handlers never block: trunk work runs on the scheduler's device thread and a
+handler awaits its future, so a Backward waiting for a sync step or a quorum
+holds no thread. Identity (token) is checked when a call starts, before a
+streamed payload is read. Every failure leaves as a precise gRPC status
+(never UNKNOWN): client mistakes as INVALID_ARGUMENT, NOT_FOUND and the like,
+server faults as INTERNAL, and UNAVAILABLE where a retry can succeed; a call
+the client cancelled ends quietly. Nothing the runtime holds changes on a
+rejected request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from splitfed.channel import fastwire
+from splitfed.channel import split_channel_pb2 as pb
+from splitfed.channel.limits import CLIENT_ID_KEY, RETRY_KEYS, SERVICE_NAME, ChannelLimits
+from splitfed.channel.wire import (
+    ReplyCompression,
+    assemble,
+    decode_single,
+    decode_state,
+    frames,
+    payload_bytes,
+    reply_spec,
+)
+from splitfed.codec import TensorLimits, WireDType, torch_dtype
+from splitfed.errors import (
+    ActivationNotFoundError,
+    ActivationStateError,
+    AuthError,
+    CodecError,
+    ConfigError,
+    DuplicateActivationError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    SessionNotFoundError,
+    SplitFedError,
+    TrunkBusyError,
+    TrunkStepError,
+)
+from splitfed.trunk.aggregation import Outcome
+from splitfed.trunk.runtime import ForwardRequest, TrunkRuntime
+from splitfed.trunk.scheduler import TrunkScheduler
+
+log = logging.getLogger(__name__)
+
+_STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (AuthError, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (ActivationNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (SessionNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (DuplicateActivationError, grpc.StatusCode.ALREADY_EXISTS),
+    (ActivationStateError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (TrunkBusyError, grpc.StatusCode.UNAVAILABLE),
+    (TrunkStepError, grpc.StatusCode.INTERNAL),
+    (CodecError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+]
+
+_OUTCOME = {
+    Outcome.APPLIED: pb.APPLIED,
+    Outcome.DOWNWEIGHTED: pb.DOWNWEIGHTED,
+    Outcome.REJECTED_STALE: pb.REJECTED_STALE,
+    Outcome.REJECTED_GUARD: pb.REJECTED_GUARD,
+    Outcome.NOT_TRAINED: pb.NOT_TRAINED,
+}
+
+T = TypeVar("T")
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status a splitfed error maps to."""
+    for kind, code in _STATUS:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def metadata(context: Any) -> dict[str, str]:
+    """Invocation metadata as a dict (last value wins)."""
+    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+
+class Malformed:
+    """Stands in for a request whose bytes do not parse; the servicer answers INVALID_ARGUMENT."""
+
+    def __init__(self, kind: str, error: Exception) -> None:
+        self.kind = kind
+        self.error = error
+
+
+def _safe(parse: Callable[[bytes], Any], kind: str) -> Callable[[bytes], Any]:
+    def run(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:  # CodecError, protobuf's DecodeError, and others on hostile bytes
+            return Malformed(kind, exc)
+    return run
+
+
+def _check_parsed(message: Any) -> None:
+    if isinstance(message, Malformed):
+        raise CodecError(f"request is not a valid {message.kind} message: {message.error}")
+
+
+def method_handlers(servicer: SplitChannelServicer) -> grpc.GenericRpcHandler:
+    """The service's handlers.
+
+    Tensor-carrying messages go through :mod:`splitfed.channel.fastwire`
+    (zero-copy); every parser turns unparseable bytes into INVALID_ARGUMENT
+    (gRPC's generated registration would answer INTERNAL).
+    """
+    plain = {"Info": pb.InfoRequest, "Join": pb.JoinRequest, "Leave": pb.LeaveRequest,
+             "OpenSession": pb.OpenSessionRequest, "CloseSession": pb.CloseSessionRequest}
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for name, request in plain.items():
+        reply = getattr(pb, request.__name__.replace("Request", "Reply"))
+        handlers[name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name), request_deserializer=_safe(request.FromString, request.__name__),
+            response_serializer=reply.SerializeToString)
+    for name, request in (("Forward", pb.ForwardRequest), ("Backward", pb.BackwardRequest)):
+        handlers[name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name),
+            request_deserializer=_safe(lambda b, m=request: fastwire.parse(m, b), request.__name__),
+            response_serializer=lambda p: fastwire.serialize(p.header, p.tensors))
+    for name in ("ForwardStream", "BackwardStream"):
+        handlers[name] = grpc.stream_stream_rpc_method_handler(
+            getattr(servicer, name), request_deserializer=_safe(fastwire.parse_frame, "Frame"),
+            response_serializer=fastwire.serialize_frame)
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+class SplitChannelServicer:
+    """Decodes, schedules trunk work, awaits it, encodes; every error becomes a precise status."""
+
+    def __init__(self, runtime: TrunkRuntime, scheduler: TrunkScheduler, limits: ChannelLimits, *,
+                 model_name: str = "", cuts: tuple[int, int] | None = None,
+                 authenticate: Callable[[dict[str, str]], str] | None = None, sessions: Any = None) -> None:
+        self.runtime = runtime
+        self.scheduler = scheduler
+        self.limits = limits
+        self.tensor_limits = TensorLimits(max_bytes=limits.max_tensor_bytes)
+        self.model_name = model_name
+        self.cuts = cuts
+        self.authenticate = authenticate
+        self.sessions = sessions
+        self.metrics: Any = None  # TrunkMetrics when the server exports metrics
+        self.replies = ReplyCompression()  # reply compression and its error feedback per client
+
+    # -- helpers ---------------------------------------------------------------
+    def _identity(self, context: Any) -> tuple[str, bool]:
+        md = metadata(context)
+        retry = any(md.get(k, "0") not in ("", "0") for k in RETRY_KEYS)
+        if self.authenticate is not None:
+            return self.authenticate(md), retry
+        return md.get(CLIENT_ID_KEY) or context.peer(), retry
+
+    async def _on_device(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the scheduler's device thread and await it."""
+        return await asyncio.wrap_future(self.scheduler.call(fn))
+
+    async def _call(self, context: Any, fn: Callable[[], Awaitable[T]], request: Any = None) -> T:
+        try:
+            _check_parsed(request)
+            return await fn()
+        except SplitFedError as exc:
+            code = status_for(exc)
+            (log.error if code is grpc.StatusCode.INTERNAL else log.warning)("%s: %s", code.name, exc)
+            await context.abort(code, str(exc))
+        except (RuntimeError, ValueError, IndexError) as exc:
+            # Raised by the trunk's forward for inputs that passed the codec but do not fit the model.
+            log.warning("INVALID_ARGUMENT: the trunk could not process the input: %s", exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the trunk could not process the input: {exc}")
+        except asyncio.CancelledError:
+            log.debug("call cancelled by the client")
+            raise
+        except Exception as exc:  # a bug: say so, keep serving
+            log.exception("internal error while serving a request")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in the trunk server: {exc!r}")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _count(self, direction: str, encs: list) -> None:
+        if self.metrics is not None:
+            self.metrics.tensors(direction, encs)
+
+    # -- the work ----------------------------------------------------------------
+    async def _forward(self, identity: tuple[str, bool], req: pb.ForwardRequest, tensors: list, unary: bool
+                       ) -> tuple[pb.ForwardReply, list]:
+        client, retry = identity
+        if not req.activation_id:
+            raise CodecError("activation_id is empty; send a unique id per forward")
+        spec = reply_spec(req)
+        state = decode_state(tensors, self.tensor_limits)
+        self._count("received", tensors)
+        if req.session_id:
+            if self.sessions is None:
+                raise SessionNotFoundError("this server does not serve inference sessions")
+            sessions = self.sessions
+            out = await self._on_device(lambda: sessions.step(client, req.session_id, state,
+                                                              step_id=req.activation_id))
+            version = self.runtime.version
+        else:
+            request = ForwardRequest(client, req.activation_id, state, req.train, req.num_examples, retry)
+            out, version = await asyncio.wrap_future(self.scheduler.forward(request))
+        reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
+        encs = [self.replies.encode(client, req.activation_id, "hidden", out, reply_dtype, spec, feedback=False)]
+        if unary and payload_bytes(encs) > self.limits.stream_threshold_bytes:
+            if req.train and not req.session_id:
+                runtime = self.runtime
+                await self._on_device(lambda: runtime.forget(client, req.activation_id))
+            raise ResourceExhaustedError(
+                f"reply of {payload_bytes(encs)} bytes is above the unary threshold; use ForwardStream")
+        self._count("sent", encs)
+        return pb.ForwardReply(activation_id=req.activation_id, trunk_version=version), encs
+
+    def _reply_check(self, reply_dtype: WireDType | None, unary: bool) -> Callable[[tuple[int, ...]], None]:
+        itemsize = torch_dtype(reply_dtype).itemsize if reply_dtype else self.runtime.dtype.itemsize
+        limit = self.limits.stream_threshold_bytes if unary else self.limits.max_tensor_bytes
+
+        def check(shape: tuple[int, ...]) -> None:
+            nbytes = itemsize
+            for d in shape:
+                nbytes *= d
+            if nbytes > limit:
+                raise ResourceExhaustedError(
+                    f"the input gradient would be {nbytes} bytes, above the {'unary' if unary else 'stream'} limit "
+                    f"of {limit}; send this backward over BackwardStream (nothing was applied)")
+        return check
+
+    async def _backward(self, identity: tuple[str, bool], req: pb.BackwardRequest, tensors: list, unary: bool
+                        ) -> tuple[pb.BackwardReply, list]:
+        client, retry = identity
+        spec = reply_spec(req)
+        grad = decode_single(tensors, "grad", self.tensor_limits)
+        self._count("received", tensors)
+        reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
+        check = self._reply_check(reply_dtype, unary)
+        runtime = self.runtime
+        pending = await self._on_device(lambda: runtime.start_backward(client, req.activation_id, grad, retry=retry,
+                                                                       reply_check=check))
+        result = await asyncio.wrap_future(pending.result)  # the sync barrier or quorum: no thread held
+        encs = [self.replies.encode(client, req.activation_id, "grad", pending.grad_in, reply_dtype, spec)]
+        self._count("sent", encs)
+        reply = pb.BackwardReply(activation_id=req.activation_id, trunk_version=result.version,
+                                 outcome=_OUTCOME[result.outcome], staleness=result.staleness)
+        return reply, encs
+
+    # -- RPCs --------------------------------------------------------------------
+    async def Info(self, request: pb.InfoRequest, context: Any) -> pb.InfoReply:
+        from splitfed import __version__
+
+        async def run() -> pb.InfoReply:
+            return pb.InfoReply(model=self.model_name, cuts=list(self.cuts or ()),
+                                trunk_mode=self.runtime.aggregator.mode, trunk_version=self.runtime.version,
+                                max_message_bytes=self.limits.max_message_bytes,
+                                stream_threshold_bytes=self.limits.stream_threshold_bytes,
+                                auth_required=self.authenticate is not None, server_version=__version__)
+        return await self._call(context, run, request)
+
+    async def Join(self, request: pb.JoinRequest, context: Any) -> pb.JoinReply:
+        async def run() -> pb.JoinReply:
+            client, _ = self._identity(context)
+            size = self.runtime.join(client)
+            return pb.JoinReply(trunk_version=self.runtime.version, group_size=size)
+        return await self._call(context, run, request)
+
+    async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveReply:
+        async def run() -> pb.LeaveReply:
+            client, _ = self._identity(context)
+            self.replies.forget(client)
+            runtime = self.runtime
+            return pb.LeaveReply(group_size=await self._on_device(lambda: runtime.leave(client)))
+        return await self._call(context, run, request)
+
+    async def Forward(self, request: Any, context: Any) -> fastwire.Parsed:
+        async def run() -> fastwire.Parsed:
+            _check_parsed(request)
+            identity = self._identity(context)
+            return fastwire.Parsed(*await self._forward(identity, request.header, request.tensors, unary=True))
+        return await self._call(context, run, request)
+
+    async def Backward(self, request: Any, context: Any) -> fastwire.Parsed:
+        async def run() -> fastwire.Parsed:
+            _check_parsed(request)
+            identity = self._identity(context)
+            return fastwire.Parsed(*await self._backward(identity, request.header, request.tensors, unary=True))
+        return await self._call(context, run, request)
+
+    async def _read(self, requests: AsyncIterator[Any]) -> list[Any]:
+        """The frames of a streamed request, refusing more bytes than a request may carry."""
+        out, total = [], 0
+        budget = self.limits.max_tensor_bytes + self.limits.max_message_bytes
+        async for frame in requests:
+            _check_parsed(frame)
+            total += len(getattr(frame, "data", b"")) if isinstance(frame, fastwire.ChunkView) else frame.ByteSize()
+            if total > budget:
+                raise ResourceExhaustedError(f"streamed request exceeds {budget} bytes")
+            out.append(frame)
+        return out
+
+    async def _stream(self, requests: AsyncIterator[Any], context: Any, field: str, reply_field: str,
+                      handler: Callable[..., Awaitable[tuple[Any, list]]]) -> AsyncIterator[Any]:
+        async def run() -> list[Any]:
+            identity = self._identity(context)  # before a byte of payload is read
+            msg = assemble(await self._read(requests), field, self.limits.max_tensor_bytes)
+            reply, encs = await handler(identity, msg.header, msg.tensors)
+            header = pb.Frame(**{reply_field: reply})
+            return list(frames(header, reply_field, encs, self.limits.chunk_bytes))
+        for frame in await self._call(context, run):
+            yield frame
+
+    async def ForwardStream(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        async for frame in self._stream(requests, context, "forward_request", "forward_reply",
+                                        lambda ident, h, t: self._forward(ident, h, t, unary=False)):
+            yield frame
+
+    async def BackwardStream(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        async for frame in self._stream(requests, context, "backward_request", "backward_reply",
+                                        lambda ident, h, t: self._backward(ident, h, t, unary=False)):
+            yield frame
+
+    async def OpenSession(self, request: pb.OpenSessionRequest, context: Any) -> pb.OpenSessionReply:
+        async def run() -> pb.OpenSessionReply:
+            client, _ = self._identity(context)
+            if self.sessions is None:
+                raise SessionNotFoundError("this server does not serve inference sessions")
+            sessions = self.sessions
+            session_id, ttl = await self._on_device(lambda: sessions.open(
+                client, max_length=request.max_length, batch_size=max(request.batch_size, 1)))
+            return pb.OpenSessionReply(session_id=session_id, idle_ttl_s=ttl)
+        return await self._call(context, run, request)
+
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: Any) -> pb.CloseSessionReply:
+        async def run() -> pb.CloseSessionReply:
+            client, _ = self._identity(context)
+            if self.sessions is None:
+                raise SessionNotFoundError("this server does not serve inference sessions")
+            sessions = self.sessions
+            await self._on_device(lambda: sessions.close(client, request.session_id))
+            return pb.CloseSessionReply()
+        return await self._call(context, run, request)

@@ -1,0 +1,205 @@
+"""The trunk's scheduler: one thread owns the trunk, requests from every client wait on futures.
+
+Shape (after hivemind's ``Runtime`` and its task pools): the gRPC servicer
+turns each request into a task and awaits its future; one device thread takes
+tasks in arrival order, runs them on the trunk, and between tasks lets the
+aggregator fire its deadlines (:meth:`TrunkRuntime.poll`) and the janitor
+sweep expired state. A client waiting for a sync step or a quorum holds no
+thread: its Backward's outcome is a future that the step resolves, so
+hundreds of clients can wait on one server with a fixed number of threads.
+
+Cross-client batching: with ``batch_window_ms > 0``, training forwards that
+arrive within the window are run as one batched trunk call when the runtime
+can batch them (:meth:`TrunkRuntime.forward_many`); each client still gets its
+own output, saved forward and gradient. Everything else (backwards, inference
+session steps, evaluation) runs one task at a time, in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from splitfed.errors import TrunkBusyError
+from splitfed.trunk.runtime import ForwardRequest, TrunkRuntime
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Task:
+    run: Callable[[], Any] | None
+    future: Future[Any]
+    forward: ForwardRequest | None = None  # batchable training forward
+    tokens: int = 0
+    queued: float = field(default_factory=time.monotonic)
+
+
+class TrunkScheduler:
+    """Runs every trunk operation on one device thread; callers get futures.
+
+    Args:
+        runtime: the trunk runtime it drives.
+        batch_window_ms: how long a training forward may wait for others to batch with
+            (0: no batching).
+        max_batch_tokens: most positions (batch x length) one batched forward may hold.
+        sweep_period_s: how often expired saved forwards (and ``on_sweep``) are swept.
+        on_sweep: extra housekeeping run on the device thread at each sweep (e.g. sessions).
+    """
+
+    def __init__(self, runtime: TrunkRuntime, *, batch_window_ms: float = 0.0, max_batch_tokens: int = 1 << 16,
+                 sweep_period_s: float = 5.0, on_sweep: Callable[[], Any] | None = None) -> None:
+        if batch_window_ms < 0 or max_batch_tokens < 1:
+            raise ValueError("batch_window_ms must be >= 0 and max_batch_tokens >= 1")
+        self.runtime = runtime
+        self.batch_window_s = batch_window_ms / 1000.0
+        self.max_batch_tokens = max_batch_tokens
+        self.sweep_period_s = sweep_period_s
+        self.on_sweep = on_sweep
+        self._queue: deque[_Task] = deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.stats: dict[str, int] = {"tasks": 0, "batched-forwards": 0, "forward-batches": 0}
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> TrunkScheduler:
+        """Start the device thread; returns self."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="splitfed-trunk-device", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Finish the running task, fail the queued ones with :class:`TrunkBusyError`, end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._cond:
+            left, self._queue = list(self._queue), deque()
+        for task in left:
+            task.future.set_exception(TrunkBusyError("the trunk server is shutting down; retry on another"))
+
+    @property
+    def running(self) -> bool:
+        """Whether the device thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- submitting -------------------------------------------------------------------------
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn()`` on the device thread, in order with every other task."""
+        return self._put(_Task(fn, Future()))
+
+    def forward(self, request: ForwardRequest) -> Future[tuple[Any, int]]:
+        """A forward, batched with others within the window when the runtime can."""
+        batchable = request.train and self.batch_window_s > 0 and self.runtime.can_batch(request)
+        if not batchable:
+            return self.call(lambda: self.runtime.forward_request(request))
+        return self._put(_Task(None, Future(), forward=request, tokens=request.tokens))
+
+    def _put(self, task: _Task) -> Future[Any]:
+        with self._cond:
+            if self._stopping:
+                raise TrunkBusyError("the trunk server is shutting down; retry on another")
+            self._queue.append(task)
+            self._cond.notify()
+        return task.future
+
+    # -- the device thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        next_sweep = time.monotonic() + self.sweep_period_s
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    now = time.monotonic()
+                    deadline = self.runtime.deadline()
+                    wake = min(next_sweep, deadline) if deadline is not None else next_sweep
+                    if wake <= now:
+                        break
+                    self._cond.wait(wake - now)
+                if self._stopping:
+                    return
+                batch = self._take()
+            if batch:
+                self._run(batch)
+            now = time.monotonic()
+            deadline = self.runtime.deadline()
+            if deadline is not None and deadline <= now:
+                self._guarded(self.runtime.poll)
+            if now >= next_sweep:
+                next_sweep = now + self.sweep_period_s
+                self._guarded(self.runtime.sweep)
+                if self.on_sweep is not None:
+                    self._guarded(self.on_sweep)
+
+    def _take(self) -> list[_Task]:
+        """The next task, or the next window of batchable forwards (caller holds the condition)."""
+        if not self._queue:
+            return []
+        first = self._queue.popleft()
+        if first.forward is None:
+            return [first]
+        batch, tokens = [first], first.tokens
+        close = first.queued + self.batch_window_s
+        while True:
+            for task in list(self._queue):
+                if task.forward is None:
+                    continue
+                if tokens + task.tokens > self.max_batch_tokens:
+                    return batch
+                self._queue.remove(task)
+                batch.append(task)
+                tokens += task.tokens
+            remaining = close - time.monotonic()
+            if remaining <= 0 or self._stopping:
+                return batch
+            self._cond.wait(remaining)
+
+    def _run(self, batch: list[_Task]) -> None:
+        self.stats["tasks"] += len(batch)
+        if batch[0].forward is None:
+            task = batch[0]
+            assert task.run is not None
+            self._settle(task.future, task.run)
+            return
+        requests = [t.forward for t in batch]
+        if len(batch) > 1:
+            self.stats["forward-batches"] += 1
+            self.stats["batched-forwards"] += len(batch)
+        try:
+            results = self.runtime.forward_many(requests)  # type: ignore[arg-type]
+        except BaseException as exc:  # noqa: BLE001 - the callers get it
+            for t in batch:
+                t.future.set_exception(exc)
+            return
+        for t, result in zip(batch, results):
+            if isinstance(result, BaseException):
+                t.future.set_exception(result)
+            else:
+                t.future.set_result(result)
+
+    @staticmethod
+    def _settle(future: Future[Any], fn: Callable[[], Any]) -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - the caller gets it
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    @staticmethod
+    def _guarded(fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except Exception:  # housekeeping must never end the device thread
+            log.exception("trunk housekeeping failed")
