@@ -249,5 +249,8 @@ def test_malformed_compressed_input_is_refused_and_changes_nothing(served, name,
     # The server still trains, compressed both ways, after the bad request.
     client = TrunkClient(server.address, insecure=True, client_id="healthy", wire_compression="int8",
                          limits=server.limits)
-    out, _ = client.forward(CutState(_hidden()), activation_id=uuid.uuid4().hex + "h")
-    assert out.shape == (2, 5, HIDDEN)
+    act = uuid.uuid4().hex
+    out, _ = client.forward(CutState(_hidden()), activation_id=act)
+    reply = client.backward(act, torch.ones_like(out))
+    assert reply.outcome == "APPLIED" and server.runtime.version == snap[2] + 1
+    client.close()
