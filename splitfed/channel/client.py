@@ -65,9 +65,14 @@ class RetryPolicy:
     backoff_multiplier: float = 2.0
     retryable_codes: tuple[str, ...] = ("UNAVAILABLE",)
     timeout_s: float = 300.0
+    # gRPC's retry budget (retryThrottling): each failed call spends a token, each success earns
+    # ``throttle_token_ratio``; below half of ``throttle_max_tokens`` no call is retried, so a trunk
+    # that is down is not hammered by every client's retries. 0 turns the budget off.
+    throttle_max_tokens: float = 10.0
+    throttle_token_ratio: float = 0.1
 
     def service_config(self) -> str:
-        """The JSON service config gRPC reads."""
+        """The JSON service config gRPC reads (retry policy and retry budget)."""
         policy = {
             "maxAttempts": max(2, min(self.max_attempts, 5)),
             "initialBackoff": f"{self.initial_backoff_s}s",
@@ -75,7 +80,11 @@ class RetryPolicy:
             "backoffMultiplier": self.backoff_multiplier,
             "retryableStatusCodes": list(self.retryable_codes),
         }
-        return json.dumps({"methodConfig": [{"name": [{"service": SERVICE_NAME}], "retryPolicy": policy}]})
+        config: dict[str, object] = {"methodConfig": [{"name": [{"service": SERVICE_NAME}], "retryPolicy": policy}]}
+        if self.throttle_max_tokens > 0:
+            config["retryThrottling"] = {"maxTokens": self.throttle_max_tokens,
+                                         "tokenRatio": self.throttle_token_ratio}
+        return json.dumps(config)
 
 
 @dataclass
