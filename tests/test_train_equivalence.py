@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import ARCHS, batch_for, tiny_cnn, tiny_model
+from conftest import ARCHS, batch_for, tiny_cnn, tiny_config, tiny_model
 
 from splitfed.channel.client import RemoteTrunk
 from splitfed.optim import make_optimizer
@@ -54,6 +54,21 @@ def _train_pair(model, inputs, mask, labels, optimizer: str, trunk_server, lr: f
 def test_five_steps_over_grpc_equal_unsplit(arch: str, optimizer: str, trunk_server) -> None:
     model = tiny_model(arch).train()
     ids, mask, labels = batch_for(arch, padded=True)
+    weight_diff, loss_diff = _train_pair(model, ids, mask, labels, optimizer, trunk_server)
+    assert weight_diff <= 1e-6
+    assert loss_diff <= 1e-6
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_mistral_sliding_window_five_steps_over_grpc_equal_unsplit(optimizer: str, trunk_server) -> None:
+    # A window of 3 over 12 tokens: every part must build the sliding-window mask, as MistralModel does.
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config("mistral")
+    cfg.sliding_window = 3
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).train()
+    ids, mask, labels = batch_for("mistral", padded=True)
     weight_diff, loss_diff = _train_pair(model, ids, mask, labels, optimizer, trunk_server)
     assert weight_diff <= 1e-6
     assert loss_diff <= 1e-6
