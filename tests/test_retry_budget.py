@@ -56,6 +56,12 @@ def test_service_config_declares_the_retry_budget() -> None:
     assert "retryThrottling" not in json.loads(RetryPolicy(throttle_max_tokens=0).service_config())
 
 
+def test_the_default_policy_makes_a_channel_that_works() -> None:
+    """gRPC refuses a whole service config it cannot parse (e.g. a fractional maxTokens) at the first call."""
+    # 10 tokens by default: the first call makes its 5 attempts (10 -> 5 tokens), later calls one each.
+    assert _attempts(RetryPolicy(initial_backoff_s=0.01, max_backoff_s=0.02), 3) == 5 + 1 + 1
+
+
 def test_retries_stop_once_the_budget_is_spent_against_a_trunk_that_is_down() -> None:
     fast = dict(max_attempts=5, initial_backoff_s=0.01, max_backoff_s=0.02)
     calls = 20

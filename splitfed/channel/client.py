@@ -65,11 +65,12 @@ class RetryPolicy:
     backoff_multiplier: float = 2.0
     retryable_codes: tuple[str, ...] = ("UNAVAILABLE",)
     timeout_s: float = 300.0
-    # gRPC's retry budget (retryThrottling): each failed call spends a token, each success earns
-    # ``throttle_token_ratio``; below half of ``throttle_max_tokens`` no call is retried, so a trunk
-    # that is down is not hammered by every client's retries. 0 turns the budget off.
-    throttle_max_tokens: float = 10.0
-    throttle_token_ratio: float = 0.1
+    # gRPC's retry budget (retryThrottling): each failed attempt spends a token, each success earns
+    # ``throttle_token_ratio``; at half of ``throttle_max_tokens`` or below no call is retried. With
+    # the defaults a trunk that is down gets 5 retries in all, not 4 per call, while a trunk that
+    # loses one reply in two is still retried. 0 turns the budget off.
+    throttle_max_tokens: int = 10
+    throttle_token_ratio: float = 1.0
 
     def service_config(self) -> str:
         """The JSON service config gRPC reads (retry policy and retry budget)."""
@@ -82,7 +83,7 @@ class RetryPolicy:
         }
         config: dict[str, object] = {"methodConfig": [{"name": [{"service": SERVICE_NAME}], "retryPolicy": policy}]}
         if self.throttle_max_tokens > 0:
-            config["retryThrottling"] = {"maxTokens": self.throttle_max_tokens,
+            config["retryThrottling"] = {"maxTokens": int(self.throttle_max_tokens),  # gRPC wants an integer
                                          "tokenRatio": self.throttle_token_ratio}
         return json.dumps(config)
 
