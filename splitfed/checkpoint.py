@@ -132,13 +132,13 @@ def _adopt_legacy_folder(out: Path) -> None:
 def remove_stale_temporaries(output_dir: str | Path) -> list[Path]:
     """Remove temporary checkpoint folders and links left by processes that are gone; returns them."""
     out = Path(output_dir)
-    candidates = list((out / FOLDER).glob(".tmp-*")) if (out / FOLDER).is_dir() else []
-    candidates += list(out.glob(f".{CURRENT}-*")) + list(out.glob(".checkpoint-*"))  # older temp names too
+    candidates = set((out / FOLDER).glob(".tmp-*")) if (out / FOLDER).is_dir() else set()
+    candidates |= set(out.glob(f".{CURRENT}-*"))  # switch links, and the temp folders of older versions
     removed = []
-    for path in candidates:
+    for path in sorted(candidates):
         pid = _pid_of(path.name)
         if pid is not None and pid != os.getpid() and _alive(pid):
-            continue
+            continue  # another live process is writing it (this process's own leftovers are stale)
         if path.is_symlink() or path.is_file():
             path.unlink(missing_ok=True)
         else:

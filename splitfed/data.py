@@ -151,7 +151,10 @@ class IidShards:
 
     def load_partition(self, partition_id: int) -> Any:
         """Shard ``partition_id`` of :attr:`dataset`."""
-        return self.dataset.shard(num_shards=self.num_partitions, index=partition_id, contiguous=True)
+        size, rest = divmod(len(self.dataset), self.num_partitions)
+        start = size * partition_id + min(partition_id, rest)
+        stop = start + size + (partition_id < rest)
+        return self.dataset.select(range(start, stop) if stop > start else [])
 
 
 def partition(dataset: Any, partitioner: Any, partition_id: int) -> Any:

@@ -35,8 +35,11 @@ def _env(home: Path) -> dict[str, str]:
     # Ray's unix sockets live under RAY_TMPDIR, and their paths must stay under 108 bytes.
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     (home / "ray-tmpdir").write_text(ray_tmp)
+    # `flwr run . local` starts its own SuperLink on these ports (defaults 39091/39093, shared by every
+    # FLWR_HOME on the machine): free ones keep each test on its own SuperLink.
     return dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
                 FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1", RAY_TMPDIR=ray_tmp,
+                FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(_free_port()), FLWR_LOCAL_CONTROL_API_PORT=str(_free_port()),
                 PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
 
 
