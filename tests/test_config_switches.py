@@ -100,6 +100,16 @@ CASES = [
     Case("gemma-bidirectional", "gemma", {"use_bidirectional_attention": True}, ("sdpa", "eager")),
     Case("gemma-ignores-softcapping", "gemma", {"final_logit_softcapping": 0.5, "attn_logit_softcapping": 0.5,
                                                 "query_pre_attn_scalar": 4}),
+    # Gemma 2: alternating sliding windows, attention and final-logit softcapping, query_pre_attn_scalar.
+    Case("gemma2-defaults", "gemma2", {"sliding_window": 3}, ("eager",), kinds=(SLIDE, FULL, SLIDE, FULL)),
+    Case("gemma2-softcapping", "gemma2", {"sliding_window": 3, "final_logit_softcapping": 0.5,
+                                          "attn_logit_softcapping": 0.5}, ("eager",)),
+    Case("gemma2-no-softcapping", "gemma2", {"sliding_window": 3, "final_logit_softcapping": None,
+                                             "attn_logit_softcapping": None}, ("eager",)),
+    Case("gemma2-query-pre-attn-scalar", "gemma2", {"sliding_window": 3, "query_pre_attn_scalar": 2}, ("eager",)),
+    Case("gemma2-layer-types-untied", "gemma2", {"sliding_window": 3, "layer_types": [FULL, FULL, SLIDE, SLIDE],
+                                                 "tie_word_embeddings": False}, ("eager",),
+         kinds=(FULL, FULL, SLIDE, SLIDE)),
     # BERT: decoder mode (causal mask), problem types (the loss), feed-forward chunking, token types.
     Case("bert-decoder", "bert", {"is_decoder": True}, ("sdpa", "eager"), kinds=(FULL,) * 4),
     Case("bert-regression", "bert", {"num_labels": 1}, labels="regression"),
@@ -119,9 +129,11 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def build(case: Case, attn: str = "sdpa", seed: int = 0) -> nn.Module:
-    """The tiny model of ``case``, in train mode (all dropout is off)."""
+def build(case: Case, attn: str | None = None, seed: int = 0) -> nn.Module:
+    """The tiny model of ``case`` (attention: the case's first), in train mode (all dropout is off)."""
     import transformers as tf
+
+    attn = attn or case.attns[0]
 
     torch.manual_seed(seed)
     if case.arch == "gpt2":
@@ -133,11 +145,11 @@ def build(case: Case, attn: str = "sdpa", seed: int = 0) -> nn.Module:
         cfg = tf.BertConfig(**kwargs)
     else:
         cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config,
-               "qwen3": tf.Qwen3Config, "gemma": tf.GemmaConfig}[case.arch]
+               "qwen3": tf.Qwen3Config, "gemma": tf.GemmaConfig, "gemma2": tf.Gemma2Config}[case.arch]
         extra: dict[str, Any] = {"num_key_value_heads": 2}
-        if case.arch in ("qwen3", "gemma"):
+        if case.arch in ("qwen3", "gemma", "gemma2"):
             extra["head_dim"] = 8
-        if case.arch == "gemma":
+        if case.arch in ("gemma", "gemma2"):
             extra.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
         cfg = cls(**{**COMMON, **extra, **case.overrides})
     cfg._attn_implementation = attn
@@ -248,7 +260,8 @@ def test_heterogeneous_config_is_refused() -> None:
         split_model(model, cuts=(1, 3))
 
 
-@pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-window-from-layer-2", "qwen3-window-from-layer-1"])
+@pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-window-from-layer-2", "qwen3-window-from-layer-1",
+                                  "gemma2-softcapping"])
 def test_split_generation_with_sliding_windows_matches_generate(name: str) -> None:
     # Prepare: weights spread wide enough that greedy decoding does not repeat one token; prompt and
     # output (7 + 10 tokens) run well past the window of 3, so the sliding KV caches drop positions.

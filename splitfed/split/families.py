@@ -9,13 +9,16 @@ them, and these rules mirror the installed transformers 5.x modeling files:
   a ``layer_types`` attribute, if present, is ignored by ``MistralModel``.
 - Qwen2 and Qwen3: per layer, from ``config.layer_types`` (built from
   ``use_sliding_window``, ``sliding_window`` and ``max_window_layers``).
+- Gemma 2: per layer, from ``config.layer_types`` (sliding every other layer
+  by default); its head soft-caps the logits by ``final_logit_softcapping``.
 - Llama, Gemma and GPT-2: the full causal mask for every layer, whatever else
   the config holds.
 - BERT: the bidirectional mask, or the causal mask when ``config.is_decoder``.
 
-Everything else (attention scaling, rope scaling, biases, tied embeddings,
-GPT-2's per-layer attention scaling) lives inside the layer modules, which the
-parts share with the unsplit model.
+Everything else (attention scaling, ``query_pre_attn_scalar``, attention logit
+soft-capping, rope scaling, biases, tied embeddings, GPT-2's per-layer
+attention scaling) lives inside the layer modules, which the parts share with
+the unsplit model.
 """
 
 from __future__ import annotations
@@ -28,13 +31,15 @@ FULL = "full_attention"
 SLIDING = "sliding_attention"
 BIDIRECTIONAL = "bidirectional"
 
-LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma"})
+LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"})
 GPT2_FAMILY = frozenset({"gpt2"})
 BERT_FAMILY = frozenset({"bert"})
 SUPPORTED_FAMILIES = LLAMA_FAMILY | GPT2_FAMILY | BERT_FAMILY
 
 #: Families whose forward takes the mask kind of each layer from ``config.layer_types``.
-_LAYER_TYPED = frozenset({"qwen2", "qwen3"})
+_LAYER_TYPED = frozenset({"qwen2", "qwen3", "gemma2"})
+#: Families whose causal-LM head soft-caps the logits by ``config.final_logit_softcapping``.
+_SOFTCAPPED = frozenset({"gemma2"})
 
 
 def attention_kinds(config: Any) -> list[str]:
@@ -48,6 +53,13 @@ def attention_kinds(config: Any) -> list[str]:
     if family in BERT_FAMILY:
         return [FULL if getattr(config, "is_decoder", False) else BIDIRECTIONAL] * count
     return [FULL] * count
+
+
+def logit_softcap(config: Any) -> float | None:
+    """The cap the family's head applies to its logits (``cap * tanh(logits / cap)``), or None."""
+    if config.model_type in _SOFTCAPPED:
+        return getattr(config, "final_logit_softcapping", None)
+    return None
 
 
 def check_config(config: Any) -> None:

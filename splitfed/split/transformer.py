@@ -1,7 +1,7 @@
 """Exact three-way splits of Hugging Face transformers (transformers 5.x conventions).
 
 Supported: GPT-2 (causal LM), the Llama family (Llama, Mistral, Qwen2, Qwen3,
-Gemma; causal LM) and BERT (sequence classification). Each part owns a
+Gemma, Gemma 2; causal LM) and BERT (sequence classification). Each part owns a
 contiguous run of blocks, re-indexed from 0 so that it can hold its own
 ``DynamicCache``, and a copy of the model config whose ``num_hidden_layers``
 (and ``layer_types``) describe just those blocks. Masks and rotary embeddings
@@ -33,6 +33,7 @@ from splitfed.split.families import (
     SLIDING,
     attention_kinds,
     check_config,
+    logit_softcap,
 )
 
 _MASKS = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
@@ -151,9 +152,14 @@ class _Runner:
         raise NotImplementedError
 
     def head(self, part: TransformerPart, hidden: torch.Tensor) -> torch.Tensor:
-        # No supported family soft-caps its logits (Gemma 1 does not; a stray final_logit_softcapping is ignored).
         hidden = part.norm(hidden) if part.norm is not None else hidden
-        return part.head(hidden)
+        logits = part.head(hidden)
+        cap = logit_softcap(part.config)
+        if cap is not None:  # the same three operations as the family's head
+            logits = logits / cap
+            logits = torch.tanh(logits)
+            logits = logits * cap
+        return logits
 
 
 class _GPT2Runner(_Runner):
