@@ -180,6 +180,34 @@ def test_gpt2_token_type_ids_split_exactly() -> None:
     assert (want - got).abs().max().item() <= 1e-6
 
 
+def test_llama_family_ignores_token_type_ids_as_its_forward_does() -> None:
+    # Some tokenizers return token_type_ids for decoders; LlamaForCausalLM accepts and ignores them.
+    model = tiny_model("llama")
+    ref = copy.deepcopy(model)
+    split = split_model(model, cuts=(1, 3))
+    ids, mask, _ = batch_for("llama")
+    types = torch.ones_like(ids)
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+        got = split(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+        plain = split(input_ids=ids, attention_mask=mask).logits
+    assert (want - got).abs().max().item() <= 1e-6 and torch.equal(got, plain)
+
+
+def test_bert_explicit_position_ids_are_used() -> None:
+    model = tiny_model("bert")
+    ref = copy.deepcopy(model)
+    split = split_model(model, cuts=(1, 3))
+    ids, mask, _ = batch_for("bert")
+    pos = torch.arange(ids.shape[1]).flip(0).expand_as(ids)
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        got = split(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        default = split(input_ids=ids, attention_mask=mask).logits
+    assert (want - got).abs().max().item() <= 1e-6
+    assert (default - got).abs().max().item() > 1e-4
+
+
 def test_image_models_take_a_positional_tensor_or_pixel_values() -> None:
     model = tiny_cnn()
     ref = copy.deepcopy(model)
