@@ -22,8 +22,8 @@ from torch import nn
 from splitfed.errors import UnsupportedModelError
 from splitfed.split import attention_kinds, split_model
 
-COMMON = dict(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=VOCAB,
-              max_position_embeddings=64)
+COMMON = {"num_hidden_layers": 4, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+          "vocab_size": VOCAB, "max_position_embeddings": 64}
 SLIDE = "sliding_attention"
 FULL = "full_attention"
 STEPS = 5

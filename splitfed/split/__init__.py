@@ -66,10 +66,10 @@ def split_model(model: nn.Module, cuts: tuple[int, int] | list[int]) -> SplitMod
 
 __all__ = [
     "CUT_FIELDS",
+    "SUPPORTED_ARCHITECTURES",
     "CutState",
     "Part",
     "PartSpec",
-    "SUPPORTED_ARCHITECTURES",
     "SequentialPart",
     "SplitModel",
     "SplitOutput",
