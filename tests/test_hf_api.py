@@ -262,13 +262,18 @@ def test_trainer_trains_a_split_model_over_the_real_channel(trunk_server, byte_t
 
     # Execute
     try:
-        result = Trainer(model=client, args=args("split"), train_dataset=data).train()
+        trainer = Trainer(model=client, args=args("split"), train_dataset=data, eval_dataset=data)
+        result = trainer.train()
+        metrics = trainer.evaluate()  # eval-mode forwards: the trunk answers without keeping them
     finally:
         remote.close()
-    Trainer(model=ref, args=args("unsplit"), train_dataset=data).train()
+    ref_trainer = Trainer(model=ref, args=args("unsplit"), train_dataset=data, eval_dataset=data)
+    ref_trainer.train()
+    ref_metrics = ref_trainer.evaluate()
     # Assert: three trunk updates, client weights moved, and every weight equals Trainer's on the unsplit model
     assert server.runtime.version == start_version + 3
     assert remote.outcomes == {"APPLIED": 3}
+    assert abs(metrics["eval_loss"] - ref_metrics["eval_loss"]) <= 1e-5
     after = client.client_modules().state_dict()
     assert all(not torch.equal(after[k], before[k]) for k in before if k.endswith("weight"))
     assert result.global_step == 3
