@@ -52,6 +52,8 @@ CASES = [
          {"reorder_and_upcast_attn": True, "scale_attn_by_inverse_layer_idx": True}, ("eager",)),
     Case("gpt2-untied", "gpt2", {"tie_word_embeddings": False}),
     Case("gpt2-n-inner-relu", "gpt2", {"n_inner": 48, "activation_function": "relu"}),
+    # Dropout: the parts run the same dropout calls in the same order, so a seeded step is still exact.
+    Case("gpt2-dropout", "gpt2", {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}, ("sdpa", "eager")),
     # Llama: full causal mask whatever the config says; scaling and biases live in the modules.
     Case("llama-tied", "llama", {"tie_word_embeddings": True}),
     Case("llama-attention-mlp-bias", "llama", {"attention_bias": True, "mlp_bias": True}),
@@ -65,6 +67,7 @@ CASES = [
     Case("llama-rope-llama3", "llama", {"rope_parameters": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "rope_theta": 10000.0, "original_max_position_embeddings": 16}}),
+    Case("llama-attention-dropout", "llama", {"attention_dropout": 0.2}, ("eager",)),
     Case("llama-ignores-layer-types", "llama", {"layer_types": [SLIDE, FULL, SLIDE, FULL], "sliding_window": 3},
          kinds=(FULL,) * 4),
     # Mistral: MistralModel picks the sliding-window mask from config.sliding_window alone.
@@ -114,6 +117,8 @@ CASES = [
     Case("bert-decoder", "bert", {"is_decoder": True}, ("sdpa", "eager"), kinds=(FULL,) * 4),
     Case("bert-regression", "bert", {"num_labels": 1}, labels="regression"),
     Case("bert-multi-label", "bert", {"problem_type": "multi_label_classification"}, labels="multi-label"),
+    Case("bert-dropout", "bert", {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
+                                  "classifier_dropout": 0.2}, ("eager",)),
     Case("bert-chunked-feed-forward", "bert", {"chunk_size_feed_forward": 4, "type_vocab_size": 3}),
 ]
 
@@ -130,15 +135,16 @@ def one_thread() -> Iterator[None]:
 
 
 def build(case: Case, attn: str | None = None, seed: int = 0) -> nn.Module:
-    """The tiny model of ``case`` (attention: the case's first), in train mode (all dropout is off)."""
+    """The tiny model of ``case`` (attention: the case's first), in train mode (dropout off unless the case sets it)."""
     import transformers as tf
 
     attn = attn or case.attns[0]
 
     torch.manual_seed(seed)
     if case.arch == "gpt2":
-        cfg = tf.GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **case.overrides)
+        cfg = tf.GPT2Config(**{"n_layer": 4, "n_embd": 32, "n_head": 4, "vocab_size": VOCAB, "n_positions": 64,
+                               "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0,
+                               "eos_token_id": 0, **case.overrides})
     elif case.arch == "bert":
         kwargs = {**COMMON, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
                   "classifier_dropout": 0.0, "num_labels": 3, **case.overrides}
@@ -207,8 +213,9 @@ def test_five_training_steps_equal_unsplit(case: Case, attn: str) -> None:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
     # Execute. The unsplit model runs without its KV cache (on by default): the cache copies keys and values,
     # which changes the rounding of eager attention's backward (by ~1e-8, then amplified by AdamW).
-    for _ in range(STEPS):
+    for step in range(STEPS):
         for net, optimizer, extra in ((split, opt, {}), (ref, ref_opt, {"use_cache": False})):
+            torch.manual_seed(step)  # the same dropout masks on both sides
             net(**inputs, **extra).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
