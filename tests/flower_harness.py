@@ -118,3 +118,35 @@ def run_apps(tmp_path: Path, num_nodes: int = 4, concurrency: int = 2, **overrid
     finally:
         grid.close()
     return grid, out
+
+
+def state_digest(runner: Any) -> dict[str, str]:
+    """sha256 of each part of a ServerRunner's state: trunk, trunk optimizer, client parts, the inner strategy's
+    state and the clients' privacy accountants (to compare a restarted server with the one that was killed)."""
+    import hashlib
+    import json
+
+    import torch
+
+    from splitfed.checkpoint import flatten
+
+    def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+        digest = hashlib.sha256()
+        for key in sorted(tensors):
+            value = tensors[key].detach().cpu().contiguous()
+            digest.update(key.encode())
+            digest.update(str(value.dtype).encode())
+            digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+    state = runner.runtime.state_dict()
+    optimizer: dict[str, torch.Tensor] = {}
+    doc = json.dumps(flatten(state["optimizer"], optimizer), sort_keys=True)
+    return {
+        "trunk": tensors_digest(dict(state["trunk"])),
+        "trunk-version": str(state["version"]),
+        "optimizer": hashlib.sha256(doc.encode()).hexdigest() + tensors_digest(optimizer),
+        "clients": tensors_digest(dict(runner.client_state)),
+        "strategy": tensors_digest(dict(runner.strategy_state)),
+        "privacy": hashlib.sha256(json.dumps(runner.privacy_states, sort_keys=True).encode()).hexdigest(),
+    }
