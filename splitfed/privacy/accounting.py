@@ -37,7 +37,9 @@ StateValue = str | list[float] | list[int]
 
 def _epsilon(history: list[tuple[float, float, int]], delta: float, mechanism: str) -> float:
     """Epsilon of ``history`` (noise multiplier, sample rate, steps) at ``delta``."""
-    from opacus.accountants import create_accountant
+    from splitfed.extras import require
+
+    create_accountant = require("opacus.accountants", "privacy accounting").create_accountant
 
     history = [(float(s), float(q), int(n)) for s, q, n in history if n > 0 and q > 0]
     if not history:
@@ -66,7 +68,9 @@ def noise_for_epsilon(target_epsilon: float, delta: float, sample_rate: float, s
 
     Raises :class:`~splitfed.errors.ConfigError` when no finite noise reaches the target.
     """
-    from opacus.accountants.utils import get_noise_multiplier
+    from splitfed.extras import require
+
+    get_noise_multiplier = require("opacus.accountants.utils", "dp-target-epsilon").get_noise_multiplier
 
     if not target_epsilon > 0:
         raise ConfigError(f"dp-target-epsilon must be > 0, got {target_epsilon}")

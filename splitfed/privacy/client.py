@@ -142,6 +142,9 @@ class ClientPrivacy:
                  seed: int | None = None) -> None:
         if dataset_size < 1:
             raise ConfigError("this client's data shard is empty; privacy needs at least one example")
+        from splitfed.extras import require
+
+        require("opacus", "differential privacy (the dp-* and cut-* run-config keys)")
         self.config = config
         self.model = model
         self.dataset_size = dataset_size
