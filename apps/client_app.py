@@ -19,7 +19,15 @@ from splitfed.config import RunConfig
 from splitfed.logs import setup_logging
 from splitfed.client import client_evaluate, client_train, connect_trunk
 from splitfed.errors import ClientFailedError
-from splitfed.messages import CLIENT_KEY, PRIVACY_RECORD, PRIVACY_STATES, SERVER_ROUND, TRUNK_ADDRESS, TRUNK_TOKEN
+from splitfed.messages import (
+    CLIENT_KEY,
+    PRIVACY_RECORD,
+    PRIVACY_STATES,
+    SERVER_ROUND,
+    TRUNK_ADDRESS,
+    TRUNK_CA,
+    TRUNK_TOKEN,
+)
 from splitfed.workload import load_splits
 from strategies import SPLITFED_RECORD
 
@@ -67,7 +75,7 @@ def _setup(msg: Message, context: Context) -> tuple[RunConfig, dict, object, obj
     partition_id = int(context.node_config["partition-id"])
     splits = load_splits(cfg, partition_id, int(context.node_config["num-partitions"]))
     trunk = connect_trunk(cfg, str(trunk_record[TRUNK_ADDRESS]), trunk_record.get(TRUNK_TOKEN),
-                          client_id=f"node-{context.node_id}")
+                          client_id=f"node-{context.node_id}", ca_pem=trunk_record.get(TRUNK_CA))
     state = msg.content["arrays"].to_torch_state_dict()
     return cfg, state, trunk, splits, partition_id
 

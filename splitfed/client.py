@@ -41,17 +41,21 @@ def _client_model(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.M
     return SplitModel(split.bottom, trunk, split.top, task=split.task, config=split.config)
 
 
-def connect_trunk(cfg: RunConfig, address: str, token: str | None, client_id: str) -> nn.Module:
-    """A :class:`~splitfed.channel.client.RemoteTrunk` to the run's trunk server (TLS when configured)."""
+def connect_trunk(cfg: RunConfig, address: str, token: str | None, client_id: str,
+                  ca_pem: str | None = None) -> nn.Module:
+    """A :class:`~splitfed.channel.client.RemoteTrunk` to the run's trunk server.
+
+    TLS pinned to ``ca_pem`` (the CA the server sent), else TLS verified with ``tls-root-ca`` when the run has
+    ``tls-cert``; plaintext only to a loopback address unless ``trunk-allow-plaintext-remote``.
+    """
     from splitfed.channel.client import RemoteTrunk, RetryPolicy
     from splitfed.compression import WireCompression
 
-    credentials = None
-    if not cfg.trunk_insecure:
-        from splitfed.channel.security import channel_credentials
+    from splitfed.channel.transport import client_credentials
 
-        credentials = channel_credentials(cfg.tls_root_ca or None)
-    return RemoteTrunk(address, client_id=client_id, insecure=cfg.trunk_insecure, credentials=credentials,
+    credentials = client_credentials(address, pinned_ca=ca_pem, own_tls=bool(cfg.tls_cert), root_ca=cfg.tls_root_ca,
+                                     allow_plaintext_remote=cfg.trunk_allow_plaintext_remote)
+    return RemoteTrunk(address, client_id=client_id, insecure=credentials is None, credentials=credentials,
                        token=token, wire_dtype=cfg.wire_dtype,
                        wire_compression=WireCompression.of(
                            cfg.wire_compression, act=cfg.wire_compression_act, grad=cfg.wire_compression_grad,

@@ -77,7 +77,8 @@ class RunConfig:
     trunk_bind: str = "127.0.0.1"
     trunk_port: int = 0  # 0: a free port
     trunk_advertise: str = ""  # host:port clients dial; empty: the bound address
-    trunk_insecure: bool = True  # plaintext split channel (simulation on loopback)
+    trunk_insecure: bool = False  # false: plaintext on loopback, TLS elsewhere (zero-config unless tls-cert/key)
+    trunk_allow_plaintext_remote: bool = False  # with trunk-insecure: plaintext on a non-loopback address too
     tls_cert: str = ""
     tls_key: str = ""
     tls_root_ca: str = ""
@@ -173,8 +174,12 @@ class RunConfig:
                 raise ConfigError(f"{key} must be in [0, 1], got {value}")
         if not 0 <= self.trunk_port <= 65535:
             raise ConfigError(f"trunk-port must be in 0..65535, got {self.trunk_port}")
-        if not self.trunk_insecure and not (self.tls_cert and self.tls_key):
-            raise ConfigError("trunk-insecure = false needs tls-cert and tls-key (and tls-root-ca for clients)")
+        from splitfed.channel.transport import choose_mode  # lazy: keeps config import-light
+
+        # ConfigError for plaintext off loopback by omission, or half a TLS key pair.
+        choose_mode(self.trunk_bind, advertise=self.trunk_advertise, insecure=self.trunk_insecure,
+                    allow_plaintext_remote=self.trunk_allow_plaintext_remote, tls_cert=self.tls_cert,
+                    tls_key=self.tls_key)
         if self.trunk_advertise and ":" not in self.trunk_advertise:
             raise ConfigError(f"trunk-advertise must be host:port, got {self.trunk_advertise!r}")
         from splitfed.privacy import PrivacyConfig  # lazy: keeps config import-light

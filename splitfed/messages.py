@@ -4,6 +4,8 @@ from __future__ import annotations
 
 #: Keys of the per-node "splitfed" ConfigRecord the ServerApp adds to each message.
 TRUNK_ADDRESS, TRUNK_TOKEN, SERVER_ROUND = "trunk-address", "trunk-token", "server-round"
+#: The trunk's CA certificate (PEM) in that record, for clients to pin under zero-configuration TLS.
+TRUNK_CA = "trunk-ca"
 
 #: In the "splitfed" ConfigRecord: JSON of the privacy accountants the server holds, by client key.
 PRIVACY_STATES = "privacy-states"

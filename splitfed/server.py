@@ -20,7 +20,7 @@ import torch
 from splitfed.config import RunConfig
 from splitfed.checkpoint import Checkpoint, flatten, read_checkpoint, unflatten, write_checkpoint
 from splitfed.errors import ModelLoadError
-from splitfed.messages import SERVER_ROUND, TRUNK_ADDRESS, TRUNK_TOKEN
+from splitfed.messages import SERVER_ROUND, TRUNK_ADDRESS, TRUNK_CA, TRUNK_TOKEN
 from splitfed.optim import make_optimizer
 from splitfed.parts import (
     ALL_ROLES,
@@ -92,13 +92,13 @@ class ServerRunner:
         self.tensorboard = RoundWriter.for_run(cfg.tensorboard_dir, self.output_dir)
         if cfg.resume:
             self._resume()
-        credentials = None
-        if not cfg.trunk_insecure:
-            from splitfed.channel.security import server_credentials
+        from splitfed.channel.transport import ServerTransport
 
-            credentials = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca or None)
+        # Plaintext on loopback, else TLS: the operator's certificate, or one issued now (again on every restart).
+        self.transport = ServerTransport.from_config(cfg)
         self.server = TrunkServer(self.runtime, host=cfg.trunk_bind, port=cfg.trunk_port,
-                                  insecure=cfg.trunk_insecure, credentials=credentials, model_name=cfg.model,
+                                  insecure=self.transport.insecure, credentials=self.transport.credentials(),
+                                  model_name=cfg.model,
                                   cuts=self.cuts, authenticate=None if self.tokens is None else
                                   self.tokens.authenticate,
                                   metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port,
@@ -109,6 +109,7 @@ class ServerRunner:
     def start(self) -> ServerRunner:
         """Start the trunk server."""
         self.server.start()
+        self.transport.write_ca(self.output_dir)  # the CA certificate is public: for operators' health checks
         log.info("SplitFed: trunk (blocks %d..%d of %s) served at %s, clients dial %s; trunk mode %s",
                  self.cuts[0], self.cuts[1] - 1, self.cfg.model, self.server.address, self.advertised_address,
                  self.runtime.aggregator.describe())
@@ -134,8 +135,11 @@ class ServerRunner:
 
     # -- per message ------------------------------------------------------------------------------
     def trunk_config(self, node_id: int, server_round: int) -> dict[str, str | int]:
-        """What a client needs to reach the trunk this round (address and its token)."""
+        """What a client needs to reach the trunk this round (address, its token, the CA to pin)."""
         out: dict[str, str | int] = {TRUNK_ADDRESS: self.advertised_address, SERVER_ROUND: server_round}
+        self.transport.round_notice(server_round)
+        if self.transport.ca_pem is not None:
+            out[TRUNK_CA] = self.transport.ca_pem
         if self.tokens is not None:
             out[TRUNK_TOKEN] = self.tokens.issue(node_id, server_round)
         return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import uuid
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 from conftest import tiny_model
 
 from splitfed.auth import TokenIssuer
-from splitfed.channel.client import TrunkClient
+from splitfed.channel.client import RetryPolicy, TrunkClient
 from splitfed.channel.security import channel_credentials, server_credentials
 from splitfed.errors import AuthError, ChannelError
 from splitfed.split import CutState, split_model
@@ -141,3 +142,92 @@ def test_server_refuses_bad_tokens_and_foreign_activations(trunk_server) -> None
     with pytest.raises(ChannelError) as info:
         alice.forward(_state(), train=False)
     assert info.value.code == "UNAUTHENTICATED" and "replayed" in str(info.value)
+
+
+# -- zero-configuration TLS through the real apps ---------------------------------------------------
+FAIL_FAST = RetryPolicy(max_attempts=2, initial_backoff_s=0.05)  # a refused handshake is not transient
+
+
+def _trunk_records(grid) -> list:
+    return [m.content["splitfed"] for m in grid.sent]
+
+
+def test_apps_off_loopback_serve_zero_config_tls_and_reissue_it_on_resume(tmp_path: Path) -> None:
+    from flower_harness import run_apps
+
+    from splitfed.channel.transport import CA_FILE
+
+    grid, out = run_apps(tmp_path, num_nodes=2, concurrency=2, num_server_rounds=1, local_steps=3,
+                         trunk_bind="0.0.0.0")
+    first_ca = (out / CA_FILE).read_text()
+    records = _trunk_records(grid)
+    assert len(records) == 4 and all(r["trunk-ca"] == first_ca for r in records)  # train + evaluate, 2 nodes
+    history = json.loads((out / "history.json").read_text())
+    assert history["rounds"][0]["train"]["train-steps"] == 2 * 3  # both clients trained through TLS
+    assert all(b"PRIVATE KEY" not in p.read_bytes() for p in out.rglob("*") if p.is_file())
+    # A restarted ServerApp issues a new certificate and sends the new CA with the next round.
+    grid, out = run_apps(tmp_path, num_nodes=2, concurrency=2, num_server_rounds=2, local_steps=3,
+                         trunk_bind="0.0.0.0", resume=True)
+    second_ca = (out / CA_FILE).read_text()
+    assert second_ca != first_ca
+    assert {r["trunk-ca"] for r in _trunk_records(grid)} == {second_ca}
+    assert {int(r["server-round"]) for r in _trunk_records(grid)} == {2}
+    history = json.loads((out / "history.json").read_text())
+    assert [r["round"] for r in history["rounds"]] == [1, 2] and history["rounds"][1]["train"]["train-steps"] == 6
+
+
+def test_apps_refuse_plaintext_off_loopback_unless_asked_twice(tmp_path: Path, caplog) -> None:
+    import logging
+
+    from flower_harness import run_apps
+
+    from splitfed.channel.transport import CA_FILE
+    from splitfed.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        run_apps(tmp_path, num_nodes=2, num_server_rounds=1, local_steps=2, trunk_bind="0.0.0.0",
+                 trunk_insecure=True)
+    assert "trunk-insecure = false" in str(info.value) and "trunk-allow-plaintext-remote = true" in str(info.value)
+    assert not (tmp_path / "outputs" / "history.json").exists()
+    with caplog.at_level(logging.WARNING):
+        grid, out = run_apps(tmp_path, num_nodes=2, num_server_rounds=2, local_steps=2, trunk_bind="0.0.0.0",
+                             trunk_insecure=True, trunk_allow_plaintext_remote=True)
+    assert all("trunk-ca" not in r for r in _trunk_records(grid)) and not (out / CA_FILE).exists()
+    warned = [r.getMessage() for r in caplog.records if "PLAINTEXT on a non-loopback" in r.getMessage()]
+    assert [m.split(":")[0] for m in warned] == ["round 1", "round 2"]
+    # On loopback the default stays plaintext and certificate-free (the simulation).
+    grid, out = run_apps(tmp_path, num_nodes=2, num_server_rounds=1, local_steps=2)
+    assert all("trunk-ca" not in r for r in _trunk_records(grid)) and not (out / CA_FILE).exists()
+
+
+def test_a_client_pinning_another_ca_is_refused(trunk_server) -> None:
+    from splitfed.channel.autotls import issue
+    from splitfed.channel.transport import ServerTransport, TransportMode, client_credentials
+
+    transport = ServerTransport(TransportMode.AUTO_TLS, bind="127.0.0.1", issued=issue(["127.0.0.1"]))
+    server = trunk_server(_trunk(), insecure=False, credentials=transport.credentials())
+    good = TrunkClient(server.address, credentials=client_credentials(server.address, pinned_ca=transport.ca_pem))
+    assert good.forward(_state(), train=False)[0].shape == (2, 5, 32)
+    another_ca = client_credentials(server.address, pinned_ca=issue(["127.0.0.1"]).ca_pem)
+    system_roots = client_credentials(server.address, own_tls=True)  # no public CA vouches for it either
+    for creds in (another_ca, system_roots):
+        with pytest.raises(ChannelError) as info:
+            TrunkClient(server.address, credentials=creds, retry=FAIL_FAST).forward(_state(), train=False)
+        assert info.value.code == "UNAVAILABLE"
+
+
+def test_run_config_defaults_to_tls_off_loopback_and_names_the_keys() -> None:
+    from splitfed.config import RunConfig
+    from splitfed.errors import ConfigError
+
+    assert RunConfig().trunk_insecure is False and RunConfig().trunk_allow_plaintext_remote is False
+    RunConfig.from_mapping({"trunk-bind": "0.0.0.0"})  # zero-configuration TLS: nothing else to set
+    RunConfig.from_mapping({"trunk-bind": "0.0.0.0", "trunk-insecure": True, "trunk-allow-plaintext-remote": True})
+    for settings, fragment in [
+        ({"trunk-bind": "0.0.0.0", "trunk-insecure": True}, "trunk-allow-plaintext-remote = true"),
+        ({"trunk-advertise": "trunk.example.org:50051", "trunk-insecure": True}, "trunk.example.org"),
+        ({"tls-cert": "server.pem"}, "tls-cert and tls-key go together"),
+        ({"tls-cert": "s.pem", "tls-key": "s.key", "trunk-insecure": True}, "remove trunk-insecure"),
+    ]:
+        with pytest.raises(ConfigError, match=fragment):
+            RunConfig.from_mapping(settings)
