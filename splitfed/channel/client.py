@@ -245,8 +245,13 @@ class TrunkClient:
         self._account(sent, payload_bytes(out))
         return hidden, reply.trunk_version
 
-    def backward(self, activation_id: str, grad: torch.Tensor) -> BackwardReply:
+    def backward(self, activation_id: str, grad: torch.Tensor, *, input_numel: int | None = None) -> BackwardReply:
         """Send the gradient of the loss w.r.t. a forward's output; returns the gradient w.r.t. its input.
+
+        ``input_numel`` (elements of the forward's input) sizes the reply: the
+        transport is chosen from the larger of the request and the reply, so a
+        trunk whose input is larger than its output never gets a reply too large
+        for a unary call.
 
         With gradient compression, the gradient travels compressed with this
         client's error-feedback residual added; the residual it leaves is kept
@@ -261,7 +266,8 @@ class TrunkClient:
         req = pb.BackwardRequest(activation_id=activation_id, reply_dtype=int(self.wire_dtype),
                                  reply_compression=spec_to_proto(spec))
         sent = payload_bytes(encs)
-        if sent <= self.limits.stream_threshold_bytes:
+        reply_bytes = 0 if input_numel is None else input_numel * torch_dtype(self.wire_dtype).itemsize
+        if max(sent, reply_bytes) <= self.limits.stream_threshold_bytes:
             parsed = self._invoke("Backward", self._backward, fastwire.Parsed(req, encs))
             reply, out = parsed.header, parsed.tensors
         else:
@@ -321,13 +327,13 @@ class _RemoteTrunkFunction(torch.autograd.Function):
         out, version = remote.client.forward(state.with_hidden(hidden.detach()), activation_id=activation_id,
                                              train=True, num_examples=remote._num_examples(state))
         ctx.remote, ctx.activation_id = remote, activation_id
-        ctx.in_dtype, ctx.device = hidden.dtype, hidden.device
+        ctx.in_dtype, ctx.device, ctx.in_numel = hidden.dtype, hidden.device, hidden.numel()
         remote.last_version = version
         return _owned(out, hidden)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
-        reply = ctx.remote.client.backward(ctx.activation_id, grad_out.contiguous())
+        reply = ctx.remote.client.backward(ctx.activation_id, grad_out.contiguous(), input_numel=ctx.in_numel)
         ctx.remote._record(reply)
         return _owned(reply.grad, grad_out, ctx.device, ctx.in_dtype), None, None, None
 

@@ -188,6 +188,10 @@ class SplitChannelServicer:
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in the trunk server: {exc!r}")
         raise AssertionError("unreachable")  # pragma: no cover
 
+    async def _refused(self, client: str) -> None:
+        runtime = self.runtime
+        await self._on_device(lambda: runtime.refused(client))
+
     def _count(self, direction: str, encs: list) -> None:
         if self.metrics is not None:
             self.metrics.tensors(direction, encs)
@@ -210,7 +214,12 @@ class SplitChannelServicer:
             version = self.runtime.version
         else:
             request = ForwardRequest(client, req.activation_id, state, req.train, req.num_examples, retry)
-            out, version = await asyncio.wrap_future(self.scheduler.forward(request))
+            try:
+                out, version = await asyncio.wrap_future(self.scheduler.forward(request))
+            except SplitFedError:  # a refused forward: the step must not wait for this client
+                if req.train:
+                    await self._refused(client)
+                raise
         reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
         encs = [self.replies.encode(client, req.activation_id, "hidden", out, reply_dtype, spec, feedback=False)]
         if unary and payload_bytes(encs) > self.limits.stream_threshold_bytes:
@@ -239,14 +248,18 @@ class SplitChannelServicer:
     async def _backward(self, identity: tuple[str, bool], req: pb.BackwardRequest, tensors: list, unary: bool
                         ) -> tuple[pb.BackwardReply, list]:
         client, retry = identity
-        spec = reply_spec(req)
-        grad = decode_single(tensors, "grad", self.tensor_limits)
-        self._count("received", tensors)
-        reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
-        check = self._reply_check(reply_dtype, unary)
         runtime = self.runtime
-        pending = await self._on_device(lambda: runtime.start_backward(client, req.activation_id, grad, retry=retry,
-                                                                       reply_check=check))
+        try:
+            spec = reply_spec(req)
+            grad = decode_single(tensors, "grad", self.tensor_limits)
+            self._count("received", tensors)
+            reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
+            check = self._reply_check(reply_dtype, unary)
+            pending = await self._on_device(lambda: runtime.start_backward(client, req.activation_id, grad,
+                                                                           retry=retry, reply_check=check))
+        except SplitFedError:  # a refused gradient: the step must not wait for this client
+            await self._refused(client)
+            raise
         result = await asyncio.wrap_future(pending.result)  # the sync barrier or quorum: no thread held
         encs = [self.replies.encode(client, req.activation_id, "grad", pending.grad_in, reply_dtype, spec)]
         self._count("sent", encs)
@@ -290,10 +303,12 @@ class SplitChannelServicer:
 
     async def Backward(self, request: Any, context: Any) -> fastwire.Parsed:
         async def run() -> fastwire.Parsed:
-            _check_parsed(request)
             identity = self._identity(context)
+            if isinstance(request, Malformed):
+                await self._refused(identity[0])
+            _check_parsed(request)
             return fastwire.Parsed(*await self._backward(identity, request.header, request.tensors, unary=True))
-        return await self._call(context, run, request)
+        return await self._call(context, run)
 
     async def _read(self, requests: AsyncIterator[Any]) -> list[Any]:
         """The frames of a streamed request, refusing more bytes than a request may carry."""
@@ -311,7 +326,11 @@ class SplitChannelServicer:
                       handler: Callable[..., Awaitable[tuple[Any, list]]]) -> AsyncIterator[Any]:
         async def run() -> list[Any]:
             identity = self._identity(context)  # before a byte of payload is read
-            msg = assemble(await self._read(requests), field, self.limits.max_tensor_bytes)
+            try:
+                msg = assemble(await self._read(requests), field, self.limits.max_tensor_bytes)
+            except SplitFedError:  # a refused request: the step must not wait for this client
+                await self._refused(identity[0])
+                raise
             reply, encs = await handler(identity, msg.header, msg.tensors)
             header = pb.Frame(**{reply_field: reply})
             return list(frames(header, reply_field, encs, self.limits.chunk_bytes))

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -40,33 +39,15 @@ from splitfed.errors import (
     DuplicateActivationError,
     PermissionDeniedError,
     TensorValueError,
-    TrunkBusyError,
     TrunkStepError,
 )
 from splitfed.split.base import CutState
 from splitfed.trunk.aggregation import Contribution, Grads, Outcome, Result, SyncAggregator, TrunkAggregator
+from splitfed.trunk.guard import GradientGuard
+from splitfed.trunk.recompute import SavedBytes, busy_on_oom, rng_devices, rng_state, set_rng_state
 from splitfed.trunk.store import DoneBackward, ForwardStore, SavedForward, StoreLimits
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GradientGuard:
-    """Refuse trunk gradients that are non-finite or whose L2 norm exceeds ``max_norm`` (None: no bound)."""
-
-    max_norm: float | None = None
-
-    def check(self, grads: Grads) -> str | None:
-        """Return why ``grads`` are refused, or None when they pass."""
-        present = [g.detach() for g in grads if g is not None]
-        if not present:
-            return None
-        norm = float(torch.nn.utils.get_total_norm(present, norm_type=2.0, error_if_nonfinite=False))
-        if not math.isfinite(norm):
-            return "non-finite trunk gradient"
-        if self.max_norm is not None and norm > self.max_norm:
-            return f"trunk gradient norm {norm:.3g} above the guard's {self.max_norm:.3g}"
-        return None
 
 
 @dataclass(frozen=True)
@@ -105,33 +86,6 @@ class ForwardRequest:
         """Positions this forward computes (batch x length; batch for non-sequence inputs)."""
         h = self.state.hidden
         return int(h.shape[0] * h.shape[1]) if h.dim() >= 3 else int(h.shape[0]) if h.dim() else 1
-
-
-class _SavedBytes:
-    """Counts the bytes autograd saves for backward, leaving out the parameters' own storage.
-
-    The pack hook returns a detached alias: returning the tensor itself would make
-    every saved *output* hold its own graph node, a reference cycle through C++
-    that Python's garbage collector cannot break, so a forward dropped without its
-    backward (evicted, rebased) would leak its activations.
-    """
-
-    def __init__(self, param_ptrs: set[int]) -> None:
-        self.param_ptrs = param_ptrs
-        self.seen: set[int] = set()
-        self.nbytes = 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.param_ptrs and ptr not in self.seen:
-            self.seen.add(ptr)
-            self.nbytes += storage.nbytes()
-        return t.detach()
-
-    @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
 
 
 class TrunkRuntime:
@@ -228,10 +182,16 @@ class TrunkRuntime:
         Returns the output hidden state and the trunk version it was computed on.
         A retried request (``retry``) for a forward the server already holds is
         answered from the saved result; any other reuse of an activation id is
-        refused.
+        refused. A training forward that succeeded puts its client in the step
+        group (or marks it alive); a refused one does not.
         """
+        result = self._forward(client_id, activation_id, state, train, num_examples, retry)
         if train and self.trains:
-            self.aggregator.join(client_id)  # joins, or marks a member alive
+            self.aggregator.join(client_id)  # outside the runtime lock: the aggregator may step the trunk
+        return result
+
+    def _forward(self, client_id: str, activation_id: str, state: CutState, train: bool, num_examples: int,
+                 retry: bool) -> tuple[torch.Tensor, int]:
         with self._lock:
             if train:
                 existing = self.store.find(activation_id)
@@ -244,12 +204,12 @@ class TrunkRuntime:
             inputs, leaf = self._prepare(state, train)
             self.stats["forwards"] += 1
             if not train:
-                with torch.no_grad(), self._autocast(), _busy_on_oom("forward"):
+                with torch.no_grad(), self._autocast(), busy_on_oom("forward"):
                     return self.trunk(inputs).hidden, self._version
-            counter = _SavedBytes({p.untyped_storage().data_ptr() for p in self.trunk.parameters()})
-            rng = _rng_state(self.device)
+            counter = SavedBytes({p.untyped_storage().data_ptr() for p in self.trunk.parameters()})
+            rng = rng_state(self.device)
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), self._autocast(), \
-                    _busy_on_oom("forward"):
+                    busy_on_oom("forward"):
                 output = self.trunk(inputs).hidden
             out_value = output.detach()
             nbytes = counter.nbytes + out_value.numel() * out_value.element_size()
@@ -334,6 +294,14 @@ class TrunkRuntime:
             except TimeoutError:
                 self.poll()
 
+    def refused(self, client_id: str) -> None:
+        """A training request of this client was refused: the step stops waiting for it.
+
+        It leaves the step group (its saved forwards wait for their TTL); a
+        later gradient or training forward brings it back.
+        """
+        self.aggregator.leave(client_id)
+
     def _gradients(self, entry: SavedForward, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         inputs = [entry.inputs.hidden]
         if entry.output is not None:
@@ -343,8 +311,8 @@ class TrunkRuntime:
             self.stats["recomputed"] += 1
             assert entry.frozen_params is not None
             params = dict(zip(self._names, entry.frozen_params))
-            with torch.random.fork_rng(devices=_rng_devices(self.device)), self._autocast():
-                _set_rng_state(self.device, entry.rng_state)
+            with torch.random.fork_rng(devices=rng_devices(self.device)), self._autocast():
+                set_rng_state(self.device, entry.rng_state)
                 state = entry.inputs.with_hidden(entry.inputs.hidden.clone())
                 output = functional_call(self.trunk, params, (state,)).hidden
             targets = inputs + list(entry.frozen_params)
@@ -399,9 +367,18 @@ class TrunkRuntime:
 
     # -- maintenance -------------------------------------------------------------
     def sweep(self) -> int:
-        """Evict expired saved forwards; returns how many were evicted."""
+        """Evict expired saved forwards; returns how many were evicted.
+
+        A client that lost its last saved forward this way can no longer
+        contribute to the open step: it leaves the step group (its next
+        training forward brings it back).
+        """
         with self._lock:
-            return self.store.sweep()
+            evicted = self.store.sweep()
+            gone = self.store.take_evicted_clients()
+        for client_id in gone:
+            self.aggregator.leave(client_id)
+        return evicted
 
     def state_dict(self) -> dict[str, Any]:
         """Trunk weights, optimizer state and version, for checkpoints."""
@@ -429,28 +406,3 @@ class TrunkRuntime:
         self.aggregator.poll()
 
 
-@contextlib.contextmanager
-def _busy_on_oom(what: str) -> Any:
-    """Turn a device out-of-memory error into :class:`TrunkBusyError` (retrying later can succeed)."""
-    try:
-        yield
-    except torch.OutOfMemoryError as exc:
-        raise TrunkBusyError(f"the trunk ran out of device memory in a {what}; retry later or send smaller "
-                             f"batches ({exc})") from None
-
-
-def _rng_devices(device: torch.device) -> list[int]:
-    return [device.index or 0] if device.type == "cuda" else []
-
-
-def _rng_state(device: torch.device) -> Any:
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return cpu, cuda
-
-
-def _set_rng_state(device: torch.device, state: Any) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)

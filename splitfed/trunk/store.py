@@ -111,6 +111,7 @@ class ForwardStore:
         self.frozen_bytes = 0
         self.done_bytes = 0
         self.evicted = 0
+        self._evicted_clients: set[str] = set()
 
     @property
     def bytes_held(self) -> int:
@@ -207,6 +208,7 @@ class ForwardStore:
             for activation_id in list(oldest.users):
                 entry = self.pop(activation_id)
                 evicted += 1
+                self._evicted_clients.add(entry.client_id)
                 log.warning("evicted forward %s of client %s: it saw trunk version %d, older than the %d frozen "
                             "weight copies the server keeps", activation_id, entry.client_id, oldest.version,
                             self.limits.max_frozen)
@@ -239,12 +241,23 @@ class ForwardStore:
         for key in [k for k, e in self._items.items() if now - e.created > self.limits.ttl_s]:
             entry = self.pop(key)
             evicted += 1
+            self._evicted_clients.add(entry.client_id)
             log.warning("evicted forward %s of client %s: no backward within %.1fs", key, entry.client_id,
                         self.limits.ttl_s)
         for key in [k for k, d in self._done.items() if now - d.finished > self.limits.done_ttl_s]:
             self._forget_done(key)
         self.evicted += evicted
         return evicted
+
+    def holds(self, client_id: str) -> bool:
+        """Whether ``client_id`` has a saved forward waiting for its backward."""
+        return client_id in self._per_client
+
+    def take_evicted_clients(self) -> set[str]:
+        """Clients that lost a saved forward to eviction since the last call and hold none now."""
+        gone = {c for c in self._evicted_clients if c not in self._per_client}
+        self._evicted_clients.clear()
+        return gone
 
     def drop_client(self, client_id: str) -> int:
         """Evict every saved forward of one client (it left or was dropped)."""

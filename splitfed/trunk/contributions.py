@@ -1,0 +1,71 @@
+"""Client gradients for the trunk and their outcomes: the data the aggregation modes decide on."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+Grads = list[torch.Tensor | None]
+
+
+class Outcome(str, enum.Enum):
+    """What happened to one client's gradient."""
+
+    APPLIED = "applied"
+    DOWNWEIGHTED = "downweighted"
+    REJECTED_STALE = "rejected-stale"
+    REJECTED_GUARD = "rejected-guard"
+    NOT_TRAINED = "not-trained"
+
+
+@dataclass
+class Contribution:
+    """One client's trunk gradient for one forward.
+
+    ``grads`` is aligned with the trunk's trainable parameters; ``None`` for an
+    abstention (the gradient was refused by the guard but the client still
+    counts as having answered this step).
+    """
+
+    client_id: str
+    version_seen: int
+    grads: Grads | None
+    num_examples: int = 1
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class Result:
+    """What the aggregator reports back to the client: the outcome, the trunk version after the step,
+    the staleness the gradient was applied (or rejected) at, and its weight."""
+
+    outcome: Outcome
+    version: int
+    staleness: int
+    weight: float = 1.0
+
+
+def weighted_mean(contributions: Sequence[Contribution]) -> Grads | None:
+    """Sum of ``weight * num_examples * grad`` over the sum of ``num_examples``.
+
+    With equal weights this is the gradient of the mean loss over the union of
+    the clients' batches (each client sends the gradient of its batch-mean loss).
+    """
+    live = [c for c in contributions if c.grads is not None]
+    if not live:
+        return None
+    total = float(sum(c.num_examples for c in live))
+    out: Grads = []
+    for i in range(len(live[0].grads)):  # type: ignore[arg-type]
+        acc: torch.Tensor | None = None
+        for c in live:
+            g = c.grads[i]  # type: ignore[index]
+            if g is None:
+                continue
+            term = g * (c.weight * c.num_examples / total)
+            acc = term if acc is None else acc.add_(term)
+        out.append(acc)
+    return out
