@@ -205,7 +205,7 @@ def test_session_gives_up_after_repeated_losses(trunk_server) -> None:
         def open(self, client_id: str, **kwargs: object) -> tuple[str, float]:
             return "gone", 1.0
 
-        def step(self, *args: object) -> torch.Tensor:
+        def step(self, *args: object, **kwargs: object) -> torch.Tensor:
             raise SessionNotFoundError("inference session 'gone' is unknown")
 
         def close(self, *args: object) -> None:
@@ -299,8 +299,8 @@ def test_repeated_step_is_answered_again_and_ownership_is_checked() -> None:
     manager = SessionManager(TrunkRuntime(parts.trunk))
     sid, _ = manager.open("alice", max_length=8)
     state = CutState(torch.randn(1, 3, 32), torch.ones(1, 3, dtype=torch.long), torch.arange(3)[None])
-    first = manager.step("alice", sid, state)
-    again = manager.step("alice", sid, state)  # a retry whose reply was lost
+    first = manager.step("alice", sid, state, step_id="s1")
+    again = manager.step("alice", sid, state, step_id="s1")  # a retry whose reply was lost
     assert torch.equal(first, again) and manager.stats["retried_steps"] == 1
     assert cache_bytes(manager._sessions[sid].cache) == 3 * 2 * 2 * 32 * 4  # K, V x 2 layers x 3 positions
     with pytest.raises(PermissionDeniedError):
