@@ -250,11 +250,18 @@ def test_async_runtime_rebases_pending_forwards_and_computes_exact_stale_gradien
     grad = torch.randn_like(out_a)
     rt.backward("b", "fb", grad)  # trunk steps: version 1, "fa" is rebased
     assert rt.version == 1 and rt.stats["rebased"] == 1
+    w1_copy = copy.deepcopy(split.trunk)
     result = rt.backward("a", "fa", grad)
     assert result.result.outcome is Outcome.APPLIED and result.result.staleness == 1
     leaf = cut.hidden.clone().requires_grad_(True)
-    want = torch.autograd.grad(frozen(cut.with_hidden(leaf)).hidden, leaf, grad)[0]
-    assert torch.allclose(result.grad_in, want, atol=1e-6) and rt.stats["recomputed"] == 1
+    w0 = list(frozen.parameters())
+    want = torch.autograd.grad(frozen(cut.with_hidden(leaf)).hidden, [leaf] + w0, grad)
+    assert torch.allclose(result.grad_in, want[0], atol=1e-6) and rt.stats["recomputed"] == 1
+    # The trunk's own gradient was kept and applied: W2 = W1 - lr * grad(W0), not thrown away.
+    assert rt.version == 2
+    for p, w1, g in zip(split.trunk.parameters(), w1_copy.parameters(), want[1:]):
+        assert torch.allclose(p, w1 - 0.1 * g, atol=1e-6)
+    assert not all(torch.allclose(p, w1) for p, w1 in zip(split.trunk.parameters(), w1_copy.parameters()))
 
 
 def test_gradient_guard_refuses_exploding_gradients_without_stepping() -> None:
