@@ -19,6 +19,7 @@ SUITES: dict[str, Callable[..., dict[str, float]]] = {
     "split_step": core.split_step_ratio,
     "channel": core.channel_vs_grpc,
     "codec": core.codec_speedup,
+    "compression": core.compression,
     "generation": generation.generation,
 }
 

@@ -9,6 +9,10 @@
 * ``codec_speedup_vs_repeated_float``: encode + serialize + parse + decode of a
   4 MiB fp32 tensor as a packed protobuf ``repeated float``, divided by the same
   through splitfed's codec.
+* ``compression_bytes_ratio_{int8,topk}``: bytes at the cut per training step of
+  the split-step model uncompressed, divided by the same with int8 activations and
+  gradients (``topk``: int8 activations, top-k gradients); ``compression_step_ratio_*``
+  the step times likewise (compressed / uncompressed).
 """
 
 from __future__ import annotations
@@ -268,3 +272,49 @@ def codec_speedup(size_mib: int = 4, repeat: int = 5) -> dict[str, float]:
     t_codec, t_rep = timeit(codec, repeat * 4), timeit(repeated, repeat, warmup=1)
     return {"codec_speedup_vs_repeated_float": t_rep / t_codec, "codec_roundtrip_4MiB_ms": t_codec * 1e3,
             "repeated_float_roundtrip_4MiB_ms": t_rep * 1e3}
+
+
+# -- compression at the cut -------------------------------------------------------------------
+def compression(repeat: int = 6, device: str = "cpu") -> dict[str, float]:
+    """Bytes (and seconds) per split training step: uncompressed / int8 (and int8 + top-k gradients).
+
+    One trunk server per setting in this process (each client alone in its step
+    group), steps interleaved; bytes are the client's tensor payload both ways
+    (data, scales, indices).
+    """
+    from splitfed.channel.client import RemoteTrunk
+    from splitfed.compression import WireCompression
+    from splitfed.split import SplitModel, split_model
+
+    settings = dict(SPLIT_STEP)
+    ids = torch.randint(0, settings["vocab"], (settings["batch"], settings["seq"]), device=device)
+    wires = {"none": WireCompression.of("none"), "int8": WireCompression.of("int8"),
+             "topk": WireCompression.of("int8", grad="topk", topk_ratio=0.01)}
+    steps, remotes, servers = {}, {}, []
+    try:
+        for name, wire in wires.items():
+            parts = split_model(_gpt2().to(device), _cuts())
+            servers.append(_trunk_server(device, settings))
+            remote = RemoteTrunk(servers[-1].address, insecure=True, wire_compression=wire)
+            model = SplitModel(parts.bottom, remote, parts.top, task="causal-lm")
+            opt = torch.optim.SGD(parts.client_modules().parameters(), lr=1e-3)
+
+            def step(model: Any = model, opt: Any = opt) -> None:
+                loss = model(ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            steps[name], remotes[name] = step, remote
+        t_int8, t_none = interleaved(steps["int8"], steps["none"], repeat)
+        t_topk, _ = interleaved(steps["topk"], steps["none"], max(repeat // 2, 2))
+        per_step = {name: (r.client.bytes_sent + r.client.bytes_received) / (r.client.calls / 2)
+                    for name, r in remotes.items()}
+        for remote in remotes.values():
+            remote.close()
+    finally:
+        for server in servers:
+            server.stop(grace=0)
+    return {"compression_bytes_ratio_int8": per_step["none"] / per_step["int8"],
+            "compression_bytes_ratio_topk": per_step["none"] / per_step["topk"],
+            "compression_step_ratio_int8": t_int8 / t_none, "compression_step_ratio_topk": t_topk / t_none,
+            "compression_bytes_per_step_none": per_step["none"], "compression_bytes_per_step_int8": per_step["int8"]}

@@ -1,0 +1,155 @@
+"""Compression at the cut on real runs: ``python -m bench.compression [--job mnist|llm] [--json FILE]``.
+
+``--job mnist`` (default) runs the main job (``flwr run . local``: MNIST CNN, 4
+IID clients, 5 rounds, the pyproject defaults) once per wire setting and prints,
+per setting, the bytes at the cut per round (all clients, both directions,
+training and evaluation) and the held-out accuracy after the last round.
+``--job llm`` runs the SmolLM2-135M LoRA fine-tune of ``bench.llm_finetune``
+(3 rounds; slow on CPU) and reports held-out perplexity instead. Each run gets a
+SuperLink of its own (its own ``FLWR_HOME`` and ports), ended when it is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+#: name -> run-config overrides.
+SETTINGS: dict[str, str] = {
+    "none": "wire-compression='none'",
+    "int8": "wire-compression='int8'",
+    "topk": "wire-compression='topk'",
+    "int8 + topk gradients": "wire-compression='int8' wire-compression-grad='topk'",
+}
+
+
+#: The SmolLM2 LoRA fine-tune of ``bench.llm_finetune``.
+LLM_JOB = ("model='smollm2-135m' cuts='3,27' lora-rank=8 optimizer='adamw' lr=0.0005 momentum=0.0 max-seq-len=128 "
+           "batch-size=4 local-steps=8 num-server-rounds=3 partitioner='pathological' classes-per-partition=1 "
+           "min-train-nodes=2 trunk-timeout=600.0")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _end_processes_of(marker: str) -> None:
+    """End the processes this run started: those whose command line or environment names ``marker``."""
+    import psutil
+
+    procs = []
+    for p in psutil.process_iter(["pid", "cmdline", "environ"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            env = p.info.get("environ") or {}
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if p.pid != os.getpid() and (marker in cmd or env.get("FLWR_HOME") == marker):
+            procs.append(p)
+    for p in list(procs):
+        procs.extend(p.children(recursive=True))
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def flwr_run(overrides: str, out: Path, supernodes: int = 4) -> dict:
+    """One ``flwr run . local`` of the main job with run-config ``overrides``; returns its history."""
+    home = Path(tempfile.mkdtemp(prefix="flwr-home-"))
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+               FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1", RAY_TMPDIR=ray_tmp,
+               FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(_free_port()), FLWR_LOCAL_CONTROL_API_PORT=str(_free_port()),
+               PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    cmd = [str(BIN / "flwr"), "run", ".", "local", "--stream", "--run-config", f"{overrides} output-dir='{out}'",
+           "--federation-config", f"num-supernodes={supernodes} client-resources-num-cpus=1"]
+    try:
+        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        history = out / "history.json"
+        if not history.exists():
+            raise RuntimeError(f"flwr run wrote no history; its output ends:\n{(result.stdout + result.stderr)[-3000:]}")
+        return json.loads(history.read_text())
+    finally:
+        _end_processes_of(str(home))
+        _end_processes_of(ray_tmp)
+
+
+def summarize(history: dict) -> dict[str, float]:
+    """Bytes at the cut per round (mean over rounds, MB) and the last round's held-out accuracy."""
+    rounds = sorted(history["rounds"], key=lambda r: r["round"])
+    per_round = []
+    train_per_round = []
+    for r in rounds:
+        t, e = r.get("train", {}), r.get("evaluate", {})
+        train = t.get("train-bytes-sent", 0) + t.get("train-bytes-received", 0)
+        per_round.append(train + e.get("eval-bytes-sent", 0) + e.get("eval-bytes-received", 0))
+        train_per_round.append(train)
+    failed = sum(int((r.get("failures") or {}).get(kind, 0)) for r in rounds for kind in ("train", "evaluate"))
+    accuracy = [r.get("evaluate", {}).get("eval-accuracy") for r in rounds]
+    perplexity = [r.get("evaluate", {}).get("eval-perplexity") for r in rounds]
+    if accuracy[-1] is None:
+        raise RuntimeError(f"the last round has no evaluation ({failed} failed client calls); see the run's logs")
+    return {"mb_per_round": sum(per_round) / len(per_round) / 1e6,
+            "train_mb_per_round": sum(train_per_round) / len(train_per_round) / 1e6,
+            "final_accuracy": float(accuracy[-1]), "final_eval_loss": float(rounds[-1]["evaluate"]["eval-loss"]),
+            "accuracy_by_round": accuracy, "perplexity_by_round": perplexity, "failed_client_calls": failed,
+            "status": history.get("status")}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.compression", description=__doc__)
+    parser.add_argument("--only", nargs="*", choices=sorted(SETTINGS), help="run only these settings")
+    parser.add_argument("--job", choices=("mnist", "llm"), default="mnist", help="the main job or the LLM fine-tune")
+    parser.add_argument("--json", default="", help="also write the results to this file")
+    parser.add_argument("--out", default="", help="keep each run's outputs in a folder here (default: a temporary one)")
+    args = parser.parse_args()
+    results: dict[str, dict] = {}
+    job = ""
+    if args.job == "llm":
+        from splitfed.llm import model_dir
+
+        model_dir("smollm2-135m")  # convert the GGUF once, before the clients race for it
+        job = LLM_JOB + " "
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.only or list(SETTINGS):
+            start = time.perf_counter()
+            out = Path(args.out or tmp) / name.replace(" ", "-").replace("+", "and")
+            results[name] = summarize(flwr_run(job + SETTINGS[name], out))
+            results[name]["seconds"] = time.perf_counter() - start
+            results[name]["run_config"] = SETTINGS[name]
+            sys.stdout.write(f"{name:<24} {json.dumps(results[name])}\n")
+            sys.stdout.flush()
+    base = results.get("none")
+    sys.stdout.write(f"\n{'setting':<24} {'MB/round':>9} {'ratio':>6} {'accuracy':>9}\n")
+    for name, r in results.items():
+        ratio = base["mb_per_round"] / r["mb_per_round"] if base else float("nan")
+        quality = r["perplexity_by_round"][-1] if args.job == "llm" else r["final_accuracy"]
+        sys.stdout.write(f"{name:<24} {r['mb_per_round']:9.2f} {ratio:6.2f} {quality:9.4f}\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
