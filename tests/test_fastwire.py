@@ -84,3 +84,43 @@ def test_negative_shapes_survive_the_wire_for_the_codec_to_refuse() -> None:
 def test_truncated_and_overlong_fields_are_codec_errors(data: bytes) -> None:
     with pytest.raises(CodecError):
         fastwire.parse(pb.ForwardRequest, data)
+
+
+@st.composite
+def compressed_tensors(draw) -> EncodedTensor:
+    from splitfed.codec import encode_packed
+    from splitfed.compression import CompressionSpec, compress
+
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
+    spec = CompressionSpec(draw(st.sampled_from(["int8", "topk"])), draw(st.floats(0.05, 1.0)),
+                           draw(st.integers(1, 50)))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    return encode_packed(draw(names), compress(torch.randn(shape), spec, dtype))
+
+
+@settings(max_examples=100, deadline=None)
+@given(items=st.lists(st.one_of(tensors(), compressed_tensors()), max_size=4))
+def test_compressed_tensors_are_read_by_protobuf_and_parsed_zero_copy(items) -> None:
+    header = pb.BackwardRequest(activation_id="a", reply_compression=pb.CompressionSpec(method=pb.TOPK,
+                                                                                         topk_ratio=0.5))
+    wire = fastwire.serialize(header, items)
+    msg = pb.BackwardRequest.FromString(wire)
+    assert msg.reply_compression.method == pb.TOPK
+
+    def fields(e: EncodedTensor) -> tuple:
+        c = e.compressed
+        return (e.name, int(e.dtype), tuple(e.shape), bytes(e.data)) + (
+            () if c is None else (int(c.method), int(c.dtype), c.block_size, c.count, bytes(c.scales),
+                                  bytes(c.indices)))
+
+    def proto_fields(t: pb.Tensor) -> tuple:
+        c = t.compressed
+        return (t.name, t.dtype, tuple(t.shape), t.data) + (
+            () if not t.HasField("compressed") else (c.method, c.dtype, c.block_size, c.count, c.scales, c.indices))
+
+    assert [proto_fields(t) for t in msg.tensors] == [fields(e) for e in items]
+    # fastwire reads what protobuf wrote, with the payloads as views of the received bytes.
+    parsed = fastwire.parse(pb.BackwardRequest, msg.SerializeToString())
+    assert [fields(e) for e in parsed.tensors] == [fields(e) for e in items]
+    assert all(isinstance(e.compressed.scales, memoryview) and isinstance(e.compressed.indices, memoryview)
+               for e in parsed.tensors if e.compressed is not None)
