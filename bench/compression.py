@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -93,6 +94,8 @@ def flwr_run(overrides: str, out: Path, supernodes: int = 4) -> dict:
     finally:
         _end_processes_of(str(home))
         _end_processes_of(ray_tmp)
+        shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def summarize(history: dict) -> dict[str, float]:
