@@ -163,7 +163,7 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, block_size: int, shap
     """``q * scale / 127`` per block, shaped ``shape`` in ``dtype`` (inputs as :func:`quantize_int8` gives)."""
     n = q.numel()
     full = n // block_size
-    out = torch.empty(n, dtype=torch.float32)
+    out = torch.empty(n, dtype=torch.float32, device=q.device)
     step = scales.float() / 127.0
     if full:
         torch.mul(q[:full * block_size].view(full, block_size), step[:full, None],
@@ -186,7 +186,7 @@ def topk_sparsify(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def densify(indices: torch.Tensor, values: torch.Tensor, shape: tuple[int, ...],
             dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Zeros of ``shape`` with ``values`` at the flat ``indices``."""
-    out = torch.zeros(math.prod(shape), dtype=dtype)
+    out = torch.zeros(math.prod(shape), dtype=dtype, device=values.device)
     out[indices.long()] = values.to(dtype)
     return out.view(shape)
 
