@@ -328,13 +328,14 @@ class _ClientFeedback:
 
     @property
     def nbytes(self) -> int:
-        return sum(r.numel() * r.element_size() for r in self.residuals.values())
+        held = sum(r.numel() * r.element_size() for r in self.residuals.values())
+        return held + int(getattr(self.last_reply, "wire_nbytes", 0))
 
 
 class FeedbackStore:
     """Error-feedback residuals of many clients (the trunk server's replies), bounded.
 
-    Holds at most ``max_clients`` clients and ``max_bytes`` of residuals (the
+    Holds at most ``max_clients`` clients and ``max_bytes`` of residuals and kept replies (the
     least recently used client goes first); a client idle for ``ttl_s`` is
     dropped, and :meth:`drop` forgets a client that leaves. Each client also
     keeps its last reply by request id, so that a retried request is answered
