@@ -35,6 +35,18 @@ def _value(samples, name: str, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def _scrape_until(port: int, name: str, **labels) -> dict[tuple[str, tuple], float]:
+    """Scrape until ``name{labels}`` is counted: an RPC is counted once its status has been sent."""
+    import time
+
+    deadline = time.monotonic() + 5
+    while True:
+        samples = _scrape(port)
+        if _value(samples, name, **labels) or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.05)
+
+
 def test_metrics_count_rpcs_bytes_and_steps_exactly(trunk_server) -> None:
     split = split_model(tiny_model("llama").train(), cuts=(1, 3))
     server = trunk_server(split.trunk, metrics_port=0)
@@ -113,3 +125,58 @@ def test_run_leaves_plots_and_history_and_report_redraws_them(tmp_path: Path, ca
     assert "train-loss" in table and len([ln for ln in table.splitlines() if ln.strip()[:1].isdigit()]) == 2
     for name in ("loss.png", "accuracy.png", "bytes.png", "seconds.png"):
         assert (redraw / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fault_metrics_count_exactly(trunk_server) -> None:
+    """Evictions, dropped members, retried requests, recomputed forwards, rejections, step waits, epsilon."""
+    import time
+
+    from splitfed.channel.server import CLIENT_ID_KEY
+    from splitfed.trunk.aggregation import make_aggregator
+    from splitfed.trunk.store import StoreLimits
+
+    split = split_model(tiny_model("llama").train(), cuts=(1, 3))
+    agg = make_aggregator("quorum", quorum=2, max_staleness=0, timeout=0.5)
+    server = trunk_server(split.trunk, metrics_port=0, aggregator=agg, store_limits=StoreLimits(ttl_s=2.0))
+    hidden = torch.randn(1, 3, 32)
+    a, b = (TrunkClient(server.address, insecure=True, client_id=c) for c in ("a", "b"))
+    # 1. "b" forwards and goes silent: "a"'s step waits for it, then drops it; its forward is evicted later.
+    b.forward(CutState(hidden), activation_id="b-lost", train=True)
+    act = uuid.uuid4().hex
+    out, _ = a.forward(CutState(hidden), activation_id=act, train=True)
+    assert a.backward(act, torch.ones_like(out)).outcome == "APPLIED"
+    # 2. "b" forwards on version 1 (and so rejoins) and goes silent again: "a"'s step waits for it, drops it
+    #    again and steps; b's late gradient is 1 stale with max-staleness 0, so it is rejected, and its
+    #    forward, rebased by the step, is recomputed for the input gradient.
+    b.forward(CutState(hidden), activation_id="b-stale", train=True)
+    act = uuid.uuid4().hex
+    out, _ = a.forward(CutState(hidden), activation_id=act, train=True)
+    assert a.backward(act, torch.ones_like(out)).outcome == "APPLIED"
+    assert b.backward("b-stale", torch.ones_like(out)).outcome == "REJECTED_STALE"
+    # 3. A request that arrives marked as a gRPC retry.
+    from splitfed.channel import split_channel_pb2 as pb
+    from splitfed.channel.wire import to_proto
+    from splitfed.codec import encode
+
+    req = pb.ForwardRequest(activation_id=uuid.uuid4().hex, train=False,
+                            tensors=[to_proto(encode("hidden", hidden, None))])
+    import grpc
+
+    with grpc.insecure_channel(server.address) as channel:
+        channel.unary_unary("/splitfed.v1.SplitChannel/Forward", request_serializer=pb.ForwardRequest.SerializeToString,
+                            response_deserializer=lambda raw: raw)(
+            req, metadata=[(CLIENT_ID_KEY, "a"), ("x-splitfed-retry", "1")], timeout=10)
+    server.metrics.set_epsilon(2.5)
+    deadline = time.monotonic() + 10
+    while server.runtime.store.evicted < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    s = _scrape_until(server.metrics_port, "splitfed_retried_requests_total", method="Forward")
+    assert _value(s, "splitfed_dropped_members_total") == 2
+    assert _value(s, "splitfed_evictions_total") == 1  # "b-lost", after its TTL
+    assert _value(s, "splitfed_retried_requests_total", method="Forward") == 1
+    assert _value(s, "splitfed_recomputed_forwards_total") == 1
+    assert _value(s, "splitfed_gradients_total", outcome="rejected-stale") == 1
+    assert _value(s, "splitfed_gradients_total", outcome="applied") == 2
+    assert _value(s, "splitfed_step_wait_seconds_count") == 2  # the rejected one never waited for a step
+    assert 0.8 <= _value(s, "splitfed_step_wait_seconds_sum") < 10  # both steps waited for the silent member
+    assert _value(s, "splitfed_dp_epsilon") == 2.5

@@ -122,9 +122,10 @@ class _MetricsInterceptor(grpc.aio.ServerInterceptor):
         method = details.method.rsplit("/", 1)[-1]
         metrics = self.metrics
         md = dict(details.invocation_metadata or ())
-        if md.get("grpc-previous-rpc-attempts"):
+        attempts = md.get("grpc-previous-rpc-attempts") or md.get("x-splitfed-retry")
+        if attempts not in (None, "", "0"):
             metrics.retries.labels(method).inc()
-            log.warning("retried request: %s (attempt %s)", method, int(md["grpc-previous-rpc-attempts"]) + 1)
+            log.warning("retried request: %s (previous attempts: %s)", method, attempts)
 
         def record(context: Any, start: float, outcome: str) -> None:
             code = context.code()
