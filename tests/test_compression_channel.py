@@ -7,6 +7,7 @@ and optimizer state do not change.
 
 from __future__ import annotations
 
+import copy
 import struct
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,11 +17,11 @@ import grpc
 import pytest
 import torch
 from conftest import tiny_model
-from test_channel import _assert_unchanged, _hidden, _serving, _stream, _trunk_snapshot, served  # noqa: F401
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel.client import RemoteTrunk, TrunkClient
-from splitfed.channel.server import CLIENT_ID_KEY, ChannelLimits, TrunkServer
+from splitfed.channel.server import CLIENT_ID_KEY, SERVICE_NAME, ChannelLimits, TrunkServer
 from splitfed.channel.split_channel_pb2_grpc import SplitChannelStub
 from splitfed.channel.wire import to_proto
 from splitfed.codec import encode
@@ -28,11 +29,62 @@ from splitfed.compression import CompressionSpec, WireCompression
 from splitfed.data import batches, mnist
 from splitfed.models import mnist_cnn
 from splitfed.split import CutState, SplitModel, split_model
+from splitfed.trunk.aggregation import AsyncAggregator
+from splitfed.trunk.store import StoreLimits
 
 C = grpc.StatusCode
 HIDDEN = 32
 INT8 = CompressionSpec("int8", block_size=32)
 TOPK = CompressionSpec("topk", topk_ratio=0.1)
+
+
+def _hidden(b: int = 2, t: int = 5) -> torch.Tensor:
+    return torch.randn(b, t, HIDDEN)
+
+
+@pytest.fixture
+def served(trunk_server):
+    """A llama trunk (AdamW, async) served with small limits; yields (server, stub, call, channel)."""
+    split = split_model(tiny_model("llama").train(), cuts=(1, 3))
+    limits = ChannelLimits(max_message_bytes=1 << 20, stream_threshold_bytes=512 << 10, chunk_bytes=64 << 10,
+                           max_tensor_bytes=8 << 20)
+    server = trunk_server(split.trunk, optimizer="adamw", lr=0.01, limits=limits,
+                          aggregator=AsyncAggregator(max_staleness=4), store_limits=StoreLimits(max_per_client=4))
+    channel = grpc.insecure_channel(server.address, options=limits.grpc_options())
+    stub = SplitChannelStub(channel)
+
+    def call(method: str, request: object, client: str = "alice") -> object:
+        return getattr(stub, method)(request, metadata=[(CLIENT_ID_KEY, client)], timeout=20)
+
+    yield server, stub, call, channel
+    channel.close()
+
+
+def _trunk_snapshot(server) -> tuple[dict, dict, int]:
+    rt = server.runtime
+    return copy.deepcopy(rt.trunk.state_dict()), copy.deepcopy(rt.optimizer.state_dict()), rt.version
+
+
+def _assert_unchanged(server, snap) -> None:
+    weights, opt, version = snap
+    now = server.runtime.trunk.state_dict()
+    assert all(torch.equal(weights[k], now[k]) for k in weights)
+    state = server.runtime.optimizer.state_dict()["state"]
+    assert state.keys() == opt["state"].keys()
+    for key, value in opt["state"].items():
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(state[key][n])) for n, v in value.items())
+    assert server.runtime.version == version
+
+
+def _serving(channel: grpc.Channel) -> bool:
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                                                      timeout=5)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _stream(stub, header: pb.ForwardRequest, chunks: list[tuple[int, bytes]]) -> None:
+    frames = [pb.Frame(forward_request=header)] + [pb.Frame(chunk=pb.Chunk(offset=o, data=d)) for o, d in chunks]
+    list(stub.ForwardStream(iter(frames), metadata=[(CLIENT_ID_KEY, "alice")], timeout=20))
 
 
 # -- training -------------------------------------------------------------------------------------
@@ -236,7 +288,7 @@ def test_compressed_catalogue_ids_are_unique() -> None:
 
 
 @pytest.mark.parametrize("name, fragment, action", CASES, ids=[c[0] for c in CASES])
-def test_malformed_compressed_input_is_refused_and_changes_nothing(served, name, fragment, action) -> None:  # noqa: F811
+def test_malformed_compressed_input_is_refused_and_changes_nothing(served, name, fragment, action) -> None:
     server, stub, call, channel = served
     snap = _trunk_snapshot(server)
     with pytest.raises(grpc.RpcError) as info:
@@ -254,3 +306,22 @@ def test_malformed_compressed_input_is_refused_and_changes_nothing(served, name,
     reply = client.backward(act, torch.ones_like(out))
     assert reply.outcome == "APPLIED" and server.runtime.version == snap[2] + 1
     client.close()
+
+
+# -- through the Flower apps ------------------------------------------------------------------------------
+def test_run_config_compresses_the_apps_traffic(tmp_path) -> None:
+    import json
+
+    from flower_harness import run_apps
+
+    sent = {}
+    for wire in ("none", "int8"):
+        _, out = run_apps(tmp_path / wire, num_nodes=2, concurrency=2, num_server_rounds=1, local_steps=4,
+                          eval_batches=2, wire_compression=wire, trunk_mode="async")
+        history = json.loads((out / "history.json").read_text())["rounds"][0]
+        assert history["train"]["train-steps"] == 2 * 4
+        sent[wire] = {k: history[kind][k] for kind in ("train", "evaluate")
+                      for k in (f"{kind[:5] if kind == 'train' else 'eval'}-bytes-sent",
+                                f"{kind[:5] if kind == 'train' else 'eval'}-bytes-received")}
+    for key, value in sent["none"].items():
+        assert value / sent["int8"][key] >= 3.5, key
