@@ -203,3 +203,68 @@ def test_forwards_dropped_without_backward_free_their_activations() -> None:
     rt.forget("c", "a0")
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+class LoseStreamReplies(grpc.aio.ServerInterceptor):
+    """Fault injection for streamed calls: the first attempt runs in full, then its reply is lost."""
+
+    def __init__(self) -> None:
+        self.injected = 0
+        self.retries_seen = 0
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not details.method.endswith(("/ForwardStream", "/BackwardStream")):
+            return handler
+        inner = handler.stream_stream
+
+        async def behavior(requests, context):
+            md = dict(context.invocation_metadata())
+            if md.get("x-splitfed-retry", "0") != "0" or "grpc-previous-rpc-attempts" in md:
+                self.retries_seen += 1
+                async for reply in inner(requests, context):
+                    yield reply
+                return
+            self.injected += 1
+            async for _ in inner(requests, context):
+                pass
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "injected fault: reply lost")
+
+        return grpc.stream_stream_rpc_method_handler(behavior, request_deserializer=handler.request_deserializer,
+                                                     response_serializer=handler.response_serializer)
+
+
+def _train_streamed(trunk_server, interceptors, steps: int = 3):
+    from splitfed.channel.server import ChannelLimits
+
+    model = tiny_model("gpt2").train()
+    split = split_model(model, cuts=(1, 3))
+    limits = ChannelLimits(max_message_bytes=256 << 10, stream_threshold_bytes=64 << 10, chunk_bytes=16 << 10)
+    server = trunk_server(split.trunk, optimizer="adamw", lr=0.01, limits=limits, interceptors=interceptors,
+                          metrics_port=0)
+    remote = RemoteTrunk(server.address, insecure=True, limits=limits, retry=RetryPolicy(initial_backoff_s=0.05))
+    client = SplitModel(split.bottom, remote, split.top, task="causal-lm")
+    opt = torch.optim.AdamW(split.client_modules().parameters(), lr=0.01)
+    ids, mask, labels = batch_for("gpt2", batch=10, length=64)  # 10 x 64 x 32 fp32 = 80 KiB: streamed both ways
+    for _ in range(steps):
+        client(ids, attention_mask=mask, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, server
+
+
+def test_streamed_calls_are_used_above_the_unary_limit_and_retried_exactly_once(trunk_server) -> None:
+    import urllib.request
+
+    clean, clean_server = _train_streamed(trunk_server, [])
+    faults = LoseStreamReplies()
+    faulty, faulty_server = _train_streamed(trunk_server, [faults])
+    assert faults.injected == faults.retries_seen == 6  # every ForwardStream and BackwardStream, once each
+    assert faulty_server.runtime.version == clean_server.runtime.version == 3
+    assert faulty_server.runtime.stats["forwards"] == clean_server.runtime.stats["forwards"] == 3
+    for (name, a), b in zip(clean.state_dict().items(), faulty.state_dict().values()):
+        assert torch.equal(a, b), name
+    body = urllib.request.urlopen(f"http://127.0.0.1:{clean_server.metrics_port}/metrics").read().decode()
+    assert 'splitfed_rpc_total{code="OK",method="ForwardStream"} 3.0' in body
+    assert 'splitfed_rpc_total{code="OK",method="BackwardStream"} 3.0' in body
+    assert 'splitfed_rpc_total{code="OK",method="Forward"} 0.0' in body

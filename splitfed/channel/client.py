@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from torch import nn
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel import split_channel_pb2_grpc as pb_grpc
-from splitfed.channel.server import CLIENT_ID_KEY, SERVICE_NAME, ChannelLimits
+from splitfed.channel.limits import CLIENT_ID_KEY, SERVICE_NAME, ChannelLimits
 from splitfed.channel.wire import (
     assemble,
     decode_single,
@@ -196,13 +197,34 @@ class TrunkClient:
 
     def _stream_call(self, name: str, fn: Callable[..., Iterator[pb.Frame]], header: pb.Frame, field: str,
                      encs: list[EncodedTensor], reply_field: str, extra: Sequence[tuple[str, str]] = ()) -> Any:
-        request = frames(header, field, encs, self.limits.chunk_bytes)
-        replies = self._invoke(name, fn, request, extra)
-        try:
-            return assemble(replies, reply_field, self.limits.max_tensor_bytes)
-        except grpc.RpcError as exc:
-            raise ChannelError(f"{name} to trunk server {self.address} failed with {exc.code().name}: "
-                               f"{exc.details()}", code=exc.code().name) from None
+        """A streamed call, retried like unary ones (gRPC's own retries cannot replay a long request stream).
+
+        Retries carry ``x-splitfed-retry`` so that the server answers them from
+        what the first attempt left (a saved forward, a remembered backward):
+        a retried gradient is never applied twice.
+        """
+        policy = self.retry
+        attempt, delay = 0, policy.initial_backoff_s
+        deadline = time.monotonic() + policy.timeout_s
+        while True:
+            marker = [("x-splitfed-retry", str(attempt))] if attempt else []
+            try:
+                replies = self._invoke(name, fn, frames(header, field, encs, self.limits.chunk_bytes),
+                                       list(extra) + marker)
+                return assemble(replies, reply_field, self.limits.max_tensor_bytes)
+            except grpc.RpcError as exc:
+                error = ChannelError(f"{name} to trunk server {self.address} failed with {exc.code().name}: "
+                                     f"{exc.details()}", code=exc.code().name)
+            except ChannelError as exc:
+                error = exc
+            attempt += 1
+            if (error.code not in policy.retryable_codes or attempt >= max(policy.max_attempts, 1)
+                    or time.monotonic() + delay > deadline):
+                raise error from None
+            log.warning("%s failed with %s; retrying in %.2fs (attempt %d of %d)", name, error.code, delay,
+                        attempt + 1, policy.max_attempts)
+            time.sleep(delay)
+            delay = min(delay * policy.backoff_multiplier, policy.max_backoff_s)
 
     # -- RPCs ----------------------------------------------------------------------
     def info(self) -> pb.InfoReply:
