@@ -1,9 +1,9 @@
 """What zero-configuration TLS costs: ``python -m bench.tls [--reps N] [--json FILE]``.
 
 Issues ephemeral CAs and server certificates (what the ServerApp does once per start), then sends
-activations of 16 KiB, 1 MiB and 16 MiB through two trunk servers on loopback, one in plaintext and one
-over TLS pinned to the issued CA, alternating, and prints the median forward round trip of each (evaluation forwards through an
-identity trunk, so only the channel is measured).
+activations of 16 KiB, 1 MiB and 16 MiB through two trunk servers on loopback, one in plaintext and one over
+TLS pinned to the issued CA, alternating, and prints the median forward round trip of each (evaluation
+forwards through an identity trunk, so only the channel is measured).
 """
 
 from __future__ import annotations
@@ -20,7 +20,11 @@ from torch import nn
 from splitfed.channel.autotls import issue, san_hosts
 from splitfed.channel.client import TrunkClient
 from splitfed.channel.server import TrunkServer
-from splitfed.channel.transport import ServerTransport, TransportMode, client_credentials
+from splitfed.channel.transport import (
+    ServerTransport,
+    TransportMode,
+    client_credentials,
+)
 from splitfed.split import CutState
 
 SIZES = (16 << 10, 1 << 20, 16 << 20)

@@ -13,11 +13,19 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_e2e_flwr import BIN, RAY_START_FLAKE, ROOT, _env, _free_port, _run_id, _status, flwr_home  # noqa: F401
+from test_e2e_flwr import (  # noqa: F401  (flwr_home is a fixture)
+    BIN,
+    RAY_START_FLAKE,
+    ROOT,
+    _env,
+    _free_port,
+    _run_id,
+    _status,
+    flwr_home,
+)
 
 from splitfed.channel.autotls import issue
 from splitfed.channel.transport import CA_FILE
-
 
 #: Ray failing to start on a loaded 2-core machine (says nothing about splitfed): the run is retried once.
 RAY_FLAKES = (RAY_START_FLAKE, "Timed out waiting for file")

@@ -24,7 +24,14 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from splitfed.channel.autotls import WILDCARD_HOSTS, IssuedTLS, is_loopback, issue, normalize_host, san_hosts
+from splitfed.channel.autotls import (
+    WILDCARD_HOSTS,
+    IssuedTLS,
+    is_loopback,
+    issue,
+    normalize_host,
+    san_hosts,
+)
 from splitfed.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -86,9 +93,9 @@ def choose_mode(bind: str, *, advertise: str = "", insecure: bool = False, allow
         where = advertise if advertise and not is_loopback(host_of(advertise)) else bind
         raise ConfigError(
             f"trunk-insecure = true would send activations, gradients and tokens in plaintext to {where!r}, "
-            "which is not a loopback address. To get TLS, set trunk-insecure = false (the default; the trunk then issues its own "
-            "certificate and every client pins it; no files needed), or set tls-cert and tls-key to use yours. "
-            "To insist on plaintext, also set trunk-allow-plaintext-remote = true")
+            "which is not a loopback address. To get TLS, set trunk-insecure = false (the default; the trunk then "
+            "issues its own certificate and every client pins it; no files needed), or set tls-cert and tls-key to "
+            "use yours. To insist on plaintext, also set trunk-allow-plaintext-remote = true")
     if insecure or not remote:
         return TransportMode.PLAINTEXT
     return TransportMode.AUTO_TLS
