@@ -3,9 +3,11 @@ transport policy that chooses plaintext, the operator's TLS or the ephemeral one
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -196,17 +198,30 @@ def test_addresses() -> None:
     assert advertised_host("0.0.0.0", "trunk.example.org:5") == "trunk.example.org"
 
 
-def test_plaintext_off_loopback_warns_every_round(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="splitfed.channel.transport"):
+@contextlib.contextmanager
+def transport_warnings() -> Iterator[list[str]]:
+    """Messages of the transport's warnings (listened to on its own logger: the apps' logging set-up stops
+    propagation at the ``splitfed`` logger, so pytest's caplog may not see them)."""
+    messages: list[str] = []
+    listener = logging.Handler(logging.WARNING)
+    listener.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("splitfed.channel.transport")
+    logger.addHandler(listener)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(listener)
+
+
+def test_plaintext_off_loopback_warns_every_round() -> None:
+    with transport_warnings() as warned:
         transport = ServerTransport.from_settings("0.0.0.0", insecure=True, allow_plaintext_remote=True)
     assert transport.insecure and transport.credentials() is None and transport.ca_pem is None
-    assert len(caplog.records) == 1 and "PLAINTEXT on 0.0.0.0" in caplog.records[0].message  # at start
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="splitfed.channel.transport"):
+    assert len(warned) == 1 and "PLAINTEXT on 0.0.0.0" in warned[0]  # at start
+    with transport_warnings() as warned:
         for server_round in (1, 1, 1, 2, 3):  # one call per node
             transport.round_notice(server_round)
-    assert [r.message.split(":")[0] for r in caplog.records] == ["round 1", "round 2", "round 3"]
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="splitfed.channel.transport"):
+    assert [m.split(":")[0] for m in warned] == ["round 1", "round 2", "round 3"]
+    with transport_warnings() as warned:
         ServerTransport.from_settings("127.0.0.1", insecure=True).round_notice(1)
-    assert not caplog.records
+    assert not warned

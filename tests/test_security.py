@@ -176,10 +176,9 @@ def test_apps_off_loopback_serve_zero_config_tls_and_reissue_it_on_resume(tmp_pa
     assert [r["round"] for r in history["rounds"]] == [1, 2] and history["rounds"][1]["train"]["train-steps"] == 6
 
 
-def test_apps_refuse_plaintext_off_loopback_unless_asked_twice(tmp_path: Path, caplog) -> None:
-    import logging
-
+def test_apps_refuse_plaintext_off_loopback_unless_asked_twice(tmp_path: Path) -> None:
     from flower_harness import run_apps
+    from test_autotls import transport_warnings
 
     from splitfed.channel.transport import CA_FILE
     from splitfed.errors import ConfigError
@@ -189,11 +188,11 @@ def test_apps_refuse_plaintext_off_loopback_unless_asked_twice(tmp_path: Path, c
                  trunk_insecure=True)
     assert "trunk-insecure = false" in str(info.value) and "trunk-allow-plaintext-remote = true" in str(info.value)
     assert not (tmp_path / "outputs" / "history.json").exists()
-    with caplog.at_level(logging.WARNING):
+    with transport_warnings() as messages:
         grid, out = run_apps(tmp_path, num_nodes=2, num_server_rounds=2, local_steps=2, trunk_bind="0.0.0.0",
                              trunk_insecure=True, trunk_allow_plaintext_remote=True)
     assert all("trunk-ca" not in r for r in _trunk_records(grid)) and not (out / CA_FILE).exists()
-    warned = [r.getMessage() for r in caplog.records if "PLAINTEXT on a non-loopback" in r.getMessage()]
+    warned = [m for m in messages if "PLAINTEXT on a non-loopback" in m]
     assert [m.split(":")[0] for m in warned] == ["round 1", "round 2"]
     # On loopback the default stays plaintext and certificate-free (the simulation).
     grid, out = run_apps(tmp_path, num_nodes=2, num_server_rounds=1, local_steps=2)
@@ -202,7 +201,11 @@ def test_apps_refuse_plaintext_off_loopback_unless_asked_twice(tmp_path: Path, c
 
 def test_a_client_pinning_another_ca_is_refused(trunk_server) -> None:
     from splitfed.channel.autotls import issue
-    from splitfed.channel.transport import ServerTransport, TransportMode, client_credentials
+    from splitfed.channel.transport import (
+        ServerTransport,
+        TransportMode,
+        client_credentials,
+    )
 
     transport = ServerTransport(TransportMode.AUTO_TLS, bind="127.0.0.1", issued=issue(["127.0.0.1"]))
     server = trunk_server(_trunk(), insecure=False, credentials=transport.credentials())
