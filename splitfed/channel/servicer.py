@@ -260,8 +260,9 @@ class SplitChannelServicer:
         except SplitFedError:  # a refused gradient: the step must not wait for this client
             await self._refused(client)
             raise
+        grad_in = await asyncio.wrap_future(pending.grad_in)  # a batch's backward may wait for its members
         result = await asyncio.wrap_future(pending.result)  # the sync barrier or quorum: no thread held
-        encs = [self.replies.encode(client, req.activation_id, "grad", pending.grad_in, reply_dtype, spec)]
+        encs = [self.replies.encode(client, req.activation_id, "grad", grad_in, reply_dtype, spec)]
         self._count("sent", encs)
         reply = pb.BackwardReply(activation_id=req.activation_id, trunk_version=result.version,
                                  outcome=_OUTCOME[result.outcome], staleness=result.staleness)

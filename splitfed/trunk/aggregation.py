@@ -65,7 +65,7 @@ class _Bucket:
 
     @property
     def clients(self) -> set[str]:
-        return {i.contribution.client_id for i in self.items}
+        return {client for i in self.items for client in i.contribution.clients}
 
 
 ApplyUpdate = Callable[[Grads], None]
@@ -188,7 +188,8 @@ class TrunkAggregator:
             raise RuntimeError("aggregator is not bound to a trunk; call bind() first")
         with self._lock:
             now = self.clock()
-            self._members[c.client_id] = now
+            for client in c.clients:
+                self._members[client] = now
             staleness = max(self.version - c.version_seen, 0)
             self._observe("staleness", staleness)
             if c.grads is not None and staleness and self.staleness_weight(staleness) is None:
@@ -262,8 +263,9 @@ class TrunkAggregator:
         self._bucket = _Bucket()
         now, version = self.clock(), self.version
         for item in bucket.items:  # waiting for a step is a sign of life
-            if item.contribution.client_id in self._members:
-                self._members[item.contribution.client_id] = now
+            for client in item.contribution.clients:
+                if client in self._members:
+                    self._members[client] = now
         decided: list[tuple[_Item, Result | None]] = []
         applied: list[Contribution] = []
         for item in bucket.items:

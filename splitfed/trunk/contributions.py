@@ -35,6 +35,13 @@ class Contribution:
     grads: Grads | None
     num_examples: int = 1
     weight: float = 1.0
+    #: Every client this gradient stands for (a batched backward sums several); empty means ``client_id`` alone.
+    members: tuple[str, ...] = ()
+
+    @property
+    def clients(self) -> tuple[str, ...]:
+        """The clients that answered the step with this gradient."""
+        return self.members or (self.client_id,)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -43,11 +43,14 @@ from splitfed.errors import (
 )
 from splitfed.split.base import CutState
 from splitfed.trunk.aggregation import Contribution, Grads, Outcome, Result, SyncAggregator, TrunkAggregator
+from splitfed.trunk.batched import Batcher
 from splitfed.trunk.guard import GradientGuard
 from splitfed.trunk.recompute import SavedBytes, busy_on_oom, rng_devices, rng_state, set_rng_state
 from splitfed.trunk.store import DoneBackward, ForwardStore, SavedForward, StoreLimits
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -60,10 +63,17 @@ class BackwardResult:
 
 @dataclass(frozen=True)
 class PendingBackward:
-    """A computed Backward: the input gradient now, the step's outcome when the mode decides it."""
+    """A Backward taken: its input gradient (at once, or when its batch's backward ran) and the step's outcome."""
 
-    grad_in: torch.Tensor
+    grad_in: Future[torch.Tensor]
     result: Future[Result]
+
+
+def resolved(value: Any) -> Future[Any]:
+    """A future that already holds ``value``."""
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future
 
 
 #: Checks a Backward's reply before anything is consumed: called with the input's shape.
@@ -120,6 +130,7 @@ class TrunkRuntime:
         self._trainable = [p for p in trunk.parameters() if p.requires_grad]
         self._lock = threading.RLock()
         self._version = 0
+        self._batches = Batcher(self)
         self.aggregator.bind(self._apply_update, lambda: self._version)
         self.stats: dict[str, int] = {"forwards": 0, "backwards": 0, "rebased": 0, "recomputed": 0}
 
@@ -151,6 +162,17 @@ class TrunkRuntime:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
+    def check_input(self, state: CutState) -> None:
+        """Refuse a state the trunk cannot take (not floating, wrong rank or width) with :class:`TensorValueError`."""
+        if not state.hidden.is_floating_point():
+            raise TensorValueError(f"hidden must be a floating tensor, got {state.hidden.dtype}")
+        check = getattr(self.trunk, "check_input", None)
+        if check is not None:
+            try:
+                check(state)
+            except ValueError as exc:
+                raise TensorValueError(str(exc)) from None
+
     def _prepare(self, state: CutState, train: bool) -> tuple[CutState, torch.Tensor | None]:
         """Move the input to the trunk's device and dtype.
 
@@ -158,16 +180,8 @@ class TrunkRuntime:
         gradient goes back to the client. When training, the trunk gets a copy
         (a non-leaf) so that in-place first layers work as in the unsplit model.
         """
-        hidden = state.hidden
-        if not hidden.is_floating_point():
-            raise TensorValueError(f"hidden must be a floating tensor, got {hidden.dtype}")
-        check = getattr(self.trunk, "check_input", None)
-        if check is not None:
-            try:
-                check(state)
-            except ValueError as exc:
-                raise TensorValueError(str(exc)) from None
-        hidden = hidden.to(self.device, self.dtype)
+        self.check_input(state)
+        hidden = state.hidden.to(self.device, self.dtype)
         leaf = None
         if train:
             leaf = hidden.detach().requires_grad_(True)
@@ -225,18 +239,19 @@ class TrunkRuntime:
                             retry=r.retry)
 
     def can_batch(self, request: ForwardRequest) -> bool:
-        """Whether ``request`` may be batched with other clients' forwards."""
-        return False
+        """Whether ``request`` may share a trunk call with other clients' forwards.
+
+        Evaluation forwards always may. Training forwards may in ``sync`` mode,
+        where the batch's backward runs once for the whole step; in ``async``
+        and ``quorum`` modes each client's gradient is applied on its own
+        schedule, so their training forwards run one by one.
+        """
+        return self._batches.can_batch(request)
 
     def forward_many(self, requests: list[ForwardRequest]) -> list[tuple[torch.Tensor, int] | BaseException]:
-        """Forwards of several clients; each entry is the result or the error of its request."""
-        out: list[tuple[torch.Tensor, int] | BaseException] = []
-        for request in requests:
-            try:
-                out.append(self.forward_request(request))
-            except Exception as exc:  # noqa: BLE001 - each caller gets its own error
-                out.append(exc)
-        return out
+        """Forwards of several clients, batched where they can be; each entry is its request's result or
+        error."""
+        return self._batches.forward_many(requests)
 
     # -- backward ------------------------------------------------------------
     def start_backward(self, client_id: str, activation_id: str, grad: torch.Tensor, *, retry: bool = False,
@@ -265,27 +280,39 @@ class TrunkRuntime:
             if reply_check is not None:
                 reply_check(tuple(entry.inputs.hidden.shape))
             self.store.pop(activation_id)
-            try:
-                grads = self._gradients(entry, grad.to(self.device, entry.out_value.dtype))
-            except RuntimeError as exc:  # out of memory included: the graph is spent, so no retry of this one
-                raise TrunkStepError(f"the backward of {activation_id} failed on the server: {exc}; run the "
-                                     "forward again") from None
-            self.stats["backwards"] += 1
-            grad_in, trunk_grads = grads[0], list(grads[1:])
-            assert grad_in is not None
-        result = self._submit(client_id, entry, trunk_grads)
+            if entry.group is not None:
+                pending, complete = self._batches.receive(entry, grad)
+            else:
+                try:
+                    grads = self._gradients(entry, grad.to(self.device, entry.out_value.dtype))
+                except RuntimeError as exc:  # out of memory included: the graph is spent, so no retry of this one
+                    raise TrunkStepError(f"the backward of {activation_id} failed on the server: {exc}; run the "
+                                         "forward again") from None
+                self.stats["backwards"] += 1
+                grad_in, trunk_grads = grads[0], list(grads[1:])
+                assert grad_in is not None
+        if entry.group is not None:
+            self.aggregator.join(client_id)  # a gradient is a sign of life
+            if complete is not None:
+                self._batches.finish(complete)
+            return pending
+        result = self._submit(client_id, entry.version, trunk_grads, entry.num_examples)
+        pending = PendingBackward(resolved(grad_in), result)
         with self._lock:
-            self.store.remember(activation_id, DoneBackward(client_id, grad_in, result))
-        return PendingBackward(grad_in, result)
+            self.store.remember(activation_id, DoneBackward(client_id, pending.grad_in, result,
+                                                            grad_in.numel() * grad_in.element_size()))
+        return pending
 
     def backward(self, client_id: str, activation_id: str, grad: torch.Tensor, *,
                  retry: bool = False) -> BackwardResult:
-        """Blocking :meth:`start_backward`: waits for the step's outcome (firing timeouts itself)."""
+        """Blocking :meth:`start_backward`: waits for the input gradient and the step's outcome (firing
+        timeouts itself)."""
         pending = self.start_backward(client_id, activation_id, grad, retry=retry)
-        return BackwardResult(pending.grad_in, self.wait(pending.result))
+        grad_in = self.wait(pending.grad_in)
+        return BackwardResult(grad_in, self.wait(pending.result))
 
-    def wait(self, result: Future[Result]) -> Result:
-        """Wait for a step's outcome, polling at each deadline (for callers without a scheduler)."""
+    def wait(self, result: Future[T]) -> T:
+        """Wait for a future of this runtime, polling at each deadline (for callers without a scheduler)."""
         while True:
             deadline = self.deadline()
             remaining = self.aggregator.timeout if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -323,16 +350,16 @@ class TrunkRuntime:
             grads = (torch.zeros_like(entry.inputs.hidden),) + grads[1:]
         return grads
 
-    def _submit(self, client_id: str, entry: SavedForward, trunk_grads: Grads) -> Future[Result]:
+    def _submit(self, client_id: str, version: int, trunk_grads: Grads, num_examples: int,
+                members: tuple[str, ...] = ()) -> Future[Result]:
         if not self.trains:
-            done: Future[Result] = Future()
-            done.set_result(Result(Outcome.NOT_TRAINED, self._version, 0, 0.0))
-            return done
+            return resolved(Result(Outcome.NOT_TRAINED, self._version, 0, 0.0))
         refused = self.guard.check(trunk_grads)
         if refused is not None:
-            log.warning("gradient guard refused client %s's gradient: %s", client_id, refused)
+            log.warning("gradient guard refused client %s's gradient: %s", ", ".join(members or (client_id,)),
+                        refused)
             trunk_grads = None  # type: ignore[assignment]
-        return self.aggregator.offer(Contribution(client_id, entry.version, trunk_grads, entry.num_examples))
+        return self.aggregator.offer(Contribution(client_id, version, trunk_grads, num_examples, members=members))
 
     # -- optimizer step --------------------------------------------------------
     def _apply_update(self, update: Grads) -> None:
@@ -350,6 +377,7 @@ class TrunkRuntime:
 
     def _rebase_pending(self) -> None:
         """Give forwards still waiting for their backward the weights they saw (before this step)."""
+        self._batches.abandon_all("the trunk stepped before the batch's backward ran")
         pending = [e for e in self.store.entries() if e.output is not None]
         if not pending:
             return
@@ -402,7 +430,9 @@ class TrunkRuntime:
 
     def poll(self) -> None:
         """Drop silent members, closing a bucket they held up (their saved forwards wait for their TTL:
-        a slow client's late backward still gets its input gradient)."""
+        a slow client's late backward still gets its input gradient), and run the backward of batches
+        whose missing members were dropped."""
         self.aggregator.poll()
+        self._batches.poll()
 
 

@@ -102,7 +102,7 @@ class TrunkScheduler:
 
     def forward(self, request: ForwardRequest) -> Future[tuple[Any, int]]:
         """A forward, batched with others within the window when the runtime can."""
-        batchable = request.train and self.batch_window_s > 0 and self.runtime.can_batch(request)
+        batchable = self.batch_window_s > 0 and self.runtime.can_batch(request)
         if not batchable:
             return self.call(lambda: self.runtime.forward_request(request))
         return self._put(_Task(None, Future(), forward=request, tokens=request.tokens))

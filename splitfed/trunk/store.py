@@ -71,6 +71,8 @@ class SavedForward:
     rng_state: Any
     created: float = field(default_factory=time.monotonic)
     frozen: FrozenWeights | None = None
+    group: Any = None  # the ForwardGroup of a batched forward, and this client's index in it
+    index: int = 0
 
     @property
     def frozen_params(self) -> list[torch.Tensor] | None:
@@ -80,17 +82,13 @@ class SavedForward:
 
 @dataclass
 class DoneBackward:
-    """A completed Backward, kept briefly so that a retried request gets the same answer."""
+    """A Backward already taken, kept briefly so that a retried request gets the same answer."""
 
     client_id: str
-    grad_in: torch.Tensor
+    grad_in: Any  # a Future of the input gradient
     result: Any  # a Future of the aggregator's Result
+    nbytes: int  # what the input gradient holds
     finished: float = field(default_factory=time.monotonic)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes this answer holds."""
-        return self.grad_in.numel() * self.grad_in.element_size()
 
 
 class ForwardStore:

@@ -1,0 +1,233 @@
+"""The trunk runtime's batched forwards and the one backward of each batch (see :mod:`splitfed.trunk.batching`).
+
+Runs under the runtime's lock, on its trunk, with its store and aggregator: it
+is a part of :class:`~splitfed.trunk.runtime.TrunkRuntime` kept in its own
+module.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from splitfed.errors import DuplicateActivationError, TrunkStepError
+from splitfed.trunk.batching import ForwardGroup, batch_key, pack
+from splitfed.trunk.recompute import SavedBytes, busy_on_oom
+from splitfed.trunk.store import DoneBackward, SavedForward
+
+if TYPE_CHECKING:
+    from splitfed.trunk.runtime import ForwardRequest, PendingBackward, TrunkRuntime
+
+log = logging.getLogger(__name__)
+
+Outcome = tuple[torch.Tensor, int] | BaseException
+
+
+class Batcher:
+    """Batched forwards of one runtime, and the groups of batched training forwards awaiting gradients."""
+
+    def __init__(self, runtime: TrunkRuntime) -> None:
+        self.rt = runtime
+        self.groups: list[ForwardGroup] = []
+        self.stats: dict[str, int] = {"batched-calls": 0, "batched-forwards": 0, "group-backwards": 0}
+
+    # -- forwards -------------------------------------------------------------------------------------
+    def can_batch(self, request: ForwardRequest) -> bool:
+        """Whether ``request`` may share a trunk call (see :meth:`TrunkRuntime.can_batch`)."""
+        if request.retry or batch_key(request.state) is None:
+            return False
+        return not request.train or (self.rt.trains and self.rt.aggregator.mode == "sync")
+
+    def forward_many(self, requests: list[ForwardRequest]) -> list[Outcome]:
+        """Run compatible requests together, the rest one by one; results in request order."""
+        out: list[Outcome | None] = [None] * len(requests)
+        buckets: dict[Any, list[int]] = defaultdict(list)
+        for i, r in enumerate(requests):
+            if self.can_batch(r):
+                buckets[(r.train, batch_key(r.state))].append(i)
+            else:
+                out[i] = self._single(r)
+        for indices in buckets.values():
+            if len(indices) == 1:
+                out[indices[0]] = self._single(requests[indices[0]])
+                continue
+            for i, result in zip(indices, self._batch([requests[i] for i in indices])):
+                out[i] = result
+        return out  # type: ignore[return-value]
+
+    def _single(self, request: ForwardRequest) -> Outcome:
+        try:
+            return self.rt.forward_request(request)
+        except Exception as exc:  # noqa: BLE001 - each caller gets its own error
+            return exc
+
+    def _batch(self, requests: list[ForwardRequest]) -> list[Outcome]:
+        rt = self.rt
+        out: list[Outcome | None] = [None] * len(requests)
+        train = requests[0].train
+        with rt._lock:
+            ok: list[int] = []
+            for i, r in enumerate(requests):
+                try:
+                    if train:
+                        if rt.store.find(r.activation_id) is not None or rt.store.done(r.activation_id) is not None \
+                                or any(requests[j].activation_id == r.activation_id for j in ok):
+                            raise DuplicateActivationError(f"activation id {r.activation_id!r} is already in use; "
+                                                           "use a fresh id per forward")
+                        rt.store.admit(r.client_id, 2 * r.state.hidden.numel() * r.state.hidden.element_size())
+                    rt.check_input(r.state)  # the same checks as alone (shape, dtype)
+                    ok.append(i)
+                except Exception as exc:  # noqa: BLE001 - that request's own error
+                    out[i] = exc
+            if len(ok) >= 2:
+                chosen = [requests[i] for i in ok]
+                packed = pack([r.state for r in chosen])
+                try:
+                    results = self._run(chosen, packed) if train else self._evaluate(packed)
+                except Exception as exc:  # noqa: BLE001 - every request of the batch gets it
+                    results = [exc] * len(chosen)
+                for i, result in zip(ok, results):
+                    out[i] = result
+        if len(ok) < 2:
+            for i in ok:
+                out[i] = self._single(requests[i])
+            return out  # type: ignore[return-value]
+        if train:
+            for r, result in zip(chosen, results):
+                if not isinstance(result, BaseException):
+                    rt.aggregator.join(r.client_id)  # outside the runtime lock, as alone
+        return out  # type: ignore[return-value]
+
+    def _count(self, n: int) -> None:
+        self.rt.stats["forwards"] += n
+        self.stats["batched-calls"] += 1
+        self.stats["batched-forwards"] += n
+
+    def _evaluate(self, packed: Any) -> list[Outcome]:
+        rt = self.rt
+        inputs, _ = rt._prepare(packed.state, train=False)
+        with torch.no_grad(), rt._autocast(), busy_on_oom("forward"):
+            out = rt.trunk(inputs).hidden
+        self._count(len(packed.rows))
+        return [(packed.part(out, i), rt.version) for i in range(len(packed.rows))]
+
+    def _run(self, requests: list[ForwardRequest], packed: Any) -> list[Outcome]:
+        rt = self.rt
+        inputs, leaf = rt._prepare(packed.state, train=True)
+        assert leaf is not None
+        counter = SavedBytes({p.untyped_storage().data_ptr() for p in rt.trunk.parameters()})
+        from splitfed.trunk.recompute import rng_state
+
+        rng = rng_state(rt.device)
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), rt._autocast(), \
+                busy_on_oom("forward"):
+            output = rt.trunk(inputs).hidden
+        out_value = output.detach()
+        nbytes = counter.nbytes + out_value.numel() * out_value.element_size()
+        rt.store.admit(requests[0].client_id, nbytes)
+        self._count(len(requests))
+        group = ForwardGroup(packed, leaf, output, rt.version, [r.client_id for r in requests],
+                             [r.activation_id for r in requests], [max(int(r.num_examples), 1) for r in requests])
+        self.groups.append(group)
+        rows = out_value.shape[0]
+        results: list[Outcome] = []
+        for i, r in enumerate(requests):
+            share = packed.rows[i].stop - packed.rows[i].start
+            rt.store.add(SavedForward(r.activation_id, r.client_id, rt.version, r.state, None,
+                                      packed.part(out_value, i), nbytes * share // rows, group.num_examples[i], rng,
+                                      group=group, index=i))
+            results.append((packed.part(out_value, i), rt.version))
+        return results
+
+    # -- the batch's backward ---------------------------------------------------------------------------
+    def receive(self, entry: SavedForward, grad: torch.Tensor) -> tuple[PendingBackward, ForwardGroup | None]:
+        """A member's gradient (its saved forward already taken from the store, runtime lock held).
+
+        Returns its pending answer, and its group when that is now complete:
+        the caller then calls :meth:`finish` outside the runtime lock.
+        """
+        from splitfed.trunk.runtime import PendingBackward
+
+        group: ForwardGroup = entry.group
+        group.grads[entry.index] = grad.to(self.rt.device, entry.out_value.dtype)
+        pending = PendingBackward(group.grad_in[entry.index], group.result)
+        hidden = entry.inputs.hidden
+        self.rt.store.remember(entry.activation_id, DoneBackward(entry.client_id, pending.grad_in, pending.result,
+                                                                 hidden.numel() * hidden.element_size()))
+        return pending, group if group.complete else None
+
+    def poll(self) -> None:
+        """Members dropped from the step group will not send their gradient: run their batches without them."""
+        members = self.rt.aggregator.members
+        ready = []
+        with self.rt._lock:
+            for group in list(self.groups):
+                for i, client in enumerate(group.clients):
+                    if i not in group.grads and i not in group.dropped and client not in members:
+                        group.dropped.add(i)
+                        if self.rt.store.find(group.activation_ids[i]) is not None:
+                            self.rt.store.pop(group.activation_ids[i])
+                if group.complete:
+                    ready.append(group)
+                elif len(group.dropped) == len(group.clients):
+                    self.groups.remove(group)
+        for group in ready:
+            self.finish(group)
+
+    def abandon_all(self, why: str) -> None:
+        """Fail every batch still waiting for gradients (the weights it saw are about to change)."""
+        for group in list(self.groups):
+            self.groups.remove(group)
+            error = TrunkStepError(f"{why}; run the forward again")
+            for i in group.grads:
+                group.grad_in[i].set_exception(error)
+            if group.grads:
+                group.result.set_exception(error)
+            for i, activation_id in enumerate(group.activation_ids):
+                if i not in group.grads and self.rt.store.find(activation_id) is not None:
+                    self.rt.store.pop(activation_id)
+            group.output = None
+
+    def finish(self, group: ForwardGroup) -> None:
+        """One backward for the whole batch; the trunk's gradient goes to the aggregator as one contribution.
+
+        Call without the runtime lock (the aggregator may step the trunk)."""
+        rt = self.rt
+        with rt._lock:
+            if group not in self.groups:  # finished or abandoned meanwhile
+                return
+            self.groups.remove(group)
+            full, weights, total = group.output_gradient()
+            members = tuple(group.clients[i] for i in sorted(group.grads))
+            targets = [group.leaf] + (rt._trainable if rt.trains else [])
+            try:
+                grads = torch.autograd.grad(group.output, targets, full, allow_unused=True)
+            except RuntimeError as exc:
+                error = TrunkStepError(f"the batched backward of {len(members)} clients failed on the server: "
+                                       f"{exc}; run the forward again")
+                for i in group.grads:
+                    group.grad_in[i].set_exception(error)
+                group.result.set_exception(error)
+                return
+            finally:
+                group.output = None  # the graph is spent either way
+            self.stats["group-backwards"] += 1
+            rt.stats["backwards"] += len(members)
+            grad_leaf = grads[0] if grads[0] is not None else torch.zeros_like(group.leaf)
+            for i in group.grads:
+                group.grad_in[i].set_result(group.packed.part(grad_leaf, i) / weights[i])
+        result = rt._submit(members[0], group.version, list(grads[1:]), total, members=members)
+        result.add_done_callback(lambda f, target=group.result: _copy(f, target))
+
+
+def _copy(source: Future[Any], target: Future[Any]) -> None:
+    error = source.exception()
+    if error is not None:
+        target.set_exception(error)
+    else:
+        target.set_result(source.result())
+

@@ -1,0 +1,115 @@
+"""Cross-client batching of trunk work: the same outputs, input gradients and weights as one call per client."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from splitfed.channel.client import TrunkClient
+from splitfed.split import CutState, split_model
+from splitfed.trunk.aggregation import make_aggregator
+from splitfed.trunk.batching import pack
+
+LENGTHS = (5, 9, 3, 7)  # four clients, four sequence lengths
+
+
+def _inputs(arch: str, step: int) -> list[CutState]:
+    g = torch.Generator().manual_seed(100 + step)
+    states = []
+    for i, length in enumerate(LENGTHS):
+        hidden = torch.randn(2, length, 32, generator=g)
+        mask = torch.ones(2, length, dtype=torch.long)
+        if i == 1:  # one client pads its own batch (left for decoders, right for BERT)
+            if arch == "bert":
+                mask[1, -3:] = 0
+            else:
+                mask[1, :3] = 0
+        positions = None
+        if arch == "llama":
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        states.append(CutState(hidden, mask if i % 2 else None, positions))
+    return states
+
+
+def _run(trunk_server, arch: str, window_ms: float, steps: int = 1):
+    torch.manual_seed(0)
+    split = split_model(tiny_model(arch).train(), cuts=(1, 3))
+    server = trunk_server(split.trunk, lr=0.1, aggregator=make_aggregator("sync", timeout=60),
+                          batch_window_ms=window_ms)
+    outs: dict = {}
+    start = threading.Barrier(len(LENGTHS))
+
+    def client(i: int) -> None:
+        c = TrunkClient(server.address, insecure=True, client_id=f"c{i}")
+        c.join()
+        for step in range(steps):
+            state = _inputs(arch, step)[i]
+            start.wait(30)  # all forwards arrive within the window
+            act = uuid.uuid4().hex
+            out, _ = c.forward(state, activation_id=act, train=True, num_examples=2 + i)
+            grad = torch.sin(out * (1 + i))  # a different gradient per client
+            reply = c.backward(act, grad)
+            outs[(i, step)] = (out, reply.grad, reply.outcome)
+        c.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(LENGTHS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return split.trunk, server, outs
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_batched_sync_steps_equal_one_call_per_client(trunk_server, arch: str) -> None:
+    trunk, server, outs = _run(trunk_server, arch, window_ms=0)
+    b_trunk, b_server, b_outs = _run(trunk_server, arch, window_ms=500)
+    assert len(outs) == len(b_outs) == len(LENGTHS)
+    assert b_server.runtime._batches.stats["group-backwards"] >= 1  # batching really happened
+    assert b_server.scheduler.stats["forward-batches"] >= 1 and server.scheduler.stats["forward-batches"] == 0
+    for key, (out, grad_in, outcome) in outs.items():
+        b_out, b_grad, b_outcome = b_outs[key]
+        assert outcome == b_outcome == "APPLIED"
+        assert out.shape == b_out.shape and grad_in.shape == b_grad.shape
+        assert torch.allclose(out, b_out, atol=1e-6, rtol=1e-6), key
+        assert torch.allclose(grad_in, b_grad, atol=1e-6, rtol=1e-6), key
+    assert server.runtime.version == b_server.runtime.version == 1
+    for (name, a), b in zip(trunk.state_dict().items(), b_trunk.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-6), name
+
+
+def test_batched_evaluation_forwards_equal_alone_in_every_mode(trunk_server) -> None:
+    split = split_model(tiny_model("llama").eval(), cuts=(1, 3))
+    server = trunk_server(split.trunk, aggregator=make_aggregator("async"), batch_window_ms=300)
+    states = _inputs("llama", 0)
+    results: dict = {}
+    start = threading.Barrier(len(states))
+
+    def client(i: int) -> None:
+        c = TrunkClient(server.address, insecure=True, client_id=f"e{i}")
+        start.wait(30)
+        results[i] = c.forward(states[i], train=False)[0]
+        c.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(states))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert server.runtime._batches.stats["batched-calls"] >= 1
+    with torch.no_grad():
+        for i, state in enumerate(states):
+            assert torch.allclose(results[i], split.trunk(state).hidden, atol=1e-6), i
+
+
+def test_packing_pads_right_and_takes_each_clients_rows_back() -> None:
+    states = _inputs("llama", 0)
+    packed = pack(states)
+    assert packed.state.hidden.shape == (8, max(LENGTHS), 32)
+    assert packed.state.attention_mask is not None and packed.state.attention_mask[4:6, 3:].sum() == 0
+    for i, s in enumerate(states):
+        assert torch.equal(packed.part(packed.state.hidden, i), s.hidden)
