@@ -45,7 +45,8 @@ def _serve(args: argparse.Namespace) -> int:
                                  timeout=args.trunk_timeout)
     server = TrunkServer(parts.trunk, host=args.host, port=args.port, insecure=args.insecure,
                          credentials=credentials, optimizer=args.optimizer, lr=args.lr, aggregator=aggregator,
-                         model_name=args.model, cuts=cuts).start()
+                         model_name=args.model, cuts=cuts, batch_window_ms=args.batch_window_ms,
+                         max_batch_tokens=args.max_batch_tokens).start()
     log.info("serving the trunk of %s (blocks %d..%d) on %s", args.model, cuts[0], cuts[1] - 1, server.address)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     try:
@@ -159,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--quorum", type=int, default=1)
     serve.add_argument("--max-staleness", type=int, default=4)
     serve.add_argument("--trunk-timeout", type=float, default=60.0)
+    serve.add_argument("--batch-window-ms", type=float, default=0.0,
+                       help="batch concurrent clients' trunk forwards arriving within this window (0: off)")
+    serve.add_argument("--max-batch-tokens", type=int, default=65536,
+                       help="positions (batch x length) one batched trunk call may hold")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on the trunk")
     serve.set_defaults(func=_serve)

@@ -68,6 +68,9 @@ class RunConfig:
     staleness_policy: str = "reject"
     trunk_timeout: float = 60.0
     grad_guard_norm: float = 0.0  # 0: only refuse non-finite trunk gradients
+    trunk_batch_window_ms: float = 0.0  # cross-client batching of trunk forwards (0: off)
+    trunk_max_batch_tokens: int = 65536  # positions one batched trunk call may hold
+    trunk_max_concurrent_rpcs: int = 4096  # calls the trunk serves at once (waiting ones hold no thread)
     # Data.
     dataset: str = ""  # empty: the model's embedded data; else a hub dataset (needs a network)
     partitioner: str = "iid"
@@ -159,11 +162,15 @@ class RunConfig:
                                 ("max-seq-len", self.max_seq_len, 2), ("min-train-nodes", self.min_train_nodes, 1),
                                 ("eval-batches", self.eval_batches, 0), ("lora-rank", self.lora_rank, 0),
                                 ("classes-per-partition",
-                                                                          self.classes_per_partition, 1)]:
+                                                                          self.classes_per_partition, 1),
+                                ("trunk-max-batch-tokens", self.trunk_max_batch_tokens, 1),
+                                ("trunk-max-concurrent-rpcs", self.trunk_max_concurrent_rpcs, 1)]:
             if value < low:
                 raise ConfigError(f"{key} must be >= {low}, got {value}")
         if self.local_steps == 0 and self.local_epochs == 0:
             raise ConfigError("local-steps and local-epochs are both 0; set one of them")
+        if self.trunk_batch_window_ms < 0:
+            raise ConfigError(f"trunk-batch-window-ms must be >= 0, got {self.trunk_batch_window_ms}")
         for key, value in [("lr", self.lr), ("trunk-timeout", self.trunk_timeout),
                            ("dirichlet-alpha", self.dirichlet_alpha), ("token-ttl", self.token_ttl)]:
             if not value > 0:

@@ -102,7 +102,9 @@ class ServerRunner:
                                   cuts=self.cuts, authenticate=None if self.tokens is None else
                                   self.tokens.authenticate,
                                   metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port,
-                                  metrics_host=cfg.trunk_bind)
+                                  metrics_host=cfg.trunk_bind, batch_window_ms=cfg.trunk_batch_window_ms,
+                                  max_batch_tokens=cfg.trunk_max_batch_tokens,
+                                  max_concurrent_rpcs=cfg.trunk_max_concurrent_rpcs)
         self._round_started = time.monotonic()
 
     # -- lifecycle --------------------------------------------------------------------------
