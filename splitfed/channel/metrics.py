@@ -82,7 +82,7 @@ class TrunkMetrics:
         """Count the payload bytes of encoded tensors (``direction``: received or sent)."""
         for enc in encs:
             self.wire_bytes.labels(direction, enc.dtype.name.lower() if hasattr(enc.dtype, "name")
-                                   else str(enc.dtype)).inc(len(enc.data))
+                                   else str(enc.dtype)).inc(getattr(enc, "wire_nbytes", len(enc.data)))
 
     def watch(self, runtime: Any, sessions: Any = None) -> None:
         """Expose the runtime's (and the session manager's) state at scrape time."""
