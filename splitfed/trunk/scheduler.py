@@ -153,7 +153,7 @@ class TrunkScheduler:
         close = first.queued + self.batch_window_s
         while True:
             for task in list(self._queue):
-                if task.forward is None:
+                if task.forward is None or task.forward.train != first.forward.train:
                     continue
                 if tokens + task.tokens > self.max_batch_tokens:
                     return batch
@@ -161,9 +161,16 @@ class TrunkScheduler:
                 batch.append(task)
                 tokens += task.tokens
             remaining = close - time.monotonic()
-            if remaining <= 0 or self._stopping:
+            if remaining <= 0 or self._stopping or self._everyone_in(batch):
                 return batch
             self._cond.wait(remaining)
+
+    def _everyone_in(self, batch: list[_Task]) -> bool:
+        """A training batch holding a forward of every step-group member will get no more: close it now."""
+        if not batch[0].forward or not batch[0].forward.train:  # type: ignore[union-attr]
+            return False
+        members = self.runtime.aggregator.members
+        return bool(members) and members <= {t.forward.client_id for t in batch}  # type: ignore[union-attr]
 
     def _run(self, batch: list[_Task]) -> None:
         self.stats["tasks"] += len(batch)

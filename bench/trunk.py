@@ -1,0 +1,139 @@
+"""Trunk throughput with many clients: cross-client batching, and sync steps of 4 clients against 1.
+
+Clients run in processes of their own and send precomputed activations and
+gradients (their own parts' compute is left out), so the figures are those of
+the trunk server: examples per second through its forward and backward, in
+``sync`` mode. ``python -m bench.trunk --device cuda --config "layers=12
+hidden=768 heads=12 vocab=50257 batch=4 seq=256 bf16=1" --clients 8`` is the
+GPT-2-small measurement of the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import threading
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from bench import core
+
+
+def _server(device: str, window_ms: float) -> Any:
+    from splitfed.channel.server import TrunkServer
+    from splitfed.split import split_model
+    from splitfed.trunk.aggregation import make_aggregator
+    from splitfed.trunk.runtime import TrunkRuntime
+
+    trunk = split_model(core._gpt2().to(device), core._cuts()).trunk
+    runtime = TrunkRuntime(trunk, torch.optim.SGD(trunk.parameters(), lr=1e-4),
+                           aggregator=make_aggregator("sync", timeout=300),
+                           autocast_dtype=torch.bfloat16 if core.SPLIT_STEP["bf16"] else None)
+    return TrunkServer(runtime, insecure=True, batch_window_ms=window_ms,
+                       max_batch_tokens=1 << 22).start()
+
+
+def _client(address: str, i: int, settings: dict[str, int], steps: int, warmup: int, ready: Any,
+            errors: Any) -> None:
+    """One client process: join, warm up, wait for the others, then ``steps`` timed sync steps."""
+    from splitfed.channel.client import TrunkClient
+    from splitfed.split import CutState
+
+    try:
+        torch.set_num_threads(1)
+        c = settings
+        tc = TrunkClient(address, insecure=True, client_id=f"bench-{i}", wire_dtype="bf16" if c["bf16"] else "fp32")
+        tc.join()
+        hidden = torch.randn(c["batch"], c["seq"], c["hidden"])
+        grad = torch.randn(c["batch"], c["seq"], c["hidden"]) * 1e-3
+        for step in range(warmup + steps):
+            if step == warmup:
+                ready.wait(600)
+            act = uuid.uuid4().hex
+            tc.forward(CutState(hidden), activation_id=act, train=True, num_examples=c["batch"])
+            tc.backward(act, grad)
+        tc.close()
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        errors.put(repr(exc))
+        ready.abort()
+
+
+def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, device: str = "cpu") -> float:
+    """Examples per second through the trunk: ``clients`` client processes in sync mode, ``steps`` timed steps
+    each (clients run in their own processes, as on their own machines)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    server = _server(device, window_ms)
+    ready, errors = ctx.Barrier(clients + 1), ctx.Queue()
+    procs = [ctx.Process(target=_client, args=(server.address, i, dict(core.SPLIT_STEP), steps, warmup, ready,
+                                               errors), daemon=True) for i in range(clients)]
+    try:
+        for p in procs:
+            p.start()
+        try:
+            ready.wait(600)
+        except threading.BrokenBarrierError:
+            pass
+        start = time.perf_counter()
+        for p in procs:
+            p.join(1200)
+        elapsed = time.perf_counter() - start
+    finally:
+        server.stop(grace=0)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    if not errors.empty():
+        raise RuntimeError(f"a benchmark client failed: {errors.get()}")
+    return clients * steps * core.SPLIT_STEP["batch"] / elapsed
+
+
+def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat: int = 3) -> dict[str, float]:
+    """Batched / one-at-a-time throughput with ``clients`` clients, and sync time per example 4 clients / 1."""
+    one_at_a_time = statistics.median(throughput(clients, 0.0, device=device) for _ in range(repeat))
+    batched = statistics.median(throughput(clients, window_ms, device=device) for _ in range(repeat))
+    single = statistics.median(throughput(1, 0.0, device=device) for _ in range(repeat))
+    suffix = "" if device.startswith("cuda") else "_cpu"
+    return {
+        f"trunk_examples_per_s_{clients}_clients{suffix}": one_at_a_time,
+        f"trunk_examples_per_s_{clients}_clients_batched{suffix}": batched,
+        f"trunk_batching_speedup{suffix}": batched / one_at_a_time,
+        f"sync_step_ratio_{clients}v1{suffix}": single / one_at_a_time,  # time per example, N clients / 1
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.trunk", description=__doc__)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--window-ms", type=float, default=50.0)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--config", default="", help='model and batch, e.g. "layers=12 hidden=768 heads=12 '
+                        'vocab=50257 batch=4 seq=256 bf16=1" (default: the tiny GPT-2 of python -m bench)')
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    for item in args.config.split():
+        key, _, value = item.partition("=")
+        if key not in core.SPLIT_STEP:
+            parser.error(f"--config: unknown key {key!r}; known: {', '.join(core.SPLIT_STEP)}")
+        core.SPLIT_STEP[key] = int(value)
+    results: dict[str, object] = dict(trunk(args.device, args.clients, args.window_ms, args.repeat))
+    results["config"] = " ".join(f"{k}={v}" for k, v in core.SPLIT_STEP.items())
+    results["device"] = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    if args.json:
+        print(json.dumps(results, sort_keys=True))
+    else:
+        for key, value in results.items():
+            print(f"{key:<48} {value:.4g}" if isinstance(value, float) else f"{key:<48} {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
