@@ -15,10 +15,10 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from splitfed.config import RunConfig
-from splitfed.logs import setup_logging
 from splitfed.client import client_evaluate, client_train, connect_trunk
+from splitfed.config import RunConfig
 from splitfed.errors import ClientFailedError
+from splitfed.logs import setup_logging
 from splitfed.messages import (
     CLIENT_KEY,
     PRIVACY_RECORD,
