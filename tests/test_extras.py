@@ -9,7 +9,6 @@ import sys
 import textwrap
 import tomllib
 
-import pytest
 from flower_harness import ROOT
 
 from splitfed.extras import EXTRA_OF
