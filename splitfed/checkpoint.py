@@ -114,7 +114,7 @@ def write_checkpoint(output_dir: str | Path, server_round: int, checkpoint: Chec
     os.replace(link, out / CURRENT)  # the switch: one atomic rename
     _fsync_dir(out)
     step_hook("switched")
-    _prune(out, keep={name})
+    _prune(out, name, server_round)
     return final
 
 
@@ -166,16 +166,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _prune(out: Path, keep: set[str]) -> None:
-    """Keep the newest :data:`KEEP` complete checkpoints (and ``keep``); remove the rest."""
-    complete = [folder for folder in _candidates(out) if folder.name not in keep]
-    for folder in complete[KEEP - len(keep):]:
+def _prune(out: Path, current: str, server_round: int) -> None:
+    """Keep ``current`` and the newest :data:`KEEP` - 1 older checkpoints; remove the rest.
+
+    Checkpoints of round ``server_round`` or later other than ``current`` belong to a run that was
+    resumed from an earlier one (e.g. because they were damaged): they go first, so the fallback
+    kept is the checkpoint this run's history really passed through.
+    """
+    others = [(r, folder) for r, folder in _candidates(out) if folder.name != current]
+    older = [folder for r, folder in others if r < server_round]
+    for folder in [folder for r, folder in others if r >= server_round] + older[KEEP - 1:]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
 # -- reading --------------------------------------------------------------------------------------
-def _candidates(out: Path) -> list[Path]:
-    """Complete-looking checkpoint folders, newest round first."""
+def _candidates(out: Path) -> list[tuple[int, Path]]:
+    """Complete-looking checkpoint folders and their rounds, newest first."""
     root = out / FOLDER
     if not root.is_dir():
         return []
@@ -188,7 +194,7 @@ def _candidates(out: Path) -> list[Path]:
             found.append((int(meta["round"]), (folder / STATE).stat().st_mtime_ns, folder))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    return [folder for _, _, folder in sorted(found, key=lambda t: (t[0], t[1]), reverse=True)]
+    return [(r, folder) for r, _, folder in sorted(found, key=lambda t: (t[0], t[1]), reverse=True)]
 
 
 def _verify(folder: Path) -> dict[str, Any]:
@@ -214,7 +220,7 @@ def read_checkpoint(output_dir: str | Path, accept: Callable[[dict[str, Any]], N
     current = out / CURRENT
     if current.exists():
         order.append(current.resolve())
-    order += [folder for folder in _candidates(out) if folder.resolve() not in order]
+    order += [folder for _, folder in _candidates(out) if folder.resolve() not in order]
     problems = []
     for folder in order:
         try:

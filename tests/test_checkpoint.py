@@ -85,6 +85,10 @@ def test_resume_falls_back_to_the_previous_checkpoint_when_the_newest_is_damaged
     resumed = _runner(out)
     assert resumed.round_offset == 1
     assert all(torch.equal(first[k], v) for k, v in resumed.runtime.trunk.state_dict().items())
+    # The resumed run's round 2 replaces the damaged one; round 1 stays as the fallback.
+    resumed.checkpoint(2)
+    assert sorted(json.loads((p / "state.json").read_text())["round"] for p in (out / FOLDER).iterdir()) == [1, 2]
+    assert read_checkpoint(out).meta["round"] == 2
 
 
 def test_resume_without_a_usable_checkpoint_fails_naming_the_folder(tmp_path: Path) -> None:
