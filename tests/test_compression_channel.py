@@ -325,3 +325,15 @@ def test_run_config_compresses_the_apps_traffic(tmp_path) -> None:
                                 f"{kind[:5] if kind == 'train' else 'eval'}-bytes-received")}
     for key, value in sent["none"].items():
         assert value / sent["int8"][key] >= 3.5, key
+
+
+@pytest.mark.slow
+def test_main_job_through_flwr_run_with_int8(tmp_path) -> None:
+    """The README's main job through ``flwr run . local``, uncompressed and int8 (each with a SuperLink of its own)."""
+    from bench.compression import SETTINGS, flwr_run, summarize
+
+    runs = {name: summarize(flwr_run(SETTINGS[name], tmp_path / name)) for name in ("none", "int8")}
+    assert runs["none"]["mb_per_round"] / runs["int8"]["mb_per_round"] >= 3.5
+    assert runs["int8"]["final_accuracy"] >= 0.90
+    # Within a point of uncompressed, plus a point for the run-to-run noise of a 5-round run.
+    assert runs["int8"]["final_accuracy"] >= runs["none"]["final_accuracy"] - 0.02
