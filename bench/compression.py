@@ -89,7 +89,8 @@ def flwr_run(overrides: str, out: Path, supernodes: int = 4) -> dict:
         result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
         history = out / "history.json"
         if not history.exists():
-            raise RuntimeError(f"flwr run wrote no history; its output ends:\n{(result.stdout + result.stderr)[-3000:]}")
+            tail = (result.stdout + result.stderr)[-3000:]
+            raise RuntimeError(f"flwr run wrote no history; its output ends:\n{tail}")
         return json.loads(history.read_text())
     finally:
         _end_processes_of(str(home))
