@@ -32,6 +32,7 @@ SETTINGS: dict[str, str] = {
     "int8": "wire-compression='int8'",
     "topk": "wire-compression='topk'",
     "int8 + topk gradients": "wire-compression='int8' wire-compression-grad='topk'",
+    "int8 + topk, no feedback": "wire-compression='int8' wire-compression-grad='topk' wire-error-feedback=false",
 }
 
 
