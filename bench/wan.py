@@ -338,15 +338,16 @@ def _wait_ready(proc: subprocess.Popen[str], timeout: float) -> None:
 
 
 def measure(models: Sequence[str], compressions: Sequence[str], rates: Sequence[str], steps: int, warmup: int,
-            quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
+            threads: int, quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
     """Run the benchmark; returns the JSON-able results (see the module docstring)."""
     env, results = _child_env(), []
     with link() as pair, tempfile.TemporaryDirectory(prefix="sfwan") as tmp:
         for model in models:
             server_log = Path(tmp) / f"server-{model}.log"
             with open(server_log, "w") as err:
-                server = pair.spawn(pair.server, [sys.executable, "-m", "bench.wan", "--role", "serve",
-                                                  "--models", model], stdout=subprocess.PIPE, stderr=err, env=env)
+                argv = [sys.executable, "-m", "bench.wan", "--role", "serve", "--models", model, "--threads",
+                        str(threads)]
+                server = pair.spawn(pair.server, argv, stdout=subprocess.PIPE, stderr=err, env=env)
             try:
                 _wait_ready(server, 180)
             except RuntimeError as exc:
@@ -357,7 +358,8 @@ def measure(models: Sequence[str], compressions: Sequence[str], rates: Sequence[
                 log(f"{model} at {rate}: {warmup} warm-up and {steps} measured steps per setting")
                 argv = [sys.executable, "-m", "bench.wan", "--role", "client", "--models", model,
                         "--compression", ",".join(compressions), "--dev", pair.devs[pair.client], "--rate-bps",
-                        str(rate_bps or 0), "--steps", str(steps), "--warmup", str(warmup)] + (["--quick"] * quick)
+                        str(rate_bps or 0), "--steps", str(steps), "--warmup", str(warmup),
+                        "--threads", str(threads)] + (["--quick"] * quick)
                 proc = pair.spawn(pair.client, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
                 try:
                     out, err_text = proc.communicate(timeout=1800)
@@ -372,7 +374,7 @@ def measure(models: Sequence[str], compressions: Sequence[str], rates: Sequence[
             server.terminate()
             server.wait(30)
         namespaces = [pair.server, pair.client]
-    return {"steps": steps, "warmup": warmup, "quick": quick, "namespaces": namespaces,
+    return {"steps": steps, "warmup": warmup, "threads": threads, "quick": quick, "namespaces": namespaces,
             "namespaces_left": pair.exists(), "results": results,
             "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
                         "kernel": platform.release()}}
@@ -419,7 +421,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
         axes[0][col].legend(title="wire compression")
         axes[1][col].set_xticks(range(len(comps)), comps)
         axes[1][col].set_ylabel("MB per step on the link")
-    fig.suptitle("Split training step over a tbf-shaped veth link (no added latency)")
+        axes[1][col].set_title(f"bytes per step ({rates[0]}; about the same at every rate)", fontsize=9)
+    fig.suptitle("Split training step over a tbf-shaped veth link (no added latency; median of "
+                 f"{report['steps']} steps, shared {report['machine']['cpus']}-core machine)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -442,6 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rates", type=_csv, default=list(RATES), help="e.g. 100mbit,1gbit,unshaped")
     parser.add_argument("--steps", type=int, default=10, help="measured steps per setting")
     parser.add_argument("--warmup", type=int, default=2, help="steps per setting before measuring")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the server and of the client "
+                        "(1: one core each; more threads than cores slow both down)")
     parser.add_argument("--quick", action="store_true", help="tiny batches (for tests)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--plot", type=Path, help="write a PNG of the results here (e.g. docs/wan.png)")
@@ -456,6 +462,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
+    if args.threads < 1:
+        parser.error("--threads must be >= 1")
+    torch.set_num_threads(args.threads)
     if args.role == "serve":
         return serve(args.models[0])
     if args.role == "client":
@@ -464,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(json.dumps(result) + "\n")
         return 0
     try:
-        report = measure(args.models, args.compression, args.rates, args.steps, args.warmup, args.quick,
+        report = measure(args.models, args.compression, args.rates, args.steps, args.warmup, args.threads, args.quick,
                          lambda line: print(f"bench.wan: {line}", file=sys.stderr, flush=True))
     except CannotRun as exc:
         print(f"bench.wan: skipped, cannot run here: {exc}", file=sys.stderr)
