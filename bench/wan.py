@@ -14,7 +14,7 @@ WAN's round-trip time comes on top of these numbers.
 Needs root, ``ip netns`` and ``tc`` with ``tbf``. Exit codes: 0 done, 1 a
 process of the benchmark failed, 2 bad arguments, 77 cannot run here (not
 root, no ``ip``/``tc``, namespaces or ``tbf`` refused; the reason goes to
-stderr). Namespaces and processes are removed on every exit (SIGTERM and
+stderr), 130 interrupted (Ctrl-C), 143 and 129 on SIGTERM and SIGHUP. Namespaces and processes are removed on every exit (SIGTERM and
 SIGINT included); namespaces left by a killed run (``sfwan<pid>s``/``c``) are
 removed by the next run.
 """
@@ -481,6 +481,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"bench.wan: failed: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("bench.wan: interrupted; namespaces and processes removed", file=sys.stderr)
+        return 130
     if args.plot is not None:
         plot(report, args.plot)
     print(json.dumps(report, indent=1) if args.json else table(report))
