@@ -23,22 +23,25 @@ import torch
 
 from bench import core
 
+log = logging.getLogger("bench.trunk")
+
 
 def _server(device: str, window_ms: float) -> Any:
     from splitfed.channel.server import TrunkServer
     from splitfed.split import split_model
     from splitfed.trunk.aggregation import make_aggregator
     from splitfed.trunk.runtime import TrunkRuntime
+    from splitfed.trunk.store import StoreLimits
 
     trunk = split_model(core._gpt2().to(device), core._cuts()).trunk
     runtime = TrunkRuntime(trunk, torch.optim.SGD(trunk.parameters(), lr=1e-4),
                            aggregator=make_aggregator("sync", timeout=300),
                            autocast_dtype=torch.bfloat16 if core.SPLIT_STEP["bf16"] else None)
-    return TrunkServer(runtime, insecure=True, batch_window_ms=window_ms,
-                       max_batch_tokens=1 << 22).start()
+    return TrunkServer(runtime, insecure=True, batch_window_ms=window_ms, max_batch_tokens=1 << 22,
+                       store_limits=StoreLimits(max_bytes=1 << 40)).start()
 
 
-def _client(address: str, i: int, settings: dict[str, int], steps: int, warmup: int, ready: Any,
+def _client(address: str, i: int, settings: dict[str, int], steps: int, warmup: int, joined: Any, ready: Any,
             errors: Any) -> None:
     """One client process: join, warm up, wait for the others, then ``steps`` timed sync steps."""
     from splitfed.channel.client import TrunkClient
@@ -51,15 +54,17 @@ def _client(address: str, i: int, settings: dict[str, int], steps: int, warmup: 
         tc.join()
         hidden = torch.randn(c["batch"], c["seq"], c["hidden"])
         grad = torch.randn(c["batch"], c["seq"], c["hidden"]) * 1e-3
+        joined.wait(600)  # every client is in the step group before the first sync step
         for step in range(warmup + steps):
             if step == warmup:
-                ready.wait(600)
+                ready.wait(600)  # the whole group finished the warm-up step together
             act = uuid.uuid4().hex
             tc.forward(CutState(hidden), activation_id=act, train=True, num_examples=c["batch"])
             tc.backward(act, grad)
         tc.close()
     except BaseException as exc:  # noqa: BLE001 - reported by the parent
         errors.put(repr(exc))
+        joined.abort()
         ready.abort()
 
 
@@ -70,9 +75,9 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
 
     ctx = mp.get_context("spawn")
     server = _server(device, window_ms)
-    ready, errors = ctx.Barrier(clients + 1), ctx.Queue()
-    procs = [ctx.Process(target=_client, args=(server.address, i, dict(core.SPLIT_STEP), steps, warmup, ready,
-                                               errors), daemon=True) for i in range(clients)]
+    joined, ready, errors = ctx.Barrier(clients), ctx.Barrier(clients + 1), ctx.Queue()
+    procs = [ctx.Process(target=_client, args=(server.address, i, dict(core.SPLIT_STEP), steps, warmup, joined,
+                                               ready, errors), daemon=True) for i in range(clients)]
     try:
         for p in procs:
             p.start()
@@ -95,9 +100,11 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
 
 
 def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat: int = 3) -> dict[str, float]:
-    """Batched / one-at-a-time throughput with ``clients`` clients, and sync time per example 4 clients / 1."""
+    """Batched / one-at-a-time throughput with ``clients`` clients, and sync time per example N clients / 1."""
     one_at_a_time = statistics.median(throughput(clients, 0.0, device=device) for _ in range(repeat))
+    log.warning("one at a time: %.1f examples/s", one_at_a_time)
     batched = statistics.median(throughput(clients, window_ms, device=device) for _ in range(repeat))
+    log.warning("batched: %.1f examples/s", batched)
     single = statistics.median(throughput(1, 0.0, device=device) for _ in range(repeat))
     suffix = "" if device.startswith("cuda") else "_cpu"
     return {
