@@ -35,10 +35,9 @@ def _server(device: str, window_ms: float) -> Any:
 
     trunk = split_model(core._gpt2().to(device), core._cuts()).trunk
     runtime = TrunkRuntime(trunk, torch.optim.SGD(trunk.parameters(), lr=1e-4),
-                           aggregator=make_aggregator("sync", timeout=300),
+                           aggregator=make_aggregator("sync", timeout=300), limits=StoreLimits(max_bytes=1 << 40),
                            autocast_dtype=torch.bfloat16 if core.SPLIT_STEP["bf16"] else None)
-    return TrunkServer(runtime, insecure=True, batch_window_ms=window_ms, max_batch_tokens=1 << 22,
-                       store_limits=StoreLimits(max_bytes=1 << 40)).start()
+    return TrunkServer(runtime, insecure=True, batch_window_ms=window_ms, max_batch_tokens=1 << 22).start()
 
 
 def _client(address: str, i: int, settings: dict[str, int], steps: int, warmup: int, joined: Any, ready: Any,
