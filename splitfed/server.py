@@ -127,8 +127,9 @@ class ServerRunner:
         """The address clients dial: ``trunk-advertise``, else the bound one."""
         if self.cfg.trunk_advertise:
             return self.cfg.trunk_advertise
-        host = "127.0.0.1" if self.cfg.trunk_bind in ("0.0.0.0", "::", "[::]") else self.server.host
-        return f"{host}:{self.server.port}"
+        if self.cfg.trunk_bind in ("0.0.0.0", "::", "[::]"):
+            return f"127.0.0.1:{self.server.port}"
+        return self.server.address  # brackets an IPv6 host
 
     @property
     def rounds_left(self) -> int:
