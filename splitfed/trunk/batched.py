@@ -16,7 +16,7 @@ import torch
 
 from splitfed.errors import DuplicateActivationError, TrunkStepError
 from splitfed.trunk.batching import ForwardGroup, batch_key, pack
-from splitfed.trunk.recompute import SavedBytes, busy_on_oom
+from splitfed.trunk.recompute import busy_on_oom
 from splitfed.trunk.store import DoneBackward, SavedForward
 
 if TYPE_CHECKING:
@@ -119,15 +119,8 @@ class Batcher:
         rt = self.rt
         inputs, leaf = rt._prepare(packed.state, train=True)
         assert leaf is not None
-        counter = SavedBytes({p.untyped_storage().data_ptr() for p in rt.trunk.parameters()})
-        from splitfed.trunk.recompute import rng_state
-
-        rng = rng_state(rt.device)
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), rt._autocast(), \
-                busy_on_oom("forward"):
-            output = rt.trunk(inputs).hidden
+        output, nbytes, rng = rt.traced_forward(inputs)
         out_value = output.detach()
-        nbytes = counter.nbytes + out_value.numel() * out_value.element_size()
         rt.store.admit(requests[0].client_id, nbytes)
         self._count(len(requests))
         group = ForwardGroup(packed, leaf, output, rt.version, [r.client_id for r in requests],

@@ -220,17 +220,22 @@ class TrunkRuntime:
             if not train:
                 with torch.no_grad(), self._autocast(), busy_on_oom("forward"):
                     return self.trunk(inputs).hidden, self._version
-            counter = SavedBytes({p.untyped_storage().data_ptr() for p in self.trunk.parameters()})
-            rng = rng_state(self.device)
-            with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), self._autocast(), \
-                    busy_on_oom("forward"):
-                output = self.trunk(inputs).hidden
+            output, nbytes, rng = self.traced_forward(inputs)
             out_value = output.detach()
-            nbytes = counter.nbytes + out_value.numel() * out_value.element_size()
             self.store.admit(client_id, nbytes)
             self.store.add(SavedForward(activation_id, client_id, self._version, inputs.with_hidden(leaf), output,
                                         out_value, nbytes, max(int(num_examples), 1), rng))
             return out_value, self._version
+
+    def traced_forward(self, inputs: CutState) -> tuple[torch.Tensor, int, Any]:
+        """The trunk on prepared ``inputs``, keeping its graph: (output, bytes held for the backward, output
+        included, and the RNG state the forward started from, for a recompute)."""
+        counter = SavedBytes({p.untyped_storage().data_ptr() for p in self.trunk.parameters()})
+        rng = rng_state(self.device)
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), self._autocast(), \
+                busy_on_oom("forward"):
+            output = self.trunk(inputs).hidden
+        return output, counter.nbytes + output.numel() * output.element_size(), rng
 
     def forward_request(self, request: ForwardRequest) -> tuple[torch.Tensor, int]:
         """:meth:`forward` of a queued :class:`ForwardRequest`."""
