@@ -46,7 +46,7 @@ def _serve(args: argparse.Namespace) -> int:
     server = TrunkServer(parts.trunk, host=args.host, port=args.port, insecure=args.insecure,
                          credentials=credentials, optimizer=args.optimizer, lr=args.lr, aggregator=aggregator,
                          model_name=args.model, cuts=cuts, batch_window_ms=args.batch_window_ms,
-                         max_batch_tokens=args.max_batch_tokens).start()
+                         max_batch_tokens=args.max_batch_tokens, checkpointing=args.checkpointing).start()
     log.info("serving the trunk of %s (blocks %d..%d) on %s", args.model, cuts[0], cuts[1] - 1, server.address)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     try:
@@ -162,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--trunk-timeout", type=float, default=60.0)
     serve.add_argument("--batch-window-ms", type=float, default=0.0,
                        help="batch concurrent clients' trunk forwards arriving within this window (0: off)")
+    serve.add_argument("--checkpointing", action="store_true",
+                       help="activation checkpointing: keep only each forward's input, recompute in the backward")
     serve.add_argument("--max-batch-tokens", type=int, default=65536,
                        help="positions (batch x length) one batched trunk call may hold")
     serve.add_argument("--seed", type=int, default=0)

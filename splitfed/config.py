@@ -71,6 +71,7 @@ class RunConfig:
     trunk_batch_window_ms: float = 0.0  # cross-client batching of trunk forwards (0: off)
     trunk_max_batch_tokens: int = 65536  # positions one batched trunk call may hold
     trunk_max_concurrent_rpcs: int = 4096  # calls the trunk serves at once (waiting ones hold no thread)
+    trunk_checkpointing: bool = False  # keep only each forward's input; recompute in its backward
     # Data.
     dataset: str = ""  # empty: the model's embedded data; else a hub dataset (needs a network)
     partitioner: str = "iid"

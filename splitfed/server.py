@@ -80,7 +80,8 @@ class ServerRunner:
                                      staleness_policy=cfg.staleness_policy, timeout=cfg.trunk_timeout)
         self.runtime = TrunkRuntime(trunk, optimizer, aggregator=aggregator,
                                     guard=GradientGuard(cfg.grad_guard_norm or None),
-                                    autocast_dtype=torch.bfloat16 if cfg.precision == "bf16" else None)
+                                    autocast_dtype=torch.bfloat16 if cfg.precision == "bf16" else None,
+                                    checkpointing=cfg.trunk_checkpointing)
         self.tokens = TokenIssuer(self.run_id, ttl_s=cfg.token_ttl) if cfg.auth else None
         self.history: list[RoundRecord] = []
         self.round_offset = 0

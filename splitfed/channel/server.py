@@ -56,8 +56,9 @@ class TrunkServer:
         limits: message sizes; store_limits: saved-forward TTL and budget.
         max_concurrent_rpcs: calls served at once (waiting ones included); past it gRPC answers
             RESOURCE_EXHAUSTED. Waiting calls hold no thread, so this can be large.
-        batch_window_ms, max_batch_tokens: cross-client batching of training forwards
+        batch_window_ms, max_batch_tokens: cross-client batching of trunk forwards
             (see :class:`~splitfed.trunk.scheduler.TrunkScheduler`; 0 = off).
+        checkpointing: activation checkpointing of the trunk (when ``trunk`` is a module).
         interceptors: ``grpc.aio.ServerInterceptor`` instances.
         sessions: serves inference sessions (default: a :class:`SessionManager` with
             ``session_limits`` for trunks that can hold a KV cache).
@@ -69,6 +70,7 @@ class TrunkServer:
                  aggregator: TrunkAggregator | None = None, limits: ChannelLimits = ChannelLimits(),
                  store_limits: StoreLimits = StoreLimits(), guard: GradientGuard = GradientGuard(),
                  max_concurrent_rpcs: int = 4096, batch_window_ms: float = 0.0, max_batch_tokens: int = 1 << 16,
+                 checkpointing: bool = False,
                  model_name: str = "", cuts: tuple[int, int] | None = None,
                  authenticate: Callable[[dict[str, str]], str] | None = None, sessions: Any = None,
                  interceptors: list[Any] | None = None,
@@ -86,7 +88,8 @@ class TrunkServer:
             trainable = [p for p in trunk.parameters() if p.requires_grad]
             opt = make_optimizer(optimizer, trainable, lr, momentum=momentum,
                                  weight_decay=weight_decay) if trainable else None
-            self.runtime = TrunkRuntime(trunk, opt, aggregator=aggregator, limits=store_limits, guard=guard)
+            self.runtime = TrunkRuntime(trunk, opt, aggregator=aggregator, limits=store_limits, guard=guard,
+                                        checkpointing=checkpointing)
         if sessions is None and supports_sessions(self.runtime.trunk):
             sessions = SessionManager.from_limits(self.runtime, session_limits)
         self.limits = limits

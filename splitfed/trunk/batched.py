@@ -40,7 +40,8 @@ class Batcher:
         """Whether ``request`` may share a trunk call (see :meth:`TrunkRuntime.can_batch`)."""
         if request.retry or batch_key(request.state) is None:
             return False
-        return not request.train or (self.rt.trains and self.rt.aggregator.mode == "sync")
+        rt = self.rt
+        return not request.train or (rt.trains and rt.aggregator.mode == "sync" and not rt.checkpointing)
 
     def forward_many(self, requests: list[ForwardRequest]) -> list[Outcome]:
         """Run compatible requests together, the rest one by one; results in request order."""

@@ -110,12 +110,15 @@ class TrunkRuntime:
         guard: refuses non-finite or exploding trunk gradients.
         device: where the trunk computes (default: where its parameters are).
         autocast_dtype: e.g. ``torch.bfloat16`` for mixed precision (fp32 weights).
+        checkpointing: activation checkpointing: a training forward keeps only its input
+            (and output), and its backward recomputes the forward (same weights, same RNG
+            state), trading a second forward for the activations' memory.
     """
 
     def __init__(self, trunk: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  aggregator: TrunkAggregator | None = None, limits: StoreLimits = StoreLimits(),
                  guard: GradientGuard = GradientGuard(), device: torch.device | str | None = None,
-                 autocast_dtype: torch.dtype | None = None) -> None:
+                 autocast_dtype: torch.dtype | None = None, checkpointing: bool = False) -> None:
         self.trunk = trunk
         self.optimizer = optimizer
         self.aggregator = aggregator or SyncAggregator()
@@ -128,6 +131,7 @@ class TrunkRuntime:
         self.autocast_dtype = autocast_dtype
         self._names = [n for n, p in trunk.named_parameters() if p.requires_grad]
         self._trainable = [p for p in trunk.parameters() if p.requires_grad]
+        self.checkpointing = checkpointing
         self._lock = threading.RLock()
         self._version = 0
         self._batches = Batcher(self)
@@ -220,8 +224,15 @@ class TrunkRuntime:
             if not train:
                 with torch.no_grad(), self._autocast(), busy_on_oom("forward"):
                     return self.trunk(inputs).hidden, self._version
-            output, nbytes, rng = self.traced_forward(inputs)
-            out_value = output.detach()
+            if self.checkpointing:  # keep the input and the output only; the backward recomputes
+                rng = rng_state(self.device)
+                with torch.no_grad(), self._autocast(), busy_on_oom("forward"):
+                    out_value = self.trunk(inputs).hidden
+                output = None
+                nbytes = sum(t.numel() * t.element_size() for t in (inputs.hidden, out_value))
+            else:
+                output, nbytes, rng = self.traced_forward(inputs)
+                out_value = output.detach()
             self.store.admit(client_id, nbytes)
             self.store.add(SavedForward(activation_id, client_id, self._version, inputs.with_hidden(leaf), output,
                                         out_value, nbytes, max(int(num_examples), 1), rng))
@@ -339,15 +350,17 @@ class TrunkRuntime:
         if entry.output is not None:
             output = entry.output
             targets = inputs + self._trainable
-        else:  # rebased: recompute on the weights this forward saw
+        else:  # rebased or checkpointed: recompute on the weights this forward saw, with its RNG state
             self.stats["recomputed"] += 1
-            assert entry.frozen_params is not None
-            params = dict(zip(self._names, entry.frozen_params))
+            frozen = entry.frozen_params
             with torch.random.fork_rng(devices=rng_devices(self.device)), self._autocast():
                 set_rng_state(self.device, entry.rng_state)
                 state = entry.inputs.with_hidden(entry.inputs.hidden.clone())
-                output = functional_call(self.trunk, params, (state,)).hidden
-            targets = inputs + list(entry.frozen_params)
+                if frozen is None:  # checkpointed, and the trunk has not stepped since
+                    output = self.trunk(state).hidden
+                else:
+                    output = functional_call(self.trunk, dict(zip(self._names, frozen)), (state,)).hidden
+            targets = inputs + (self._trainable if frozen is None else list(frozen))
         if not self.trains:
             targets = inputs
         grads = torch.autograd.grad(output, targets, grad, allow_unused=True)
@@ -383,7 +396,7 @@ class TrunkRuntime:
     def _rebase_pending(self) -> None:
         """Give forwards still waiting for their backward the weights they saw (before this step)."""
         self._batches.abandon_all("the trunk stepped before the batch's backward ran")
-        pending = [e for e in self.store.entries() if e.output is not None]
+        pending = [e for e in self.store.entries() if e.frozen is None and e.group is None]
         if not pending:
             return
         frozen = [p.detach().clone().requires_grad_(True) for p in self._trainable]
