@@ -90,6 +90,7 @@ class TrunkServer:
                                  weight_decay=weight_decay) if trainable else None
             self.runtime = TrunkRuntime(trunk, opt, aggregator=aggregator, limits=store_limits, guard=guard,
                                         checkpointing=checkpointing)
+        self.runtime.host_outputs = True  # replies leave from host memory, copied on the device thread
         if sessions is None and supports_sessions(self.runtime.trunk):
             sessions = SessionManager.from_limits(self.runtime, session_limits)
         self.limits = limits

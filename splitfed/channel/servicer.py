@@ -209,8 +209,9 @@ class SplitChannelServicer:
             if self.sessions is None:
                 raise SessionNotFoundError("this server does not serve inference sessions")
             sessions = self.sessions
-            out = await self._on_device(lambda: sessions.step(client, req.session_id, state,
-                                                              step_id=req.activation_id))
+            runtime = self.runtime
+            out = await self._on_device(lambda: runtime.handed(sessions.step(client, req.session_id, state,
+                                                                             step_id=req.activation_id)))
             version = self.runtime.version
         else:
             request = ForwardRequest(client, req.activation_id, state, req.train, req.num_examples, retry)

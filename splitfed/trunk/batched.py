@@ -114,7 +114,7 @@ class Batcher:
         with torch.no_grad(), rt._autocast(), busy_on_oom("forward"):
             out = rt.trunk(inputs).hidden
         self._count(len(packed.rows))
-        return [(packed.part(out, i), rt.version) for i in range(len(packed.rows))]
+        return [(rt.handed(packed.part(out, i)), rt.version) for i in range(len(packed.rows))]
 
     def _run(self, requests: list[ForwardRequest], packed: Any) -> list[Outcome]:
         rt = self.rt
@@ -134,7 +134,7 @@ class Batcher:
             rt.store.add(SavedForward(r.activation_id, r.client_id, rt.version, r.state, None,
                                       packed.part(out_value, i), nbytes * share // rows, group.num_examples[i], rng,
                                       group=group, index=i))
-            results.append((packed.part(out_value, i), rt.version))
+            results.append((rt.handed(packed.part(out_value, i)), rt.version))
         return results
 
     # -- the batch's backward ---------------------------------------------------------------------------
@@ -213,7 +213,7 @@ class Batcher:
             rt.stats["backwards"] += len(members)
             grad_leaf = grads[0] if grads[0] is not None else torch.zeros_like(group.leaf)
             for i in group.grads:
-                group.grad_in[i].set_result(group.packed.part(grad_leaf, i) / weights[i])
+                group.grad_in[i].set_result(rt.handed(group.packed.part(grad_leaf, i) / weights[i]))
         result = rt._submit(members[0], group.version, list(grads[1:]), total, members=members)
         result.add_done_callback(lambda f, target=group.result: _copy(f, target))
 

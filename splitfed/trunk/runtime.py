@@ -110,6 +110,8 @@ class TrunkRuntime:
         guard: refuses non-finite or exploding trunk gradients.
         device: where the trunk computes (default: where its parameters are).
         autocast_dtype: e.g. ``torch.bfloat16`` for mixed precision (fp32 weights).
+        host_outputs: hand outputs and input gradients back in host memory, copied on the
+            thread that computed them (a server: its event loop then never waits on the device).
         checkpointing: activation checkpointing: a training forward keeps only its input
             (and output), and its backward recomputes the forward (same weights, same RNG
             state), trading a second forward for the activations' memory.
@@ -118,7 +120,8 @@ class TrunkRuntime:
     def __init__(self, trunk: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  aggregator: TrunkAggregator | None = None, limits: StoreLimits = StoreLimits(),
                  guard: GradientGuard = GradientGuard(), device: torch.device | str | None = None,
-                 autocast_dtype: torch.dtype | None = None, checkpointing: bool = False) -> None:
+                 autocast_dtype: torch.dtype | None = None, checkpointing: bool = False,
+                 host_outputs: bool = False) -> None:
         self.trunk = trunk
         self.optimizer = optimizer
         self.aggregator = aggregator or SyncAggregator()
@@ -132,6 +135,7 @@ class TrunkRuntime:
         self._names = [n for n, p in trunk.named_parameters() if p.requires_grad]
         self._trainable = [p for p in trunk.parameters() if p.requires_grad]
         self.checkpointing = checkpointing
+        self.host_outputs = host_outputs
         self._lock = threading.RLock()
         self._version = 0
         self._batches = Batcher(self)
@@ -165,6 +169,11 @@ class TrunkRuntime:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def handed(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as handed to the caller: in host memory when ``host_outputs`` (copied here, on the thread that
+        computed it), else as it is."""
+        return t.cpu() if self.host_outputs and t.device.type != "cpu" else t
 
     def check_input(self, state: CutState) -> None:
         """Refuse a state the trunk cannot take (not floating, wrong rank or width) with :class:`TensorValueError`."""
@@ -215,7 +224,7 @@ class TrunkRuntime:
                 existing = self.store.find(activation_id)
                 if existing is not None or self.store.done(activation_id) is not None:
                     if retry and existing is not None and existing.client_id == client_id:
-                        return existing.out_value, existing.version
+                        return self.handed(existing.out_value), existing.version
                     raise DuplicateActivationError(
                         f"activation id {activation_id!r} is already in use; use a fresh id per forward")
                 self.store.admit(client_id, 2 * state.hidden.numel() * state.hidden.element_size())
@@ -223,7 +232,7 @@ class TrunkRuntime:
             self.stats["forwards"] += 1
             if not train:
                 with torch.no_grad(), self._autocast(), busy_on_oom("forward"):
-                    return self.trunk(inputs).hidden, self._version
+                    return self.handed(self.trunk(inputs).hidden), self._version
             if self.checkpointing:  # keep the input and the output only; the backward recomputes
                 rng = rng_state(self.device)
                 with torch.no_grad(), self._autocast(), busy_on_oom("forward"):
@@ -236,7 +245,7 @@ class TrunkRuntime:
             self.store.admit(client_id, nbytes)
             self.store.add(SavedForward(activation_id, client_id, self._version, inputs.with_hidden(leaf), output,
                                         out_value, nbytes, max(int(num_examples), 1), rng))
-            return out_value, self._version
+            return self.handed(out_value), self._version
 
     def traced_forward(self, inputs: CutState) -> tuple[torch.Tensor, int, Any]:
         """The trunk on prepared ``inputs``, keeping its graph: (output, bytes held for the backward, output
@@ -313,7 +322,7 @@ class TrunkRuntime:
                 self._batches.finish(complete)
             return pending
         result = self._submit(client_id, entry.version, trunk_grads, entry.num_examples)
-        pending = PendingBackward(resolved(grad_in), result)
+        pending = PendingBackward(resolved(self.handed(grad_in)), result)
         with self._lock:
             self.store.remember(activation_id, DoneBackward(client_id, pending.grad_in, result,
                                                             grad_in.numel() * grad_in.element_size()))
