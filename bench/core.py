@@ -196,7 +196,10 @@ def _serve_echo_and_identity(port_queue: Any, stop: Any) -> None:
     echo_server.stop(0)
 
 
-def channel_vs_grpc(sizes_mib: tuple[int, ...] = (1, 16), repeat: int = 30) -> dict[str, float]:
+_SIZE_NAMES = {4 << 10: "4KiB", 1 << 20: "1MiB", 16 << 20: "16MiB"}
+
+
+def channel_vs_grpc(sizes: tuple[int, ...] = (4 << 10, 1 << 20, 16 << 20), repeat: int = 30) -> dict[str, float]:
     """Channel Forward round trip / bare gRPC echo of the same bytes, per payload size.
 
     The channel's server decodes and checks the tensor (NaN/Inf), runs an
@@ -220,15 +223,16 @@ def channel_vs_grpc(sizes_mib: tuple[int, ...] = (1, 16), repeat: int = 30) -> d
         echo_channel = grpc.insecure_channel(f"127.0.0.1:{echo_port}", options=limits.grpc_options())
         echo = echo_channel.unary_unary("/bench.Echo/Echo")
         client = TrunkClient(f"127.0.0.1:{trunk_port}", insecure=True, limits=limits)
-        for size in sizes_mib:
-            hidden = torch.randn(size * MiB // 4 // 256, 256)
+        for size in sizes:
+            name = _SIZE_NAMES.get(size, f"{size}B")
+            hidden = torch.randn(size // 4 // 256, 256)
             payload = hidden.numpy().tobytes()
             state = CutState(hidden)
             t_channel, t_echo = interleaved(lambda: client.forward(state, train=False), lambda: echo(payload),
-                                            repeat, warmup=3)
-            out[f"channel_vs_grpc_ratio_{size}MiB"] = t_channel / t_echo
-            out[f"channel_rtt_{size}MiB_ms"] = t_channel * 1e3
-            out[f"grpc_echo_rtt_{size}MiB_ms"] = t_echo * 1e3
+                                            repeat * (10 if size < MiB else 1), warmup=3)
+            out[f"channel_vs_grpc_ratio_{name}"] = t_channel / t_echo
+            out[f"channel_rtt_{name}_ms"] = t_channel * 1e3
+            out[f"grpc_echo_rtt_{name}_ms"] = t_echo * 1e3
         client.close()
         echo_channel.close()
     finally:
