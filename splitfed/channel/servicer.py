@@ -47,7 +47,8 @@ from splitfed.errors import (
     TrunkStepError,
 )
 from splitfed.trunk.aggregation import Outcome
-from splitfed.trunk.runtime import ForwardRequest, TrunkRuntime
+from splitfed.trunk.requests import ForwardRequest
+from splitfed.trunk.runtime import TrunkRuntime
 from splitfed.trunk.scheduler import TrunkScheduler
 
 log = logging.getLogger(__name__)

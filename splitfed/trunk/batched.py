@@ -20,7 +20,8 @@ from splitfed.trunk.recompute import busy_on_oom
 from splitfed.trunk.store import DoneBackward, SavedForward
 
 if TYPE_CHECKING:
-    from splitfed.trunk.runtime import ForwardRequest, PendingBackward, TrunkRuntime
+    from splitfed.trunk.requests import ForwardRequest, PendingBackward
+    from splitfed.trunk.runtime import TrunkRuntime
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class Batcher:
         Returns its pending answer, and its group when that is now complete:
         the caller then calls :meth:`finish` outside the runtime lock.
         """
-        from splitfed.trunk.runtime import PendingBackward
+        from splitfed.trunk.requests import PendingBackward
 
         group: ForwardGroup = entry.group
         group.grads[entry.index] = grad.to(self.rt.device, entry.out_value.dtype)

@@ -26,9 +26,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -44,6 +42,7 @@ from splitfed.errors import (
 from splitfed.split.base import CutState
 from splitfed.trunk.aggregation import Contribution, Grads, Outcome, Result, SyncAggregator, TrunkAggregator
 from splitfed.trunk.batched import Batcher
+from splitfed.trunk.requests import BackwardResult, ForwardRequest, PendingBackward, ReplyCheck, resolved
 from splitfed.trunk.guard import GradientGuard
 from splitfed.trunk.recompute import SavedBytes, busy_on_oom, rng_devices, rng_state, set_rng_state
 from splitfed.trunk.store import DoneBackward, ForwardStore, SavedForward, StoreLimits
@@ -51,51 +50,6 @@ from splitfed.trunk.store import DoneBackward, ForwardStore, SavedForward, Store
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class BackwardResult:
-    """The gradient for the client's bottom part, and what happened to the trunk's gradient."""
-
-    grad_in: torch.Tensor
-    result: Result
-
-
-@dataclass(frozen=True)
-class PendingBackward:
-    """A Backward taken: its input gradient (at once, or when its batch's backward ran) and the step's outcome."""
-
-    grad_in: Future[torch.Tensor]
-    result: Future[Result]
-
-
-def resolved(value: Any) -> Future[Any]:
-    """A future that already holds ``value``."""
-    future: Future[Any] = Future()
-    future.set_result(value)
-    return future
-
-
-#: Checks a Backward's reply before anything is consumed: called with the input's shape.
-ReplyCheck = Callable[[tuple[int, ...]], None]
-
-
-@dataclass(frozen=True)
-class ForwardRequest:
-    """One client's Forward, as the scheduler queues it."""
-
-    client_id: str
-    activation_id: str
-    state: CutState
-    train: bool
-    num_examples: int = 1
-    retry: bool = False
-
-    @property
-    def tokens(self) -> int:
-        """Positions this forward computes (batch x length; batch for non-sequence inputs)."""
-        h = self.state.hidden
-        return int(h.shape[0] * h.shape[1]) if h.dim() >= 3 else int(h.shape[0]) if h.dim() else 1
 
 
 class TrunkRuntime:

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from splitfed.errors import TrunkBusyError
-from splitfed.trunk.runtime import ForwardRequest, TrunkRuntime
+from splitfed.trunk.requests import ForwardRequest
+from splitfed.trunk.runtime import TrunkRuntime
 
 log = logging.getLogger(__name__)
 
