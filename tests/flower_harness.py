@@ -7,6 +7,8 @@ ones. End-to-end runs through ``flwr run`` live in the slow tests.
 
 from __future__ import annotations
 
+import ast
+import threading
 import tomllib
 import uuid
 from collections.abc import Iterable
@@ -99,6 +101,22 @@ class ThreadGrid(Grid):
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+_AST_LOCK = threading.Lock()
+_AST_PARSE = ast.parse
+
+
+def _serial_ast_parse(*args: Any, **kwargs: Any) -> Any:
+    with _AST_LOCK:
+        return _AST_PARSE(*args, **kwargs)
+
+
+# CPython 3.11 (3.11.7 here) can fail with "AST constructor recursion depth mismatch" when threads build ASTs at
+# once (numpy's .npy header parser, used by Flower's ArrayRecord, calls ast.literal_eval). Flower runs each
+# ClientApp in its own process or actor; this harness runs several in threads of one process, so it builds
+# ASTs one at a time.
+ast.parse = _serial_ast_parse
 
 
 def run_apps(tmp_path: Path, num_nodes: int = 4, concurrency: int = 2, **overrides: Any) -> tuple[ThreadGrid, Path]:
