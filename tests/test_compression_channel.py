@@ -7,7 +7,6 @@ and optimizer state do not change.
 
 from __future__ import annotations
 
-import copy
 import struct
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,6 +17,7 @@ import pytest
 import torch
 from conftest import tiny_model
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_channel import _assert_unchanged, _trunk_snapshot
 
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel.client import RemoteTrunk, TrunkClient
@@ -58,22 +58,6 @@ def served(trunk_server):
 
     yield server, stub, call, channel
     channel.close()
-
-
-def _trunk_snapshot(server) -> tuple[dict, dict, int]:
-    rt = server.runtime
-    return copy.deepcopy(rt.trunk.state_dict()), copy.deepcopy(rt.optimizer.state_dict()), rt.version
-
-
-def _assert_unchanged(server, snap) -> None:
-    weights, opt, version = snap
-    now = server.runtime.trunk.state_dict()
-    assert all(torch.equal(weights[k], now[k]) for k in weights)
-    state = server.runtime.optimizer.state_dict()["state"]
-    assert state.keys() == opt["state"].keys()
-    for key, value in opt["state"].items():
-        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(state[key][n])) for n, v in value.items())
-    assert server.runtime.version == version
 
 
 def _serving(channel: grpc.Channel) -> bool:
