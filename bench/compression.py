@@ -62,7 +62,10 @@ def _end_processes_of(marker: str) -> None:
         if p.pid != os.getpid() and (marker in cmd or env.get("FLWR_HOME") == marker):
             procs.append(p)
     for p in list(procs):
-        procs.extend(p.children(recursive=True))
+        try:
+            procs.extend(p.children(recursive=True))
+        except psutil.NoSuchProcess:  # it ended between the scan and now
+            pass
     for p in procs:
         try:
             p.send_signal(signal.SIGTERM)

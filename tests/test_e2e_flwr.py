@@ -55,8 +55,10 @@ def _kill_tree_matching(marker: str) -> None:
         if p.pid != os.getpid() and (marker in cmd or env.get("FLWR_HOME") == marker):
             procs.append(p)
     for p in procs:
-        for child in p.children(recursive=True):
-            procs.append(child)
+        try:
+            procs.extend(p.children(recursive=True))
+        except psutil.NoSuchProcess:  # it ended between the scan and now
+            pass
     for p in procs:
         try:
             p.send_signal(signal.SIGTERM)
