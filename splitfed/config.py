@@ -14,7 +14,7 @@ from typing import Any
 
 from splitfed.errors import ConfigError
 
-_MODES = ("sync", "async", "quorum")
+_MODES = ("sync", "async", "quorum", "per-client", "sequential")
 _PARTITIONERS = ("iid", "dirichlet", "pathological")
 _STRATEGIES = ("fedavg", "fedprox", "fedadam", "fedavgm", "fedadagrad", "fedyogi", "fedmedian", "fedtrimmedavg",
                "krum", "multikrum", "bulyan")
@@ -72,6 +72,10 @@ class RunConfig:
     trunk_max_batch_tokens: int = 65536  # positions one batched trunk call may hold
     trunk_max_concurrent_rpcs: int = 4096  # calls the trunk serves at once (waiting ones hold no thread)
     trunk_checkpointing: bool = False  # keep only each forward's input; recompute in its backward
+    trunk_strategy: str = ""  # per-client mode: strategy that merges the trunk copies (empty: as strategy says)
+    trunk_replicas: int = 1  # trunk processes over torch.distributed (one per GPU when there are GPUs)
+    client_cuts: str = ""  # heterogeneous cuts "a,b a,b ...", assigned by partition id (round robin)
+    micro_batches: str = "1"  # pipelined split step: micro-batches per client batch, or "auto"
     # Data.
     dataset: str = ""  # empty: the model's embedded data; else a hub dataset (needs a network)
     partitioner: str = "iid"
@@ -148,6 +152,11 @@ class RunConfig:
         _choice("trunk-mode", self.trunk_mode, _MODES)
         _choice("partitioner", self.partitioner, _PARTITIONERS)
         _choice("strategy", self.strategy, _STRATEGIES)
+        _choice("trunk-strategy", self.trunk_strategy, ("",) + _STRATEGIES)
+        if self.micro_batches != "auto" and not (self.micro_batches.isdigit() and int(self.micro_batches) >= 1):
+            raise ConfigError(f"micro-batches must be 'auto' or an integer >= 1, got {self.micro_batches!r}")
+        if self.client_cuts:
+            parse_client_cuts(self.client_cuts)
         _choice("optimizer", self.optimizer, _OPTIMIZERS)
         _choice("wire-dtype", self.wire_dtype, _WIRE)
         _choice("wire-compression", self.wire_compression, ("none", "int8", "topk"))
@@ -165,7 +174,8 @@ class RunConfig:
                                 ("classes-per-partition",
                                                                           self.classes_per_partition, 1),
                                 ("trunk-max-batch-tokens", self.trunk_max_batch_tokens, 1),
-                                ("trunk-max-concurrent-rpcs", self.trunk_max_concurrent_rpcs, 1)]:
+                                ("trunk-max-concurrent-rpcs", self.trunk_max_concurrent_rpcs, 1),
+                                ("trunk-replicas", self.trunk_replicas, 1)]:
             if value < low:
                 raise ConfigError(f"{key} must be >= {low}, got {value}")
         if self.local_steps == 0 and self.local_epochs == 0:
@@ -193,6 +203,25 @@ class RunConfig:
         from splitfed.privacy import PrivacyConfig  # lazy: keeps config import-light
 
         PrivacyConfig.from_mapping(self.to_mapping())  # ConfigError naming the privacy key
+
+
+def parse_client_cuts(text: str) -> list[tuple[int, int]]:
+    """Parse ``client-cuts`` ("a,b a,b ..."): one (bottom end, top start) pair per entry, 0 < a <= b.
+
+    Raises ConfigError naming the key when an entry is not two integers in order.
+    """
+    cuts: list[tuple[int, int]] = []
+    for entry in text.split():
+        try:
+            a, b = (int(v) for v in entry.split(","))
+        except ValueError:
+            raise ConfigError(f"client-cuts entries must be 'a,b' (two integers), got {entry!r} in {text!r}") from None
+        if not 0 < a <= b:
+            raise ConfigError(f"client-cuts entry {entry!r} must satisfy 0 < a <= b")
+        cuts.append((a, b))
+    if not cuts:
+        raise ConfigError("client-cuts is set but holds no 'a,b' entry")
+    return cuts
 
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -232,4 +261,4 @@ def _coerce(key: str, f: dataclasses.Field[Any], value: Any) -> Any:
         raise ConfigError(f"run-config key {key!r} = {value!r} is not valid: expected {exc}") from None
 
 
-__all__ = ["RunConfig"]
+__all__ = ["RunConfig", "parse_client_cuts"]

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$splitfed/channel/split_channel.proto\x12\x0bsplitfed.v1\"\xa3\x01\n\nCompressed\x12.\n\x06method\x18\x01 \x01(\x0e\x32\x1e.splitfed.v1.CompressionMethod\x12!\n\x05\x64type\x18\x02 \x01(\x0e\x32\x12.splitfed.v1.DType\x12\x12\n\nblock_size\x18\x03 \x01(\x03\x12\r\n\x05\x63ount\x18\x04 \x01(\x03\x12\x0e\n\x06scales\x18\x05 \x01(\x0c\x12\x0f\n\x07indices\x18\x06 \x01(\x0c\"\x81\x01\n\x0f\x43ompressionSpec\x12.\n\x06method\x18\x01 \x01(\x0e\x32\x1e.splitfed.v1.CompressionMethod\x12\x12\n\ntopk_ratio\x18\x02 \x01(\x02\x12\x12\n\nblock_size\x18\x03 \x01(\x03\x12\x16\n\x0e\x65rror_feedback\x18\x04 \x01(\x08\"\x83\x01\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05\x64type\x18\x02 \x01(\x0e\x32\x12.splitfed.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12+\n\ncompressed\x18\x05 \x01(\x0b\x32\x17.splitfed.v1.Compressed\"\xe8\x01\n\x0e\x46orwardRequest\x12\x15\n\ractivation_id\x18\x01 \x01(\t\x12\r\n\x05train\x18\x02 \x01(\x08\x12$\n\x07tensors\x18\x03 \x03(\x0b\x32\x13.splitfed.v1.Tensor\x12\'\n\x0breply_dtype\x18\x04 \x01(\x0e\x32\x12.splitfed.v1.DType\x12\x14\n\x0cnum_examples\x18\x05 \x01(\x03\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x37\n\x11reply_compression\x18\x07 \x01(\x0b\x32\x1c.splitfed.v1.CompressionSpec\"b\n\x0c\x46orwardReply\x12\x15\n\ractivation_id\x18\x01 \x01(\t\x12$\n\x07tensors\x18\x02 \x03(\x0b\x32\x13.splitfed.v1.Tensor\x12\x15\n\rtrunk_version\x18\x03 \x01(\x03\"\xb0\x01\n\x0f\x42\x61\x63kwardRequest\x12\x15\n\ractivation_id\x18\x01 \x01(\t\x12$\n\x07tensors\x18\x02 \x03(\x0b\x32\x13.splitfed.v1.Tensor\x12\'\n\x0breply_dtype\x18\x03 \x01(\x0e\x32\x12.splitfed.v1.DType\x12\x37\n\x11reply_compression\x18\x04 \x01(\x0b\x32\x1c.splitfed.v1.CompressionSpec\"\xa3\x01\n\rBackwardReply\x12\x15\n\ractivation_id\x18\x01 \x01(\t\x12$\n\x07tensors\x18\x02 \x03(\x0b\x32\x13.splitfed.v1.Tensor\x12\x15\n\rtrunk_version\x18\x03 \x01(\x03\x12+\n\x07outcome\x18\x04 \x01(\x0e\x32\x1a.splitfed.v1.UpdateOutcome\x12\x11\n\tstaleness\x18\x05 \x01(\x03\"%\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x90\x02\n\x05\x46rame\x12\x36\n\x0f\x66orward_request\x18\x01 \x01(\x0b\x32\x1b.splitfed.v1.ForwardRequestH\x00\x12\x32\n\rforward_reply\x18\x02 \x01(\x0b\x32\x19.splitfed.v1.ForwardReplyH\x00\x12\x38\n\x10\x62\x61\x63kward_request\x18\x03 \x01(\x0b\x32\x1c.splitfed.v1.BackwardRequestH\x00\x12\x34\n\x0e\x62\x61\x63kward_reply\x18\x04 \x01(\x0b\x32\x1a.splitfed.v1.BackwardReplyH\x00\x12#\n\x05\x63hunk\x18\x05 \x01(\x0b\x32\x12.splitfed.v1.ChunkH\x00\x42\x06\n\x04\x62ody\"\r\n\x0bInfoRequest\"\xbd\x01\n\tInfoReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04\x63uts\x18\x02 \x03(\x05\x12\x12\n\ntrunk_mode\x18\x03 \x01(\t\x12\x15\n\rtrunk_version\x18\x04 \x01(\x03\x12\x19\n\x11max_message_bytes\x18\x05 \x01(\x03\x12\x1e\n\x16stream_threshold_bytes\x18\x06 \x01(\x03\x12\x15\n\rauth_required\x18\x07 \x01(\x08\x12\x16\n\x0eserver_version\x18\x08 \x01(\t\"\r\n\x0bJoinRequest\"6\n\tJoinReply\x12\x15\n\rtrunk_version\x18\x01 \x01(\x03\x12\x12\n\ngroup_size\x18\x02 \x01(\x05\"\x0e\n\x0cLeaveRequest\" \n\nLeaveReply\x12\x12\n\ngroup_size\x18\x01 \x01(\x05\"<\n\x12OpenSessionRequest\x12\x12\n\nmax_length\x18\x01 \x01(\x03\x12\x12\n\nbatch_size\x18\x02 \x01(\x03\":\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nidle_ttl_s\x18\x02 \x01(\x01\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x13\n\x11\x43loseSessionReply*{\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT64\x10\x04\x12\t\n\x05INT32\x10\x05\x12\x08\n\x04\x42OOL\x10\x06\x12\t\n\x05UINT8\x10\x07\x12\x08\n\x04INT8\x10\x08*G\n\x11\x43ompressionMethod\x12\x14\n\x10\x43OMPRESSION_NONE\x10\x00\x12\x12\n\x0eINT8_BLOCKWISE\x10\x01\x12\x08\n\x04TOPK\x10\x02*\x87\x01\n\rUpdateOutcome\x12\x1e\n\x1aUPDATE_OUTCOME_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x41PPLIED\x10\x01\x12\x10\n\x0c\x44OWNWEIGHTED\x10\x02\x12\x12\n\x0eREJECTED_STALE\x10\x03\x12\x12\n\x0eREJECTED_GUARD\x10\x04\x12\x0f\n\x0bNOT_TRAINED\x10\x05\x32\xe4\x04\n\x0cSplitChannel\x12\x38\n\x04Info\x12\x18.splitfed.v1.InfoRequest\x1a\x16.splitfed.v1.InfoReply\x12\x38\n\x04Join\x12\x18.splitfed.v1.JoinRequest\x1a\x16.splitfed.v1.JoinReply\x12;\n\x05Leave\x12\x19.splitfed.v1.LeaveRequest\x1a\x17.splitfed.v1.LeaveReply\x12\x41\n\x07\x46orward\x12\x1b.splitfed.v1.ForwardRequest\x1a\x19.splitfed.v1.ForwardReply\x12\x44\n\x08\x42\x61\x63kward\x12\x1c.splitfed.v1.BackwardRequest\x1a\x1a.splitfed.v1.BackwardReply\x12;\n\rForwardStream\x12\x12.splitfed.v1.Frame\x1a\x12.splitfed.v1.Frame(\x01\x30\x01\x12<\n\x0e\x42\x61\x63kwardStream\x12\x12.splitfed.v1.Frame\x1a\x12.splitfed.v1.Frame(\x01\x30\x01\x12M\n\x0bOpenSession\x12\x1f.splitfed.v1.OpenSessionRequest\x1a\x1d.splitfed.v1.OpenSessionReply\x12P\n\x0c\x43loseSession\x12 .splitfed.v1.CloseSessionRequest\x1a\x1e.splitfed.v1.CloseSessionReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$splitfed/channel/split_channel.proto\x12\x0bsplitfed.v1\"\xa3\x01\n\nCompressed\x12.\n\x06method\x18\x01 \x01(\x0e\x32\x1e.splitfed.v1.CompressionMethod\x12!\n\x05\x64type\x18\x02 \x01(\x0e\x32\x12.splitfed.v1.DType\x12\x12\n\nblock_size\x18\x03 \x01(\x03\x12\r\n\x05\x63ount\x18\x04 \x01(\x03\x12\x0e\n\x06scales\x18\x05 \x01(\x0c\x12\x0f\n\x07indices\x18\x06 \x01(\x0c\"\x81\x01\n\x0f\x43ompressionSpec\x12.\n\x06method\x18\x01 \x01(\x0e\x32\x1e.splitfed.v1.CompressionMethod\x12\x12\n\ntopk_ratio\x18\x02 \x01(\x02\x12\x12\n\nblock_size\x18\x03 \x01(\x03\x12\x16\n\x0e\x65rror_feedback\x18\x04 \x01(\x08\"\x83\x01\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05\x64type\x18\x02 \x01(\x0e\x32\x12.splitfed.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12+\n\ncompressed\x18\x05 \x01(\x0b\x32\x17.splitfed.v1.Compressed\"\x8c\x02\n\x0e\x46orwardRequest\x12\x15\n\ractivation_id\x18\x01 \x01(\t\x12\r\n\x05train\x18\x02 \x01(\x08\x12$\n\x07tensors\x18\x03 \x03(\x0b\x32\x13.splitfed.v1.Tensor\x12\'\n\x0breply_dtype\x18\x04 \x01(\x0e\x32\x12.splitfed.v1.DType\x12\x14\n\x0cnum_examples\x18\x05 \x01(\x03\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x37\n\x11reply_compression\x18\x07 \x01(\x0b\x32\x1c.splitfed.v1.CompressionSpec\x12\x11\n\tcut_start\x18\x08 \x01(\x05\x12\x0f\n\x07\x63ut_end\x18\t \x01(\x05\"b\n\x0c\x46orwardReply\x12\x15\n\ractivation_id\x18\x01 \x01(\t\x12$\n\x07tensors\x18\x02 \x03(\x0b\x32\x13.splitfed.v1.Tensor\x12\x15\n\rtrunk_version\x18\x03 \x01(\x03\"\xd5\x01\n\x0f\x42\x61\x63kwardRequest\x12\x15\n\ractivation_id\x18\x01 \x01(\t\x12$\n\x07tensors\x18\x02 \x03(\x0b\x32\x13.splitfed.v1.Tensor\x12\'\n\x0breply_dtype\x18\x03 \x01(\x0e\x32\x12.splitfed.v1.DType\x12\x37\n\x11reply_compression\x18\x04 \x01(\x0b\x32\x1c.splitfed.v1.CompressionSpec\x12\x0f\n\x07step_id\x18\x05 \x01(\t\x12\x12\n\nstep_parts\x18\x06 \x01(\x05\"\xa3\x01\n\rBackwardReply\x12\x15\n\ractivation_id\x18\x01 \x01(\t\x12$\n\x07tensors\x18\x02 \x03(\x0b\x32\x13.splitfed.v1.Tensor\x12\x15\n\rtrunk_version\x18\x03 \x01(\x03\x12+\n\x07outcome\x18\x04 \x01(\x0e\x32\x1a.splitfed.v1.UpdateOutcome\x12\x11\n\tstaleness\x18\x05 \x01(\x03\"%\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x90\x02\n\x05\x46rame\x12\x36\n\x0f\x66orward_request\x18\x01 \x01(\x0b\x32\x1b.splitfed.v1.ForwardRequestH\x00\x12\x32\n\rforward_reply\x18\x02 \x01(\x0b\x32\x19.splitfed.v1.ForwardReplyH\x00\x12\x38\n\x10\x62\x61\x63kward_request\x18\x03 \x01(\x0b\x32\x1c.splitfed.v1.BackwardRequestH\x00\x12\x34\n\x0e\x62\x61\x63kward_reply\x18\x04 \x01(\x0b\x32\x1a.splitfed.v1.BackwardReplyH\x00\x12#\n\x05\x63hunk\x18\x05 \x01(\x0b\x32\x12.splitfed.v1.ChunkH\x00\x42\x06\n\x04\x62ody\"\r\n\x0bInfoRequest\"\xbd\x01\n\tInfoReply\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04\x63uts\x18\x02 \x03(\x05\x12\x12\n\ntrunk_mode\x18\x03 \x01(\t\x12\x15\n\rtrunk_version\x18\x04 \x01(\x03\x12\x19\n\x11max_message_bytes\x18\x05 \x01(\x03\x12\x1e\n\x16stream_threshold_bytes\x18\x06 \x01(\x03\x12\x15\n\rauth_required\x18\x07 \x01(\x08\x12\x16\n\x0eserver_version\x18\x08 \x01(\t\"\r\n\x0bJoinRequest\"6\n\tJoinReply\x12\x15\n\rtrunk_version\x18\x01 \x01(\x03\x12\x12\n\ngroup_size\x18\x02 \x01(\x05\"\x0e\n\x0cLeaveRequest\" \n\nLeaveReply\x12\x12\n\ngroup_size\x18\x01 \x01(\x05\"<\n\x12OpenSessionRequest\x12\x12\n\nmax_length\x18\x01 \x01(\x03\x12\x12\n\nbatch_size\x18\x02 \x01(\x03\":\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nidle_ttl_s\x18\x02 \x01(\x01\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x13\n\x11\x43loseSessionReply*{\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT64\x10\x04\x12\t\n\x05INT32\x10\x05\x12\x08\n\x04\x42OOL\x10\x06\x12\t\n\x05UINT8\x10\x07\x12\x08\n\x04INT8\x10\x08*G\n\x11\x43ompressionMethod\x12\x14\n\x10\x43OMPRESSION_NONE\x10\x00\x12\x12\n\x0eINT8_BLOCKWISE\x10\x01\x12\x08\n\x04TOPK\x10\x02*\x87\x01\n\rUpdateOutcome\x12\x1e\n\x1aUPDATE_OUTCOME_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x41PPLIED\x10\x01\x12\x10\n\x0c\x44OWNWEIGHTED\x10\x02\x12\x12\n\x0eREJECTED_STALE\x10\x03\x12\x12\n\x0eREJECTED_GUARD\x10\x04\x12\x0f\n\x0bNOT_TRAINED\x10\x05\x32\xe4\x04\n\x0cSplitChannel\x12\x38\n\x04Info\x12\x18.splitfed.v1.InfoRequest\x1a\x16.splitfed.v1.InfoReply\x12\x38\n\x04Join\x12\x18.splitfed.v1.JoinRequest\x1a\x16.splitfed.v1.JoinReply\x12;\n\x05Leave\x12\x19.splitfed.v1.LeaveRequest\x1a\x17.splitfed.v1.LeaveReply\x12\x41\n\x07\x46orward\x12\x1b.splitfed.v1.ForwardRequest\x1a\x19.splitfed.v1.ForwardReply\x12\x44\n\x08\x42\x61\x63kward\x12\x1c.splitfed.v1.BackwardRequest\x1a\x1a.splitfed.v1.BackwardReply\x12;\n\rForwardStream\x12\x12.splitfed.v1.Frame\x1a\x12.splitfed.v1.Frame(\x01\x30\x01\x12<\n\x0e\x42\x61\x63kwardStream\x12\x12.splitfed.v1.Frame\x1a\x12.splitfed.v1.Frame(\x01\x30\x01\x12M\n\x0bOpenSession\x12\x1f.splitfed.v1.OpenSessionRequest\x1a\x1d.splitfed.v1.OpenSessionReply\x12P\n\x0c\x43loseSession\x12 .splitfed.v1.CloseSessionRequest\x1a\x1e.splitfed.v1.CloseSessionReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitfed.channel.split_channel_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1993
-  _globals['_DTYPE']._serialized_end=2116
-  _globals['_COMPRESSIONMETHOD']._serialized_start=2118
-  _globals['_COMPRESSIONMETHOD']._serialized_end=2189
-  _globals['_UPDATEOUTCOME']._serialized_start=2192
-  _globals['_UPDATEOUTCOME']._serialized_end=2327
+  _globals['_DTYPE']._serialized_start=2066
+  _globals['_DTYPE']._serialized_end=2189
+  _globals['_COMPRESSIONMETHOD']._serialized_start=2191
+  _globals['_COMPRESSIONMETHOD']._serialized_end=2262
+  _globals['_UPDATEOUTCOME']._serialized_start=2265
+  _globals['_UPDATEOUTCOME']._serialized_end=2400
   _globals['_COMPRESSED']._serialized_start=54
   _globals['_COMPRESSED']._serialized_end=217
   _globals['_COMPRESSIONSPEC']._serialized_start=220
@@ -44,37 +44,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_start=352
   _globals['_TENSOR']._serialized_end=483
   _globals['_FORWARDREQUEST']._serialized_start=486
-  _globals['_FORWARDREQUEST']._serialized_end=718
-  _globals['_FORWARDREPLY']._serialized_start=720
-  _globals['_FORWARDREPLY']._serialized_end=818
-  _globals['_BACKWARDREQUEST']._serialized_start=821
-  _globals['_BACKWARDREQUEST']._serialized_end=997
-  _globals['_BACKWARDREPLY']._serialized_start=1000
-  _globals['_BACKWARDREPLY']._serialized_end=1163
-  _globals['_CHUNK']._serialized_start=1165
-  _globals['_CHUNK']._serialized_end=1202
-  _globals['_FRAME']._serialized_start=1205
-  _globals['_FRAME']._serialized_end=1477
-  _globals['_INFOREQUEST']._serialized_start=1479
-  _globals['_INFOREQUEST']._serialized_end=1492
-  _globals['_INFOREPLY']._serialized_start=1495
-  _globals['_INFOREPLY']._serialized_end=1684
-  _globals['_JOINREQUEST']._serialized_start=1686
-  _globals['_JOINREQUEST']._serialized_end=1699
-  _globals['_JOINREPLY']._serialized_start=1701
-  _globals['_JOINREPLY']._serialized_end=1755
-  _globals['_LEAVEREQUEST']._serialized_start=1757
-  _globals['_LEAVEREQUEST']._serialized_end=1771
-  _globals['_LEAVEREPLY']._serialized_start=1773
-  _globals['_LEAVEREPLY']._serialized_end=1805
-  _globals['_OPENSESSIONREQUEST']._serialized_start=1807
-  _globals['_OPENSESSIONREQUEST']._serialized_end=1867
-  _globals['_OPENSESSIONREPLY']._serialized_start=1869
-  _globals['_OPENSESSIONREPLY']._serialized_end=1927
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1929
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1970
-  _globals['_CLOSESESSIONREPLY']._serialized_start=1972
-  _globals['_CLOSESESSIONREPLY']._serialized_end=1991
-  _globals['_SPLITCHANNEL']._serialized_start=2330
-  _globals['_SPLITCHANNEL']._serialized_end=2942
+  _globals['_FORWARDREQUEST']._serialized_end=754
+  _globals['_FORWARDREPLY']._serialized_start=756
+  _globals['_FORWARDREPLY']._serialized_end=854
+  _globals['_BACKWARDREQUEST']._serialized_start=857
+  _globals['_BACKWARDREQUEST']._serialized_end=1070
+  _globals['_BACKWARDREPLY']._serialized_start=1073
+  _globals['_BACKWARDREPLY']._serialized_end=1236
+  _globals['_CHUNK']._serialized_start=1238
+  _globals['_CHUNK']._serialized_end=1275
+  _globals['_FRAME']._serialized_start=1278
+  _globals['_FRAME']._serialized_end=1550
+  _globals['_INFOREQUEST']._serialized_start=1552
+  _globals['_INFOREQUEST']._serialized_end=1565
+  _globals['_INFOREPLY']._serialized_start=1568
+  _globals['_INFOREPLY']._serialized_end=1757
+  _globals['_JOINREQUEST']._serialized_start=1759
+  _globals['_JOINREQUEST']._serialized_end=1772
+  _globals['_JOINREPLY']._serialized_start=1774
+  _globals['_JOINREPLY']._serialized_end=1828
+  _globals['_LEAVEREQUEST']._serialized_start=1830
+  _globals['_LEAVEREQUEST']._serialized_end=1844
+  _globals['_LEAVEREPLY']._serialized_start=1846
+  _globals['_LEAVEREPLY']._serialized_end=1878
+  _globals['_OPENSESSIONREQUEST']._serialized_start=1880
+  _globals['_OPENSESSIONREQUEST']._serialized_end=1940
+  _globals['_OPENSESSIONREPLY']._serialized_start=1942
+  _globals['_OPENSESSIONREPLY']._serialized_end=2000
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=2002
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=2043
+  _globals['_CLOSESESSIONREPLY']._serialized_start=2045
+  _globals['_CLOSESESSIONREPLY']._serialized_end=2064
+  _globals['_SPLITCHANNEL']._serialized_start=2403
+  _globals['_SPLITCHANNEL']._serialized_end=3015
 # @@protoc_insertion_point(module_scope)

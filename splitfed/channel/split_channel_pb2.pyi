@@ -95,7 +95,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., compressed: _Optional[_Union[Compressed, _Mapping]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("activation_id", "train", "tensors", "reply_dtype", "num_examples", "session_id", "reply_compression")
+    __slots__ = ("activation_id", "train", "tensors", "reply_dtype", "num_examples", "session_id", "reply_compression", "cut_start", "cut_end")
     ACTIVATION_ID_FIELD_NUMBER: _ClassVar[int]
     TRAIN_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,8 @@ class ForwardRequest(_message.Message):
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REPLY_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    CUT_START_FIELD_NUMBER: _ClassVar[int]
+    CUT_END_FIELD_NUMBER: _ClassVar[int]
     activation_id: str
     train: bool
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
@@ -110,7 +112,9 @@ class ForwardRequest(_message.Message):
     num_examples: int
     session_id: str
     reply_compression: CompressionSpec
-    def __init__(self, activation_id: _Optional[str] = ..., train: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., num_examples: _Optional[int] = ..., session_id: _Optional[str] = ..., reply_compression: _Optional[_Union[CompressionSpec, _Mapping]] = ...) -> None: ...
+    cut_start: int
+    cut_end: int
+    def __init__(self, activation_id: _Optional[str] = ..., train: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., num_examples: _Optional[int] = ..., session_id: _Optional[str] = ..., reply_compression: _Optional[_Union[CompressionSpec, _Mapping]] = ..., cut_start: _Optional[int] = ..., cut_end: _Optional[int] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("activation_id", "tensors", "trunk_version")
@@ -123,16 +127,20 @@ class ForwardReply(_message.Message):
     def __init__(self, activation_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., trunk_version: _Optional[int] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
-    __slots__ = ("activation_id", "tensors", "reply_dtype", "reply_compression")
+    __slots__ = ("activation_id", "tensors", "reply_dtype", "reply_compression", "step_id", "step_parts")
     ACTIVATION_ID_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     REPLY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     REPLY_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_PARTS_FIELD_NUMBER: _ClassVar[int]
     activation_id: str
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     reply_dtype: DType
     reply_compression: CompressionSpec
-    def __init__(self, activation_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., reply_compression: _Optional[_Union[CompressionSpec, _Mapping]] = ...) -> None: ...
+    step_id: str
+    step_parts: int
+    def __init__(self, activation_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., reply_compression: _Optional[_Union[CompressionSpec, _Mapping]] = ..., step_id: _Optional[str] = ..., step_parts: _Optional[int] = ...) -> None: ...
 
 class BackwardReply(_message.Message):
     __slots__ = ("activation_id", "tensors", "trunk_version", "outcome", "staleness")
