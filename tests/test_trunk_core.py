@@ -303,3 +303,33 @@ def test_one_client_cannot_take_every_session() -> None:
     with pytest.raises(ResourceExhaustedError, match="most one client may"):
         sessions.open("greedy", max_length=8)
     sessions.open("other", max_length=8)
+
+
+def test_small_tasks_run_inline_only_when_the_device_thread_is_idle() -> None:
+    """A small task skips the device thread when it is idle; while the device thread works, it queues behind."""
+    from splitfed.trunk.scheduler import TrunkScheduler
+
+    split = split_model(tiny_model("llama", layers=3), cuts=(1, 2))
+    scheduler = TrunkScheduler(TrunkRuntime(split.trunk)).start()
+    try:
+        caller = threading.get_ident()
+        done = scheduler.now_or_queued(threading.get_ident, small=True)
+        assert done.done() and done.result() == caller and scheduler.stats["inline"] == 1
+        assert scheduler.now_or_queued(threading.get_ident, small=False).result(5) != caller  # large: queued
+
+        running, release, order = threading.Event(), threading.Event(), []
+
+        def slow() -> None:
+            running.set()
+            release.wait(5)
+            order.append("slow")
+
+        scheduler.call(slow)
+        assert running.wait(5)
+        queued = scheduler.now_or_queued(lambda: order.append("small") or threading.get_ident(), small=True)
+        assert not queued.done()  # the device thread is busy: no second task runs at once
+        release.set()
+        assert queued.result(5) != caller and order == ["slow", "small"]
+        assert scheduler.stats["inline"] == 1
+    finally:
+        scheduler.stop()

@@ -13,6 +13,7 @@ rejected request.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -76,6 +77,17 @@ _OUTCOME = {
 }
 
 T = TypeVar("T")
+
+# A forward on at most this many hidden elements may run on the event loop's thread when the trunk is idle
+# (skipping two thread switches); larger ones always go to the device thread.
+INLINE_MAX_ELEMENTS = 1 << 15
+
+
+async def _outcome(future: concurrent.futures.Future[T]) -> T:
+    """The future's result: at once when it is already done (a task run inline), else awaited on the loop."""
+    if future.done():
+        return future.result()
+    return await asyncio.wrap_future(future)
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -206,18 +218,20 @@ class SplitChannelServicer:
         spec = reply_spec(req)
         state = decode_state(tensors, self.tensor_limits)
         self._count("received", tensors)
+        small = state.hidden.numel() <= INLINE_MAX_ELEMENTS
         if req.session_id:
             if self.sessions is None:
                 raise SessionNotFoundError("this server does not serve inference sessions")
             sessions = self.sessions
             runtime = self.runtime
-            out = await self._on_device(lambda: runtime.handed(sessions.step(client, req.session_id, state,
-                                                                             step_id=req.activation_id)))
+            out = await _outcome(self.scheduler.now_or_queued(
+                lambda: runtime.handed(sessions.step(client, req.session_id, state, step_id=req.activation_id)),
+                small=small))
             version = self.runtime.version
         else:
             request = ForwardRequest(client, req.activation_id, state, req.train, req.num_examples, retry)
             try:
-                out, version = await asyncio.wrap_future(self.scheduler.forward(request))
+                out, version = await _outcome(self.scheduler.forward(request, small=small))
             except SplitFedError:  # a refused forward: the step must not wait for this client
                 if req.train:
                     await self._refused(client)

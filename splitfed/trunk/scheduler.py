@@ -13,6 +13,13 @@ arrive within the window are run as one batched trunk call when the runtime
 can batch them (:meth:`TrunkRuntime.forward_many`); each client still gets its
 own output, saved forward and gradient. Everything else (backwards, inference
 session steps, evaluation) runs one task at a time, in order.
+
+Small requests skip the hop: when the device thread is idle and nothing is
+queued, :meth:`TrunkScheduler.now_or_queued` runs a small task on the caller's
+thread at once (still one task at a time: the device thread and such callers
+hold the same execution lock). Two thread switches cost more than a forward on
+a few kilobytes, and small messages (decode steps, small batches) are where
+that shows.
 """
 
 from __future__ import annotations
@@ -69,7 +76,8 @@ class TrunkScheduler:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.stats: dict[str, int] = {"tasks": 0, "batched-forwards": 0, "forward-batches": 0}
+        self._exec = threading.Lock()  # held by whoever runs trunk work: the device thread or an inline caller
+        self.stats: dict[str, int] = {"tasks": 0, "batched-forwards": 0, "forward-batches": 0, "inline": 0}
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> TrunkScheduler:
@@ -101,11 +109,30 @@ class TrunkScheduler:
         """Run ``fn()`` on the device thread, in order with every other task."""
         return self._put(_Task(fn, Future()))
 
-    def forward(self, request: ForwardRequest) -> Future[tuple[Any, int]]:
-        """A forward, batched with others within the window when the runtime can."""
+    def now_or_queued(self, fn: Callable[[], T], *, small: bool) -> Future[T]:
+        """Run a ``small`` task on the calling thread when the device thread is idle and nothing waits; else queue it.
+
+        The returned future is already done when the task ran inline. Large tasks always go to the device thread
+        (an event loop must not compute for long).
+        """
+        if small and not self._stopping and not self._queue and self._exec.acquire(blocking=False):
+            try:
+                future: Future[T] = Future()
+                self.stats["inline"] += 1
+                self._settle(future, fn)
+                return future
+            finally:
+                self._exec.release()
+        return self.call(fn)
+
+    def forward(self, request: ForwardRequest, *, small: bool = False) -> Future[tuple[Any, int]]:
+        """A forward, batched with others within the window when the runtime can.
+
+        With no batching window, a ``small`` forward may run on the caller's thread (see :meth:`now_or_queued`).
+        """
         batchable = self.batch_window_s > 0 and self.runtime.can_batch(request)
         if not batchable:
-            return self.call(lambda: self.runtime.forward_request(request))
+            return self.now_or_queued(lambda: self.runtime.forward_request(request), small=small)
         return self._put(_Task(None, Future(), forward=request, tokens=request.tokens))
 
     def _put(self, task: _Task) -> Future[Any]:
@@ -131,17 +158,18 @@ class TrunkScheduler:
                 if self._stopping:
                     return
                 batch = self._take()
-            if batch:
-                self._run(batch)
-            now = time.monotonic()
-            deadline = self.runtime.deadline()
-            if deadline is not None and deadline <= now:
-                self._guarded(self.runtime.poll)
-            if now >= next_sweep:
-                next_sweep = now + self.sweep_period_s
-                self._guarded(self.runtime.sweep)
-                if self.on_sweep is not None:
-                    self._guarded(self.on_sweep)
+            with self._exec:
+                if batch:
+                    self._run(batch)
+                now = time.monotonic()
+                deadline = self.runtime.deadline()
+                if deadline is not None and deadline <= now:
+                    self._guarded(self.runtime.poll)
+                if now >= next_sweep:
+                    next_sweep = now + self.sweep_period_s
+                    self._guarded(self.runtime.sweep)
+                    if self.on_sweep is not None:
+                        self._guarded(self.on_sweep)
 
     def _take(self) -> list[_Task]:
         """The next task, or the next window of batchable forwards (caller holds the condition)."""
