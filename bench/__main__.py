@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench import core, generation
+from bench import core, gen_batching, generation
 from splitfed.tuning import tune_malloc
 
 SUITES: dict[str, Callable[..., dict[str, float]]] = {
@@ -21,6 +21,7 @@ SUITES: dict[str, Callable[..., dict[str, float]]] = {
     "codec": core.codec_speedup,
     "compression": core.compression,
     "generation": generation.generation,
+    "gen_batching": gen_batching.gen_batching,
 }
 
 

@@ -48,6 +48,7 @@ from splitfed.errors import (
     TrunkStepError,
 )
 from splitfed.trunk.aggregation import Outcome
+from splitfed.trunk.decoding import SessionStep
 from splitfed.trunk.requests import ForwardRequest
 from splitfed.trunk.runtime import TrunkRuntime
 from splitfed.trunk.scheduler import TrunkScheduler
@@ -222,11 +223,14 @@ class SplitChannelServicer:
         if req.session_id:
             if self.sessions is None:
                 raise SessionNotFoundError("this server does not serve inference sessions")
-            sessions = self.sessions
-            runtime = self.runtime
-            out = await _outcome(self.scheduler.now_or_queued(
-                lambda: runtime.handed(sessions.step(client, req.session_id, state, step_id=req.activation_id)),
-                small=small))
+            sessions, runtime = self.sessions, self.runtime
+            step = SessionStep(client, req.session_id, state, req.activation_id)
+            if callable(getattr(sessions, "run_many", None)):  # decode steps batch within the window
+                out = await _outcome(self.scheduler.batched(sessions, step, step.tokens, small=small))
+            else:
+                out = await _outcome(self.scheduler.now_or_queued(
+                    lambda: runtime.handed(sessions.step(client, req.session_id, state, step_id=req.activation_id)),
+                    small=small))
             version = self.runtime.version
         else:
             request = ForwardRequest(client, req.activation_id, state, req.train, req.num_examples, retry)

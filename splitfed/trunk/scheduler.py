@@ -11,8 +11,10 @@ hundreds of clients can wait on one server with a fixed number of threads.
 Cross-client batching: with ``batch_window_ms > 0``, training forwards that
 arrive within the window are run as one batched trunk call when the runtime
 can batch them (:meth:`TrunkRuntime.forward_many`); each client still gets its
-own output, saved forward and gradient. Everything else (backwards, inference
-session steps, evaluation) runs one task at a time, in order.
+own output, saved forward and gradient. Inference sessions' decode steps that
+arrive within the same window run as one batched call too (:meth:`TrunkScheduler.batched`,
+:mod:`splitfed.trunk.decoding`). Everything else (backwards, evaluation without a
+window) runs one task at a time, in order.
 
 Small requests skip the hop: when the device thread is idle and nothing is
 queued, :meth:`TrunkScheduler.now_or_queued` runs a small task on the caller's
@@ -31,7 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from splitfed.errors import TrunkBusyError
 from splitfed.trunk.requests import ForwardRequest
@@ -42,11 +44,26 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class BatchRunner(Protocol):
+    """Work that batches on the device thread (e.g. inference sessions' decode steps)."""
+
+    def run_one(self, item: Any) -> Any:
+        """Run one item alone."""
+
+    def run_many(self, items: list[Any]) -> list[Any]:
+        """Run items collected within the window; one result or exception per item, in order."""
+
+    def complete(self, items: list[Any]) -> bool:
+        """Whether no other item is expected: the window may close early."""
+
+
 @dataclass
 class _Task:
     run: Callable[[], Any] | None
     future: Future[Any]
     forward: ForwardRequest | None = None  # batchable training forward
+    runner: BatchRunner | None = None  # batches ``item`` with other items of the same runner
+    item: Any = None
     tokens: int = 0
     queued: float = field(default_factory=time.monotonic)
 
@@ -77,7 +94,8 @@ class TrunkScheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._exec = threading.Lock()  # held by whoever runs trunk work: the device thread or an inline caller
-        self.stats: dict[str, int] = {"tasks": 0, "batched-forwards": 0, "forward-batches": 0, "inline": 0}
+        self.stats: dict[str, int] = {"tasks": 0, "batched-forwards": 0, "forward-batches": 0, "inline": 0,
+                                      "item-batches": 0, "batched-items": 0}
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> TrunkScheduler:
@@ -135,6 +153,15 @@ class TrunkScheduler:
             return self.now_or_queued(lambda: self.runtime.forward_request(request), small=small)
         return self._put(_Task(None, Future(), forward=request, tokens=request.tokens))
 
+    def batched(self, runner: BatchRunner, item: Any, tokens: int = 1, *, small: bool = False) -> Future[Any]:
+        """``runner``'s work on ``item``, batched with its other items within the window.
+
+        With no window it runs alone (a ``small`` one maybe on the caller's thread, see :meth:`now_or_queued`).
+        """
+        if self.batch_window_s <= 0:
+            return self.now_or_queued(lambda: runner.run_one(item), small=small)
+        return self._put(_Task(None, Future(), tokens=tokens, runner=runner, item=item))
+
     def _put(self, task: _Task) -> Future[Any]:
         with self._cond:
             if self._stopping:
@@ -176,13 +203,13 @@ class TrunkScheduler:
         if not self._queue:
             return []
         first = self._queue.popleft()
-        if first.forward is None:
+        if first.forward is None and first.runner is None:
             return [first]
         batch, tokens = [first], first.tokens
         close = first.queued + self.batch_window_s
         while True:
             for task in list(self._queue):
-                if task.forward is None or task.forward.train != first.forward.train:
+                if not self._joins(first, task):
                     continue
                 if tokens + task.tokens > self.max_batch_tokens:
                     return batch
@@ -194,8 +221,16 @@ class TrunkScheduler:
                 return batch
             self._cond.wait(remaining)
 
+    @staticmethod
+    def _joins(first: _Task, task: _Task) -> bool:
+        if first.runner is not None:
+            return task.runner is first.runner
+        return task.forward is not None and task.forward.train == first.forward.train  # type: ignore[union-attr]
+
     def _everyone_in(self, batch: list[_Task]) -> bool:
         """A training batch holding a forward of every step-group member will get no more: close it now."""
+        if batch[0].runner is not None:
+            return batch[0].runner.complete([t.item for t in batch])
         if not batch[0].forward or not batch[0].forward.train:  # type: ignore[union-attr]
             return False
         members = self.runtime.aggregator.members
@@ -203,6 +238,9 @@ class TrunkScheduler:
 
     def _run(self, batch: list[_Task]) -> None:
         self.stats["tasks"] += len(batch)
+        if batch[0].runner is not None:
+            self._run_items(batch)
+            return
         if batch[0].forward is None:
             task = batch[0]
             assert task.run is not None
@@ -218,6 +256,22 @@ class TrunkScheduler:
             for t in batch:
                 t.future.set_exception(exc)
             return
+        for t, result in zip(batch, results):
+            if isinstance(result, BaseException):
+                t.future.set_exception(result)
+            else:
+                t.future.set_result(result)
+
+    def _run_items(self, batch: list[_Task]) -> None:
+        runner = batch[0].runner
+        assert runner is not None
+        if len(batch) > 1:
+            self.stats["item-batches"] += 1
+            self.stats["batched-items"] += len(batch)
+        try:
+            results = runner.run_many([t.item for t in batch])
+        except BaseException as exc:  # noqa: BLE001 - the callers get it
+            results = [exc] * len(batch)
         for t, result in zip(batch, results):
             if isinstance(result, BaseException):
                 t.future.set_exception(result)

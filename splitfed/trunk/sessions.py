@@ -34,6 +34,7 @@ from splitfed.errors import (
 )
 from splitfed.split.base import CutState
 from splitfed.split.transformer import BERT_FAMILY
+from splitfed.trunk.decoding import SessionStep, step_many
 from splitfed.trunk.runtime import TrunkRuntime
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class Session:
     length: int = 0  # positions the cache has seen
     steps: int = 0
     last_step: tuple[str, int, torch.Tensor] | None = None  # (step id, length before, output) for retries
+    group: Any = None  # the DecodeGroup holding this session's cache (``cache`` is then None)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -143,7 +145,8 @@ class SessionManager:
         self._ended: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
         self.stats: dict[str, int] = {"opened": 0, "closed": 0, "evicted_idle": 0, "refused": 0, "steps": 0,
-                                      "retried_steps": 0}
+                                      "retried_steps": 0, "batched_steps": 0, "decode_batches": 0,
+                                      "decode_groups": 0}
 
     @classmethod
     def from_limits(cls, runtime: TrunkRuntime, limits: SessionLimits = SessionLimits()) -> SessionManager:
@@ -158,7 +161,8 @@ class SessionManager:
         """KV-cache bytes all open sessions hold now, measured from their key and value tensors."""
         with self._lock:
             sessions = list(self._sessions.values())
-        return sum(cache_bytes(s.cache) for s in sessions)
+        groups = {id(s.group): s.group for s in sessions if s.group is not None}
+        return sum(cache_bytes(s.cache) for s in sessions) + sum(cache_bytes(g.cache) for g in groups.values())
 
     @property
     def bytes_reserved(self) -> int:
@@ -173,6 +177,8 @@ class SessionManager:
     def _end(self, session_id: str, why: str) -> Session | None:
         """Drop a session (caller holds ``_lock``) and remember why."""
         session = self._sessions.pop(session_id, None)
+        if session is not None and session.group is not None:
+            session.group.dissolve()  # the other members take their caches back
         self._ended[session_id] = why
         while len(self._ended) > _TOMBSTONES:
             self._ended.popitem(last=False)
@@ -242,42 +248,63 @@ class SessionManager:
         gets the same answer again and leaves the cache as it was, with or
         without a mask.
         """
+        session = self._touch(client_id, session_id)
+        with session.lock:
+            repeated = self._admit(session, state, step_id)
+            if repeated is not None:
+                return repeated
+            if session.group is not None:  # stepping alone: the session takes its own cache back
+                session.group.dissolve()
+            out = self._compute(session, state)
+            self._advance(session, state, step_id, out)
+        self._settle(session)
+        return out
+
+    def _touch(self, client_id: str, session_id: str) -> Session:
         with self._lock:
             session = self._get(client_id, session_id)
             session.last_used = self.clock()
-        with session.lock:
-            hidden, mask = state.hidden, state.attention_mask
-            if hidden.dim() != 3 or hidden.shape[0] != session.batch_size:
-                raise TensorValueError(f"session {session_id} was opened for a batch of {session.batch_size}; "
-                                       f"got hidden of shape {list(hidden.shape)}")
-            new = int(hidden.shape[1])
-            last = session.last_step
-            if step_id and last is not None and last[0] == step_id:
-                with self._lock:
-                    self.stats["retried_steps"] += 1
-                log.debug("session %s: step repeated (retry); answering from the last step", session_id)
-                return last[2]
-            total = session.length + new
-            if mask is not None and mask.shape[1] != total:
-                raise TensorValueError(f"attention_mask covers {mask.shape[1]} positions, but session {session_id} "
-                                       f"holds {session.length} and this step adds {new}: send the mask over all "
-                                       "positions so far")
-            if total > session.max_length:
-                raise TensorValueError(f"session {session_id} holds at most {session.max_length} positions and "
-                                       f"this step would reach {total}; open a session with a larger max_length")
-            out = self._compute(session, state)
-            session.length, session.steps = total, session.steps + 1
-            session.last_step = (step_id, total - new, out)
+        return session
+
+    def _admit(self, session: Session, state: CutState, step_id: str) -> torch.Tensor | None:
+        """Check a step against its session (session lock held); the last answer again when it is a retry."""
+        hidden, mask = state.hidden, state.attention_mask
+        if hidden.dim() != 3 or hidden.shape[0] != session.batch_size:
+            raise TensorValueError(f"session {session.session_id} was opened for a batch of {session.batch_size}; "
+                                   f"got hidden of shape {list(hidden.shape)}")
+        last = session.last_step
+        if step_id and last is not None and last[0] == step_id:
+            with self._lock:
+                self.stats["retried_steps"] += 1
+            log.debug("session %s: step repeated (retry); answering from the last step", session.session_id)
+            return last[2]
+        total = session.length + int(hidden.shape[1])
+        if mask is not None and mask.shape[1] != total:
+            raise TensorValueError(f"attention_mask covers {mask.shape[1]} positions, but session "
+                                   f"{session.session_id} holds {session.length} and this step adds "
+                                   f"{hidden.shape[1]}: send the mask over all positions so far")
+        if total > session.max_length:
+            raise TensorValueError(f"session {session.session_id} holds at most {session.max_length} positions and "
+                                   f"this step would reach {total}; open a session with a larger max_length")
+        return None
+
+    @staticmethod
+    def _advance(session: Session, state: CutState, step_id: str, out: torch.Tensor) -> None:
+        new = int(state.hidden.shape[1])
+        session.length, session.steps = session.length + new, session.steps + 1
+        session.last_step = (step_id, session.length - new, out)
+
+    def _settle(self, session: Session) -> None:
+        """Count a step; without a per-position reservation, enforce the byte cap on what the caches hold."""
         if self._per_position is None and self.bytes_held > self.limits.max_cache_bytes:
             with self._lock:  # no reservation was possible: enforce the cap on what the caches hold
-                self._end(session_id, "was dropped because the server's KV-cache memory was full")
+                self._end(session.session_id, "was dropped because the server's KV-cache memory was full")
                 self.stats["refused"] += 1
             raise ResourceExhaustedError(f"the trunk server's KV caches exceed {self.limits.max_cache_bytes} bytes; "
                                          "session dropped: retry later with a shorter sequence")
         with self._lock:
             self.stats["steps"] += 1
             session.last_used = self.clock()
-        return out
 
     def _compute(self, session: Session, state: CutState) -> torch.Tensor:
         rt = self.runtime
@@ -293,6 +320,24 @@ class SessionManager:
             finally:
                 if was_training:
                     trunk.train()
+
+    # -- batched decoding (the scheduler's runner interface) -------------------------------
+    def run_one(self, item: SessionStep) -> torch.Tensor:
+        """One step alone, its output as the runtime hands it."""
+        return self.runtime.handed(self.step(item.client_id, item.session_id, item.state, step_id=item.step_id))
+
+    def run_many(self, items: list[SessionStep]) -> list[Any]:
+        """Steps that arrived within the batching window: decode steps run as one call (:mod:`.decoding`)."""
+        return step_many(self, items)
+
+    def complete(self, items: list[SessionStep]) -> bool:
+        """Whether ``items`` hold a step of every session that decodes in a batch now: the window may close.
+
+        Waiting for all of them (not just one group) lets groups that split up merge again.
+        """
+        with self._lock:
+            grouped = {s.session_id for s in self._sessions.values() if s.group is not None}
+        return bool(grouped) and grouped <= {item.session_id for item in items}
 
     def sweep(self) -> int:
         """Evict sessions idle for longer than the TTL; returns how many were evicted."""

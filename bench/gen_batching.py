@@ -1,0 +1,230 @@
+"""Batched split generation: tokens/s of concurrent inference sessions with and without batched decode steps.
+
+* ``gen_batched_speedup``: total generated tokens per second of ``sessions``
+  concurrent clients (8 by default), each in its own process with its own
+  channel and session, against a trunk server whose scheduler batches decode
+  steps (``batch_window_ms`` > 0) / the same server stepping sessions one by
+  one (``batch_window_ms`` = 0). Runs alternate (unbatched, batched, ...) and
+  the medians are compared.
+* ``gen_trunk_decode_speedup``: the trunk alone, in this process: ``sessions``
+  decode steps as one batched call / one by one (no channel, no clients).
+* ``gen_batched_greedy_match``: 1.0 when every session's greedy tokens are the
+  same with and without batching.
+
+Models: on CPU a tiny GPT-2 (6 layers, hidden 256, vocab 8192, cuts 2/4); with
+``--device cuda`` a GPT-2-small-sized trunk (GPT-2 small's width, heads and
+vocabulary; 14 blocks cut 1/13, so the trunk holds 12 blocks and each client
+1 block below and 1 above). ``--gen-sessions``, ``--gen-window-ms``,
+``--gen-new-tokens`` change the load.
+
+    python -m bench.gen_batching [--device cuda] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+#: name -> (layers, hidden, heads, vocab, cuts)
+MODELS: dict[str, tuple[int, int, int, int, tuple[int, int]]] = {
+    "tiny": (6, 256, 4, 8192, (2, 4)),
+    "gpt2-small": (14, 768, 12, 50257, (1, 13)),
+}
+
+
+def _build(name: str, device: str) -> Any:
+    """The split model (the same weights in every process: seeded initialisation)."""
+    from transformers import GPT2LMHeadModel
+
+    from splitfed.models import tiny_gpt2_config
+    from splitfed.split import split_model
+
+    layers, hidden, heads, vocab, cuts = MODELS[name]
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(tiny_gpt2_config(vocab, layers=layers, hidden=hidden, heads=heads, positions=1024))
+    return split_model(model.eval().to(device), cuts)
+
+
+def _client(rank: int, name: str, device: str, prompt_len: int, new_tokens: int, jobs: Any, results: Any,
+            barrier: Any) -> None:
+    """One client process: for each server address it is sent, generate once (after the barrier) and report."""
+    from splitfed.channel.client import TrunkClient
+    from splitfed.generation import generate
+
+    torch.set_num_threads(1)
+    parts = _build(name, device)
+    vocab = MODELS[name][3]
+    length = prompt_len + rank  # different prompt lengths
+    ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(rank)).to(device)
+    while True:
+        address = jobs.get()
+        if address is None:
+            return
+        with TrunkClient(address, insecure=True, client_id=f"bench-{rank}") as channel:
+            generate(parts.bottom, channel, parts.top, ids, max_new_tokens=2)  # warm-up (connection, kernels)
+            barrier.wait()
+            start = time.perf_counter()
+            out = generate(parts.bottom, channel, parts.top, ids, max_new_tokens=new_tokens)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            results.put((rank, start, time.perf_counter(), out[0, length:].tolist()))
+
+
+def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int = 16, window_ms: float = 5.0,
+                       repeat: int = 2, device: str = "cpu", model: str | None = None) -> dict[str, float]:
+    """Tokens/s of ``sessions`` concurrent generating clients, batched decode steps / one by one.
+
+    Args:
+        sessions: concurrent clients, one session each, each in its own process.
+        new_tokens: tokens each session generates (no early stop).
+        prompt_len: the first client's prompt length; client ``i``'s is ``prompt_len + i``.
+        window_ms: the batched server's ``batch_window_ms``.
+        repeat: timed runs of each server (alternating); medians are compared.
+        device: where the trunk and the clients' parts run.
+        model: ``tiny`` or ``gpt2-small`` (default: tiny on CPU, gpt2-small on CUDA).
+    """
+    from splitfed.channel.server import TrunkServer
+
+    name = model or ("gpt2-small" if device.startswith("cuda") else "tiny")
+    ctx = mp.get_context("spawn")
+    jobs, results, barrier = [ctx.Queue() for _ in range(sessions)], ctx.Queue(), ctx.Barrier(sessions)
+    procs = [ctx.Process(target=_client, args=(r, name, device, prompt_len, new_tokens, jobs[r], results, barrier),
+                         daemon=True) for r in range(sessions)]
+    for p in procs:
+        p.start()
+    trunk = _build(name, device).trunk
+    trunk.requires_grad_(False)
+    rates: dict[float, list[float]] = {0.0: [], window_ms: []}
+    tokens: dict[float, dict[int, list[int]]] = {}
+    stats: dict[str, int] = {}
+    try:
+        for _ in range(repeat):
+            for window in (0.0, window_ms):
+                server = TrunkServer(trunk, insecure=True, batch_window_ms=window).start()
+                try:
+                    for q in jobs:
+                        q.put(server.address)
+                    got = [results.get(timeout=1800) for _ in range(sessions)]
+                    if window:
+                        stats = dict(server.servicer.sessions.stats)
+                finally:
+                    server.stop(grace=0)
+                elapsed = max(g[2] for g in got) - min(g[1] for g in got)
+                rates[window].append(sessions * new_tokens / elapsed)
+                tokens[window] = {g[0]: g[3] for g in got}
+    finally:
+        for q in jobs:
+            q.put(None)
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.terminate()
+    batched, alone = statistics.median(rates[window_ms]), statistics.median(rates[0.0])
+    return {
+        "gen_batched_speedup": batched / alone,
+        "gen_batched_tokens_per_s": batched,
+        "gen_unbatched_tokens_per_s": alone,
+        "gen_batched_greedy_match": float(tokens[0.0] == tokens[window_ms]),
+        "gen_batched_mean_batch": stats.get("batched_steps", 0) / max(stats.get("decode_batches", 0), 1),
+        "gen_batched_sessions": float(sessions),
+        "gen_batched_regroups": float(stats.get("decode_groups", 0)),
+    }
+
+
+def batched_decode_trunk(sessions: int = 8, steps: int = 64, prompt_len: int = 16, repeat: int = 3,
+                         device: str = "cpu", model: str | None = None) -> dict[str, float]:
+    """The trunk alone (no channel, no clients): ``sessions`` decode steps as one call / one by one.
+
+    Every session is prefilled (prompts of ``prompt_len + i`` positions), then
+    each timed run decodes ``steps`` positions per session either with
+    :meth:`SessionManager.run_many` (one batched call per step) or with one
+    :meth:`SessionManager.step` per session; runs alternate, medians compared.
+    """
+    from splitfed.split import CutState
+    from splitfed.trunk.decoding import SessionStep
+    from splitfed.trunk.runtime import TrunkRuntime
+    from splitfed.trunk.sessions import SessionManager
+
+    name = model or ("gpt2-small" if device.startswith("cuda") else "tiny")
+    trunk = _build(name, device).trunk
+    trunk.requires_grad_(False)
+    width = MODELS[name][1]
+    manager = SessionManager(TrunkRuntime(trunk), max_sessions=4 * sessions, max_sessions_per_client=4 * sessions)
+    g = torch.Generator().manual_seed(0)
+    times: dict[bool, list[float]] = {False: [], True: []}
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    for run in range(repeat + 1):  # the first round warms up
+        for batched in (False, True):
+            ids = []
+            for i in range(sessions):
+                sid, _ = manager.open("bench", max_length=prompt_len + sessions + steps)
+                manager.step("bench", sid, CutState(torch.randn(1, prompt_len + i, width, generator=g)))
+                ids.append(sid)
+            hidden = [torch.randn(1, 1, width, generator=g) for _ in range(steps)]
+            sync()
+            start = time.perf_counter()
+            for t in range(steps):
+                if batched:
+                    for out in manager.run_many([SessionStep("bench", sid, CutState(hidden[t])) for sid in ids]):
+                        if isinstance(out, BaseException):
+                            raise out
+                else:
+                    for sid in ids:
+                        manager.step("bench", sid, CutState(hidden[t]))
+            sync()
+            if run:
+                times[batched].append(time.perf_counter() - start)
+            for sid in ids:
+                manager.close("bench", sid)
+    alone, batched_s = statistics.median(times[False]), statistics.median(times[True])
+    return {"gen_trunk_decode_speedup": alone / batched_s,
+            "gen_trunk_decode_tokens_per_s": sessions * steps / batched_s}
+
+
+def gen_batching(device: str = "cpu") -> dict[str, float]:
+    """The suite ``python -m bench`` runs: the trunk alone, then concurrent clients over the channel."""
+    out = batched_decode_trunk(device=device)
+    out.update(batched_generation(device=device))
+    return out
+
+
+def main() -> int:
+    """``python -m bench.gen_batching [--device cuda] [--gen-sessions N] [--json]``."""
+    parser = argparse.ArgumentParser(prog="python -m bench.gen_batching", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--gen-model", choices=sorted(MODELS), help="default: tiny on CPU, gpt2-small on CUDA")
+    parser.add_argument("--gen-sessions", type=int, default=8)
+    parser.add_argument("--gen-window-ms", type=float, default=5.0)
+    parser.add_argument("--gen-new-tokens", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    results = batched_decode_trunk(args.gen_sessions, args.gen_new_tokens, repeat=args.repeat + 1,
+                                   device=args.device, model=args.gen_model)
+    results.update(batched_generation(args.gen_sessions, args.gen_new_tokens, window_ms=args.gen_window_ms,
+                                      repeat=args.repeat, device=args.device, model=args.gen_model))
+    if args.json:
+        print(json.dumps(results, sort_keys=True))
+    else:
+        width = max(len(k) for k in results)
+        for key, value in results.items():
+            print(f"{key:<{width}}  {value:.4g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

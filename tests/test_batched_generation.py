@@ -1,0 +1,239 @@
+"""Batched decoding: concurrent sessions' decode steps as one trunk call give what each session gets alone."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+from conftest import batch_for, tiny_model
+
+from splitfed.channel.client import TrunkClient
+from splitfed.generation import generate
+from splitfed.split import CutState, split_model
+from splitfed.trunk.decoding import SessionStep
+from splitfed.trunk.runtime import TrunkRuntime
+from splitfed.trunk.sessions import SessionManager
+
+CUTS = (1, 3)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models run fastest on one intra-op thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _model(arch: str) -> torch.nn.Module:
+    """A tiny model whose weights are spread wide enough that greedy decoding does not repeat one token."""
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+class _Twin:
+    """The same sessions on two managers: ``batched`` steps them together, ``alone`` one by one."""
+
+    def __init__(self, trunk: torch.nn.Module) -> None:
+        self.batched, self.alone = SessionManager(TrunkRuntime(trunk)), SessionManager(TrunkRuntime(trunk))
+        self.width = trunk.config.hidden_size
+        self.g = torch.Generator().manual_seed(0)
+        self.peer: dict[str, str] = {}
+        self.past: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # session -> (mask, last position)
+
+    def open(self, length: int, batch: int = 1) -> str:
+        """Open a session on both and prefill it with ``length`` positions (row 1 left-padded by 2)."""
+        a, _ = self.batched.open("c", max_length=64, batch_size=batch)
+        b, _ = self.alone.open("c", max_length=64, batch_size=batch)
+        hidden = torch.randn(batch, length, self.width, generator=self.g)
+        mask = torch.ones(batch, length, dtype=torch.long)
+        if batch > 1:
+            mask[1, :2] = 0
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        torch.testing.assert_close(self.batched.step("c", a, CutState(hidden, mask, pos)),
+                                   self.alone.step("c", b, CutState(hidden, mask, pos)), rtol=0, atol=0)
+        self.peer[a], self.past[a] = b, (mask, pos[:, -1:])
+        return a
+
+    def close(self, session: str) -> None:
+        self.batched.close("c", session)
+        self.alone.close("c", self.peer.pop(session))
+
+    def decode(self, sessions: list[str], t: int) -> float:
+        """One decode step of ``sessions``: batched on one manager, alone on the other; the largest difference."""
+        steps, want = [], []
+        for s in sessions:
+            mask, pos = self.past[s]
+            batch = mask.shape[0]
+            mask, pos = torch.cat([mask, mask.new_ones(batch, 1)], 1), pos + 1
+            self.past[s] = (mask, pos)
+            padded = bool((mask == 0).any())
+            state = CutState(torch.randn(batch, 1, self.width, generator=self.g),
+                             mask if padded or t % 3 else None, pos if padded or t % 4 else None)
+            steps.append(SessionStep("c", s, state, f"{t}-{s}"))
+            want.append(self.alone.step("c", self.peer[s], state))
+        got = self.batched.run_many(steps)
+        worst = 0.0
+        for out, ref in zip(got, want):
+            assert not isinstance(out, BaseException), out
+            assert out.shape == ref.shape
+            worst = max(worst, float((out - ref).abs().max()))
+        return worst
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])  # qwen2: sliding-window layers of 4 positions
+def test_batched_decode_steps_equal_single_steps(arch: str) -> None:
+    # Prepare: four sessions of different lengths, one a left-padded batch of two
+    twin = _Twin(split_model(tiny_model(arch), CUTS).trunk)
+    live = [twin.open(3), twin.open(7, batch=2), twin.open(12), twin.open(5)]
+    worst = 0.0
+    # Execute: 16 steps; one closes, two join, one sits some steps out
+    for t in range(16):
+        if t == 4:
+            twin.close(live.pop(1))
+        if t == 7:
+            live.append(twin.open(9))
+        if t == 10:
+            live.append(twin.open(2, batch=2))
+        worst = max(worst, twin.decode(live if t % 5 else live[:-1], t))
+    # Assert: every step equals its unbatched twin, and the steps did batch (and regroup as the set changed)
+    assert worst <= 1e-6, worst
+    stats = twin.batched.stats
+    assert stats["decode_batches"] == 16 and stats["batched_steps"] == stats["steps"] - 6  # 6 prefills
+    assert stats["decode_groups"] >= 5
+    assert twin.batched.bytes_held > 0
+
+
+def test_repeated_step_in_a_batch_answers_again_and_keeps_the_cache() -> None:
+    # Prepare
+    twin = _Twin(split_model(tiny_model("llama"), CUTS).trunk)
+    live = [twin.open(4), twin.open(6)]
+    twin.decode(live, 1)
+    steps = [SessionStep("c", s, CutState(torch.randn(1, 1, twin.width), None, None), f"again-{s}") for s in live]
+    first = twin.batched.run_many(steps)
+    lengths = [twin.batched._sessions[s].length for s in live]
+    # Execute: the same step ids again (replies lost), batched
+    again = twin.batched.run_many(steps)
+    # Assert
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    assert [twin.batched._sessions[s].length for s in live] == lengths
+    assert twin.batched.stats["retried_steps"] == 2
+
+
+def test_closing_or_evicting_a_grouped_session_gives_the_others_their_caches() -> None:
+    # Prepare: three sessions decoding as one group
+    twin = _Twin(split_model(tiny_model("gpt2"), CUTS).trunk)
+    live = [twin.open(3), twin.open(8), twin.open(5)]
+    twin.decode(live, 1)
+    group = twin.batched._sessions[live[0]].group
+    assert group is not None and set(group.session_ids) == set(live)
+    # Execute: one closes; the other two go on, then one steps alone
+    twin.close(live.pop(1))
+    assert all(twin.batched._sessions[s].group is None for s in live)
+    worst = twin.decode(live, 2)
+    worst = max(worst, twin.decode(live[:1], 3))
+    worst = max(worst, twin.decode(live, 4))
+    # Assert
+    assert worst <= 1e-6
+
+
+def _reference(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, new: int) -> torch.Tensor:
+    return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                          pad_token_id=model.generation_config.pad_token_id or 0,
+                          eos_token_id=model.generation_config.eos_token_id)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_concurrent_sessions_over_the_channel_equal_unbatched_generate(trunk_server, arch: str) -> None:
+    # Prepare: four clients with prompts of 3, 6 (a left-padded batch of 2), 9 and 12 tokens and different budgets;
+    # the fourth joins when the first has 3 tokens, so sessions join and leave while others decode
+    model = _model(arch)
+    prompts = []
+    for i, (length, batch, new) in enumerate([(3, 1, 14), (6, 2, 8), (9, 1, 11), (12, 1, 10)]):
+        ids, mask, _ = batch_for(arch, batch=batch, length=length, padded=batch > 1, seed=10 + i)
+        prompts.append((ids, mask, new))
+    want = [_reference(model, ids, mask, new) for ids, mask, new in prompts]
+    parts = split_model(_model(arch), CUTS)
+    server = trunk_server(parts.trunk, batch_window_ms=50)
+    started, got, errors = threading.Event(), [None] * 4, []
+    tokens = {"eos_token_id": model.generation_config.eos_token_id,
+              "pad_token_id": model.generation_config.pad_token_id or 0}
+
+    def client(i: int) -> None:
+        ids, mask, new = prompts[i]
+        seen = []
+
+        def stream(t: torch.Tensor) -> None:
+            seen.append(t)
+            if i == 0 and len(seen) == 3:
+                started.set()
+
+        if i == 3:
+            started.wait(60)
+        with TrunkClient(server.address, insecure=True) as channel:
+            try:
+                got[i] = generate(parts.bottom, channel, parts.top, ids, mask, max_new_tokens=new, streamer=stream,
+                                  **tokens)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+                started.set()
+
+    # Execute
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    # Assert: token for token the unsplit model's greedy output, and the decode steps did batch
+    assert not errors, errors
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g is not None and torch.equal(g, w), (i, g, w)
+    stats = server.servicer.sessions.stats
+    assert stats["batched_steps"] >= 8 and stats["decode_batches"] >= 2, stats
+    assert len(server.servicer.sessions) == 0  # every session closed
+
+
+def test_window_zero_steps_sessions_alone(trunk_server) -> None:
+    # Prepare
+    parts = split_model(_model("llama"), CUTS)
+    server = trunk_server(parts.trunk)  # batch_window_ms = 0: batching off
+    ids, mask, _ = batch_for("llama", batch=1, length=5)
+    # Execute
+    with TrunkClient(server.address, insecure=True) as channel:
+        generate(parts.bottom, channel, parts.top, ids, mask, max_new_tokens=4)
+    # Assert
+    stats = server.servicer.sessions.stats
+    assert stats["steps"] == 4 and stats["batched_steps"] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2's sliding layers restack instead of skipping
+def test_late_members_sit_steps_out_and_rejoin_exactly(arch: str) -> None:
+    from splitfed.trunk.decoding import MAX_MISSED
+
+    # Prepare: four sessions decoding as one group
+    twin = _Twin(split_model(tiny_model(arch), CUTS).trunk)
+    live = [twin.open(3), twin.open(6, batch=2), twin.open(10), twin.open(4)]
+    worst = twin.decode(live, 0)
+    groups = twin.batched.stats["decode_groups"]
+    # Execute: the last session is late for 2 steps, then back; then the first misses more steps than allowed
+    worst = max(worst, twin.decode(live[:3], 1), twin.decode(live[:3], 2), twin.decode(live, 3))
+    regrouped_after_late = twin.batched.stats["decode_groups"] - groups
+    for t in range(MAX_MISSED + 1):
+        worst = max(worst, twin.decode(live[1:], 4 + t))
+    worst = max(worst, twin.decode(live, 10), twin.decode(live[2:3], 11), twin.decode(live, 12))
+    # Assert: exact throughout; full-attention groups kept the late member without restacking
+    assert worst <= 1e-6, worst
+    if arch == "llama":
+        assert regrouped_after_late == 0
+        assert twin.batched._sessions[live[0]].group is not None  # back in a group after restacking
+    else:
+        assert regrouped_after_late == 2
