@@ -223,3 +223,5 @@ class _RuntimeCollector(Collector):
             yield CounterMetricFamily("splitfed_inference_steps", "Inference session steps", value=state["steps"])
             yield CounterMetricFamily("splitfed_sessions_evicted", "Inference sessions evicted when idle",
                                       value=state["evicted_idle"])
+            yield CounterMetricFamily("splitfed_batched_decode_steps", "Session steps run in batched decode calls",
+                                      value=state.get("batched_steps", 0))
