@@ -22,6 +22,7 @@ sessions with other cache layers step one by one.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -115,7 +116,7 @@ class DecodeGroup:
         starts = [0]
         for s in members:
             starts.append(starts[-1] + s.batch_size)
-        self.rows = [slice(a, b) for a, b in zip(starts, starts[1:])]
+        self.rows = [slice(a, b) for a, b in itertools.pairwise(starts)]
         self.cache = trunk.new_cache()
         self.sliding = any(isinstance(layer, DynamicSlidingWindowLayer) for layer in self.cache.layers)
         for i, layer in enumerate(self.cache.layers):
