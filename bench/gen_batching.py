@@ -112,7 +112,7 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
                 try:
                     for q in jobs:
                         q.put(server.address)
-                    got = [results.get(timeout=1800) for _ in range(sessions)]
+                    got = [results.get(timeout=600) for _ in range(sessions)]
                     if window:
                         stats = dict(server.servicer.sessions.stats)
                 finally:
