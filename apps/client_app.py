@@ -18,9 +18,13 @@ from flwr.clientapp import ClientApp
 from splitfed.client import client_evaluate, client_train, connect_trunk
 from splitfed.config import RunConfig
 from splitfed.errors import ClientFailedError
+from splitfed.hetero import client_config
 from splitfed.logs import setup_logging
 from splitfed.messages import (
     CLIENT_KEY,
+    CUT_END,
+    CUT_RECORD,
+    CUT_START,
     PRIVACY_RECORD,
     PRIVACY_STATES,
     SERVER_ROUND,
@@ -73,6 +77,7 @@ def _setup(msg: Message, context: Context) -> tuple[RunConfig, dict, object, obj
     setup_logging(cfg.log_level, json_lines=cfg.log_json, run_id=context.run_id, client=f"node-{context.node_id}")
     trunk_record = msg.content[SPLITFED_RECORD]
     partition_id = int(context.node_config["partition-id"])
+    cfg = client_config(cfg, partition_id, context.node_config)  # its own cuts under client-cuts
     splits = load_splits(cfg, partition_id, int(context.node_config["num-partitions"]))
     trunk = connect_trunk(cfg, str(trunk_record[TRUNK_ADDRESS]), trunk_record.get(TRUNK_TOKEN),
                           client_id=f"node-{context.node_id}", ca_pem=trunk_record.get(TRUNK_CA))
@@ -96,6 +101,8 @@ def train(msg: Message, context: Context) -> Message:
         trunk.close()
     content = RecordDict({"arrays": ArrayRecord(torch_state_dict=result.state),
                           "metrics": MetricRecord(result.metrics)})
+    if cfg.client_cuts:  # the server completes this client's blocks [a, b) with the trunk's copy
+        content[CUT_RECORD] = ConfigRecord({CUT_START: cfg.cuts[0], CUT_END: cfg.cuts[1]})
     if result.privacy_state:  # the DP accountant outlives this process (deployments run one per message)
         context.state[PRIVACY_STATE] = ConfigRecord(result.privacy_state)
         # ...and the server's checkpoint holds a copy, so a resumed run (a new context) keeps counting.

@@ -37,7 +37,7 @@ class ClientResult:
 
 def _client_model(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Module) -> SplitModel:
     split = build_parts(cfg, CLIENT_ROLES)
-    load_client_state(split, state)
+    load_client_state(split, state, full_keys=bool(cfg.client_cuts))
     return SplitModel(split.bottom, trunk, split.top, task=split.task, config=split.config)
 
 
@@ -60,7 +60,8 @@ def connect_trunk(cfg: RunConfig, address: str, token: str | None, client_id: st
                        wire_compression=WireCompression.of(
                            cfg.wire_compression, act=cfg.wire_compression_act, grad=cfg.wire_compression_grad,
                            topk_ratio=cfg.topk_ratio, error_feedback=cfg.wire_error_feedback),
-                       retry=RetryPolicy(timeout_s=max(cfg.trunk_timeout * 3, 60.0)))
+                       retry=RetryPolicy(timeout_s=max(cfg.trunk_timeout * 3, 60.0)),
+                       cut=cfg.cuts if cfg.client_cuts else None)
 
 
 def _proximal(parts: nn.Module, mu: float) -> Any:
@@ -113,7 +114,8 @@ def client_train(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Mo
         metrics = report.metrics("train-")
         metrics["num-examples"] = report.num_examples
         new_privacy_state = {}
-    new_state = client_state(SplitModel(model.bottom, model.trunk, model.top, task=model.task))
+    new_state = client_state(SplitModel(model.bottom, model.trunk, model.top, task=model.task),
+                             full_keys=bool(cfg.client_cuts))
     metrics["train-state-bytes"] = state_nbytes(new_state)
     return ClientResult(new_state, metrics, new_privacy_state)
 

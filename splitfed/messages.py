@@ -13,3 +13,7 @@ PRIVACY_STATES = "privacy-states"
 PRIVACY_RECORD = "splitfed-privacy"
 #: In that record: the client's key (its partition id), stable across runs and restarts.
 CLIENT_KEY = "client-key"
+
+#: Name of the ConfigRecord in a train reply of a run with client-cuts: the client's cut (bottom end, top start).
+CUT_RECORD = "splitfed-cut"
+CUT_START, CUT_END = "cut-start", "cut-end"

@@ -85,6 +85,10 @@ def build_parts(cfg: RunConfig, roles: Iterable[str] = ALL_ROLES) -> SplitModel:
 
         for role in roles:
             apply_lora(getattr(split, role), lora, seed=cfg.seed * 31 + _ROLE_SEED[role])
+            if cfg.client_cuts:  # a block's adapters start the same in whichever part holds it
+                from splitfed.hetero import seed_adapters_by_block
+
+                seed_adapters_by_block(getattr(split, role), cfg.seed)
     if cfg.compile:
         for role in roles:
             setattr(split, role, torch.compile(getattr(split, role)))
@@ -96,9 +100,17 @@ def client_parts(split: SplitModel) -> dict[str, nn.Module]:
     return {"bottom": split.bottom, "top": split.top}
 
 
-def client_state(split: SplitModel) -> dict[str, torch.Tensor]:
-    """What the client parts exchange: adapters only with LoRA, else every (untied) weight."""
+def client_state(split: SplitModel, full_keys: bool = False) -> dict[str, torch.Tensor]:
+    """What the client parts exchange: adapters only with LoRA, else every (untied) weight.
+
+    ``full_keys`` (runs with ``client-cuts``): named as in the unsplit model (see :mod:`splitfed.hetero`).
+    """
     from splitfed.lora import adapter_state, has_lora
+
+    if full_keys:
+        from splitfed.hetero import full_state
+
+        return full_state([split.bottom, split.top])
 
     parts = client_parts(split)
     if any(has_lora(p) for p in parts.values()):
@@ -106,9 +118,14 @@ def client_state(split: SplitModel) -> dict[str, torch.Tensor]:
     return unique_state(nn.ModuleDict(parts))
 
 
-def load_client_state(split: SplitModel, state: Mapping[str, torch.Tensor]) -> None:
+def load_client_state(split: SplitModel, state: Mapping[str, torch.Tensor], full_keys: bool = False) -> None:
     """Load what :func:`client_state` returned (an empty state keeps the parts as built)."""
     if not state:
+        return
+    if full_keys:
+        from splitfed.hetero import load_full_state
+
+        load_full_state([split.bottom, split.top], state)
         return
     from splitfed.lora import has_lora, load_adapter_state
 
@@ -124,6 +141,10 @@ def initial_client_state(cfg: RunConfig, split: SplitModel) -> dict[str, torch.T
     and seed the same adapters)."""
     if is_pretrained(cfg):
         return {}
+    if cfg.client_cuts:  # every block: a client holds whichever its cut gives it
+        from splitfed.hetero import full_state
+
+        return full_state([split.bottom, split.trunk, split.top])
     return client_state(split)
 
 
@@ -147,7 +168,7 @@ def full_split_for_export(cfg: RunConfig, trunk_state: Mapping[str, torch.Tensor
     missing, unexpected = split.trunk.load_state_dict(dict(trunk_state), strict=False)
     if unexpected:
         raise ConfigError(f"trunk checkpoint does not fit the model: unexpected {unexpected[:5]}")
-    load_client_state(split, clients)
+    load_client_state(split, clients, full_keys=bool(cfg.client_cuts))
     for role in ALL_ROLES:
         part = getattr(split, role)
         if has_lora(part):

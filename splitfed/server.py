@@ -66,6 +66,9 @@ class ServerRunner:
         from splitfed.trunk.aggregation import make_aggregator
         from splitfed.trunk.runtime import GradientGuard, TrunkRuntime
 
+        from splitfed.hetero import server_config
+
+        cfg = server_config(cfg)  # with client-cuts, the trunk holds [min a, max b)
         self.cfg = cfg
         self.run_id = str(run_id)
         self.output_dir = Path(output_dir or cfg.output_dir)
@@ -245,7 +248,7 @@ class ServerRunner:
         if is_pretrained(self.cfg) or self.cfg.lora_rank:
             full = full_split_for_export(self.cfg, self.runtime.trunk.state_dict(), self.client_state)
         else:
-            load_client_state(self.split, self.client_state)
+            load_client_state(self.split, self.client_state, full_keys=bool(self.cfg.client_cuts))
             full = self.split
         export_model(full, self.cfg.model, self.cuts, self.output_dir / "model")
         if is_pretrained(self.cfg):

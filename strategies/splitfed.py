@@ -29,6 +29,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from splitfed.errors import RoundFailedError
 from splitfed.messages import CLIENT_KEY, PRIVACY_RECORD, PRIVACY_STATES
 from splitfed.server import ServerRunner
+from strategies.cuts import complete_replies, load_trunk
 from strategies.replies import RoundReplies, merge_records
 from strategies.state import load_strategy_state, strategy_state
 
@@ -118,7 +119,11 @@ class SplitFed(Strategy):
                 outcome.errors[0])
         for reply in outcome.ok:
             self._keep_privacy_state(reply)
+        if cfg.client_cuts:  # whole-model replies: each client's parts plus the trunk's copy of its blocks
+            complete_replies(outcome.ok, self.runner.runtime)
         arrays, metrics = self.strategy.aggregate_train(run_round, outcome.ok)
+        if cfg.client_cuts:  # the trunk starts the next round from the merged version of its blocks
+            load_trunk(arrays, self.runner.runtime)
         metrics = MetricRecord({**(dict(metrics) if metrics is not None else {}), **self.runner.trunk_metrics(),
                                 "train-failures": outcome.failed})
         self._last_train = metrics

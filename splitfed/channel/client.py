@@ -77,6 +77,8 @@ class TrunkClient:
         wire_compression: compression of what crosses the cut (``none``, ``int8``, ``topk`` or a
             :class:`~splitfed.compression.WireCompression`): this client compresses what it sends
             (error feedback on its gradients) and asks the server to compress its replies alike.
+        cut: this client's cut ``(a, b)`` when clients of the run have cuts of their own: every Forward
+            asks the trunk to run only blocks ``[a, b)`` (None: the trunk's whole range).
     """
 
     def __init__(self, address: str, *, client_id: str | None = None, insecure: bool = False,
@@ -84,8 +86,10 @@ class TrunkClient:
                  wire_dtype: str | WireDType = "fp32", limits: ChannelLimits = ChannelLimits(),
                  retry: RetryPolicy = RetryPolicy(), compression: grpc.Compression | None = None,
                  options: Sequence[tuple[str, Any]] = (),
-                 wire_compression: WireCompression | str | None = None) -> None:
+                 wire_compression: WireCompression | str | None = None,
+                 cut: tuple[int, int] | None = None) -> None:
         tune_malloc()
+        self.cut = (0, 0) if cut is None else (int(cut[0]), int(cut[1]))
         if credentials is None and not insecure:
             raise ConfigError("the trunk client needs TLS credentials, or insecure=True for plaintext")
         self.address = address
@@ -208,7 +212,8 @@ class TrunkClient:
         encs = encode_state(state, self.wire_dtype, act)
         n = int(num_examples if num_examples is not None else state.hidden.shape[0])
         req = pb.ForwardRequest(activation_id=activation_id, train=train, reply_dtype=int(self.wire_dtype),
-                                num_examples=n, session_id=session_id, reply_compression=spec_to_proto(act))
+                                num_examples=n, session_id=session_id, reply_compression=spec_to_proto(act),
+                                cut_start=self.cut[0], cut_end=self.cut[1])
         sent = payload_bytes(encs)
         if sent <= self.limits.stream_threshold_bytes and not self._reply_needs_stream:
             try:

@@ -17,6 +17,7 @@ from splitfed.split.base import (
     check_cuts,
     classification_loss,
     load_unique_state,
+    requested_blocks,
     unique_state,
 )
 from splitfed.split.families import BERT_FAMILY, GPT2_FAMILY, LLAMA_FAMILY, attention_kinds
@@ -80,6 +81,7 @@ __all__ = [
     "classification_loss",
     "load_unique_state",
     "num_blocks",
+    "requested_blocks",
     "split_model",
     "task_of",
     "unique_state",

@@ -31,12 +31,16 @@ class CutState:
     whole sequence seen so far (past tokens of a KV cache included);
     ``position_ids`` are the positions of the tokens in ``hidden``. Both are
     ``None`` for models that do not use them (the CNN). Each part rebuilds its
-    own 4-D mask and rotary embeddings from these.
+    own 4-D mask and rotary embeddings from these. ``blocks`` asks a trunk to
+    run only model blocks ``[start, end)`` of its own (a client with a
+    heterogeneous cut, see :func:`requested_blocks`); ``None`` runs them all.
+    It is not a tensor and never travels as one.
     """
 
     hidden: torch.Tensor
     attention_mask: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
+    blocks: tuple[int, int] | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The non-empty fields by name, in :data:`CUT_FIELDS` order."""
@@ -90,6 +94,37 @@ class Part(nn.Module):
     def role(self) -> Role:
         """``bottom``, ``trunk`` or ``top``."""
         return self.spec.role
+
+    def block_slice(self, state: CutState) -> slice:
+        """Which of this part's own blocks to run for ``state``: all of them, or ``state.blocks`` (model block
+        indices) translated to this part's numbering. Raises :class:`SplitError` for a range it does not hold."""
+        if state.blocks is None:
+            return slice(0, self.spec.num_layers)
+        first = self.spec.first_layer
+        start, end = requested_blocks(*state.blocks, (first, first + self.spec.num_layers))
+        return slice(start - first, end - first)
+
+
+def requested_blocks(cut_start: int, cut_end: int, trunk_range: tuple[int, int]) -> tuple[int, int]:
+    """Check a client's cut ``(cut_start, cut_end)`` against a trunk holding blocks ``trunk_range``.
+
+    Returns the model blocks the trunk runs for that client, ``[cut_start, cut_end)``; ``(0, 0)`` stands
+    for the trunk's whole range. Raises :class:`SplitError` when ``cut_start > cut_end`` or the range is not
+    inside the trunk's.
+    """
+    lo, hi = int(trunk_range[0]), int(trunk_range[1])
+    if cut_start == 0 and cut_end == 0:
+        return lo, hi
+    if cut_start > cut_end:
+        raise SplitError(f"cut_start {cut_start} > cut_end {cut_end}: the trunk runs blocks [cut_start, cut_end) "
+                         "for a client whose bottom ends at cut_start and whose top starts at cut_end; send them "
+                         "in that order")
+    if cut_start < lo or cut_end > hi:
+        raise SplitError(f"cut ({cut_start}, {cut_end}) is outside this trunk's blocks [{lo}, {hi}): it serves "
+                         f"clients whose cuts (a, b) satisfy {lo} <= a <= b <= {hi}; give the node cuts inside "
+                         "that range (client-cuts, or node-config cuts) or restart the server with client-cuts "
+                         "that include this cut")
+    return int(cut_start), int(cut_end)
 
 
 def check_cuts(cuts: tuple[int, int] | list[int], num_layers: int) -> tuple[int, int]:

@@ -18,9 +18,15 @@ class SequentialPart(Part):
 
     def forward(self, x: torch.Tensor | CutState, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> CutState | torch.Tensor:
-        """Bottom: tensor -> CutState; trunk: CutState -> CutState; top: CutState -> logits."""
-        hidden = x.hidden if isinstance(x, CutState) else x
-        out = self.layers(hidden)
+        """Bottom: tensor -> CutState; trunk: CutState -> CutState; top: CutState -> logits.
+
+        A trunk given a state with ``blocks`` runs only those blocks (a client with its own cut).
+        """
+        if isinstance(x, CutState):
+            layers = self.layers[self.block_slice(x)] if x.blocks is not None else self.layers
+            out = layers(x.hidden)
+            return out if self.spec.role == "top" else x.with_hidden(out)
+        out = self.layers(x)
         return out if self.spec.role == "top" else CutState(out)
 
 

@@ -95,10 +95,13 @@ class TransformerPart(Part):
             raise ValueError(f"hidden must be (batch, length, {self.config.hidden_size}), got {list(h.shape)}")
 
     def run_layers(self, state: CutState, cache: Any = None, use_cache: bool = False) -> torch.Tensor:
-        """Run this part's blocks on ``state.hidden``."""
-        if not len(self.layers):
+        """Run this part's blocks on ``state.hidden`` (only ``state.blocks`` of them when set)."""
+        blocks = self.block_slice(state)
+        if blocks.start == blocks.stop:
             return state.hidden
-        return self._runner.run(self, state, cache, use_cache)
+        if cache is not None and (blocks.start, blocks.stop) != (0, len(self.layers)):
+            raise ValueError(f"a KV cache needs the part's whole range of blocks; got blocks {state.blocks}")
+        return self._runner.run(self, state, cache, use_cache, blocks)
 
     def new_cache(self) -> Any:
         """A fresh KV cache sized for this part's blocks."""
@@ -148,7 +151,8 @@ class _Runner:
               token_type_ids: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
-    def run(self, part: TransformerPart, state: CutState, cache: Any, use_cache: bool) -> torch.Tensor:
+    def run(self, part: TransformerPart, state: CutState, cache: Any, use_cache: bool,
+            blocks: slice) -> torch.Tensor:
         raise NotImplementedError
 
     def head(self, part: TransformerPart, hidden: torch.Tensor) -> torch.Tensor:
@@ -171,11 +175,12 @@ class _GPT2Runner(_Runner):
             hidden = hidden + emb.wte(token_type_ids)
         return emb.drop(hidden)
 
-    def run(self, part: TransformerPart, state: CutState, cache: Any, use_cache: bool) -> torch.Tensor:
+    def run(self, part: TransformerPart, state: CutState, cache: Any, use_cache: bool,
+            blocks: slice) -> torch.Tensor:
         hidden = state.hidden
         mask = create_causal_mask(config=part.config, inputs_embeds=hidden, attention_mask=state.attention_mask,
                                   cache=cache, position_ids=state.position_ids)
-        for block in part.layers:
+        for block in part.layers[blocks]:
             hidden = block(hidden, cache, mask, use_cache=use_cache, position_ids=state.position_ids)
         return hidden
 
@@ -185,16 +190,17 @@ class _LlamaRunner(_Runner):
               token_type_ids: torch.Tensor | None) -> torch.Tensor:
         return part.embed(input_ids)  # the Llama family ignores token types, as its forward does
 
-    def run(self, part: TransformerPart, state: CutState, cache: Any, use_cache: bool) -> torch.Tensor:
+    def run(self, part: TransformerPart, state: CutState, cache: Any, use_cache: bool,
+            blocks: slice) -> torch.Tensor:
         hidden, pos = state.hidden, state.position_ids
         if pos is None:
             pos = default_positions(hidden, cache.get_seq_length() if cache is not None else 0)
         kwargs = dict(config=part.config, inputs_embeds=hidden, attention_mask=state.attention_mask, cache=cache,
                       position_ids=pos)
-        kinds = attention_kinds(part.config)
+        kinds = attention_kinds(part.config)[blocks]
         masks = {kind: _MASKS[kind](**kwargs) for kind in dict.fromkeys(kinds)}
         position_embeddings = part.rotary(hidden, position_ids=pos)
-        for layer, kind in zip(part.layers, kinds, strict=True):
+        for layer, kind in zip(part.layers[blocks], kinds, strict=True):
             hidden = layer(hidden, attention_mask=masks[kind], position_embeddings=position_embeddings,
                            position_ids=pos, cache=cache, use_cache=use_cache)
         return hidden
@@ -207,7 +213,8 @@ class _BertRunner(_Runner):
               token_type_ids: torch.Tensor | None) -> torch.Tensor:
         return part.embed(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
 
-    def run(self, part: TransformerPart, state: CutState, cache: Any, use_cache: bool) -> torch.Tensor:
+    def run(self, part: TransformerPart, state: CutState, cache: Any, use_cache: bool,
+            blocks: slice) -> torch.Tensor:
         hidden = state.hidden
         if attention_kinds(part.config)[0] == BIDIRECTIONAL:
             mask = create_bidirectional_mask(config=part.config, inputs_embeds=hidden,
@@ -215,7 +222,7 @@ class _BertRunner(_Runner):
         else:  # is_decoder: BertModel builds the causal mask (without position ids)
             mask = create_causal_mask(config=part.config, inputs_embeds=hidden, attention_mask=state.attention_mask,
                                       cache=cache)
-        for layer in part.layers:
+        for layer in part.layers[blocks]:
             hidden = layer(hidden, mask)
         return hidden
 

@@ -32,9 +32,9 @@ def batch_key(state: CutState) -> tuple[Any, ...] | None:
     if h.dim() == 3:  # (batch, length, hidden): any length, same width
         if state.attention_mask is not None and state.attention_mask.shape[1] != h.shape[1]:
             return None  # a cached past (inference sessions) never batches here
-        return ("seq", h.shape[2], h.dtype, state.position_ids is not None)
-    if h.dim() >= 2:  # images and flat features: same trailing shape
-        return ("flat", tuple(h.shape[1:]), h.dtype)
+        return ("seq", h.shape[2], h.dtype, state.position_ids is not None, state.blocks)
+    if h.dim() >= 2:  # images and flat features: same trailing shape (and the same blocks to run)
+        return ("flat", tuple(h.shape[1:]), h.dtype, state.blocks)
     return None
 
 
@@ -59,7 +59,8 @@ def pack(states: list[CutState]) -> Packed:
         rows.append(slice(start, start + s.hidden.shape[0]))
         start += s.hidden.shape[0]
     if states[0].hidden.dim() != 3:
-        return Packed(CutState(torch.cat([s.hidden for s in states])), rows, [-1] * len(states))
+        return Packed(CutState(torch.cat([s.hidden for s in states]), blocks=states[0].blocks), rows,
+                      [-1] * len(states))
     lengths = [s.hidden.shape[1] for s in states]
     longest = max(lengths)
     padded = any(n != longest for n in lengths) or any(s.attention_mask is not None for s in states)
@@ -72,7 +73,7 @@ def pack(states: list[CutState]) -> Packed:
     positions = None
     if states[0].position_ids is not None:
         positions = torch.cat([_pad(s.position_ids.expand(s.hidden.shape[0], -1), longest, 0) for s in states])
-    return Packed(CutState(hidden, mask, positions), rows, lengths)
+    return Packed(CutState(hidden, mask, positions, states[0].blocks), rows, lengths)
 
 
 def _pad(t: torch.Tensor, length: int, value: float) -> torch.Tensor:

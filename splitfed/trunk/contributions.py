@@ -56,23 +56,26 @@ class Result:
 
 
 def weighted_mean(contributions: Sequence[Contribution]) -> Grads | None:
-    """Sum of ``weight * num_examples * grad`` over the sum of ``num_examples``.
+    """Per parameter: sum of ``weight * num_examples * grad`` over the ``num_examples`` of the gradients that
+    touched that parameter.
 
     With equal weights this is the gradient of the mean loss over the union of
     the clients' batches (each client sends the gradient of its batch-mean loss).
+    A parameter some gradients leave out (``None``: a client with its own cut
+    runs only some of the trunk's blocks) gets the mean over the clients that
+    used it, so a block trained for some clients steps as far as one trained
+    for all of them (see docs/heterogeneous_cuts.md).
     """
     live = [c for c in contributions if c.grads is not None]
     if not live:
         return None
-    total = float(sum(c.num_examples for c in live))
     out: Grads = []
     for i in range(len(live[0].grads)):  # type: ignore[arg-type]
+        used = [c for c in live if c.grads[i] is not None]  # type: ignore[index]
+        total = float(sum(c.num_examples for c in used))
         acc: torch.Tensor | None = None
-        for c in live:
-            g = c.grads[i]  # type: ignore[index]
-            if g is None:
-                continue
-            term = g * (c.weight * c.num_examples / total)
+        for c in used:
+            term = c.grads[i] * (c.weight * c.num_examples / total)  # type: ignore[index]
             acc = term if acc is None else acc.add_(term)
         out.append(acc)
     return out

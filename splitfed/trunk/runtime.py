@@ -154,7 +154,7 @@ class TrunkRuntime:
             leaf = hidden.detach().requires_grad_(True)
             hidden = leaf.clone()
         move = (lambda t: None if t is None else t.to(self.device))
-        return CutState(hidden, move(state.attention_mask), move(state.position_ids)), leaf
+        return CutState(hidden, move(state.attention_mask), move(state.position_ids), state.blocks), leaf
 
     def forward(self, client_id: str, activation_id: str, state: CutState, *, train: bool, num_examples: int = 1,
                 retry: bool = False) -> tuple[torch.Tensor, int]:
