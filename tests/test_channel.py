@@ -258,6 +258,15 @@ CASES: list[Case] = [
     ("unknown-session", C.NOT_FOUND, "session",
      lambda call, stub: call("Forward", pb.ForwardRequest(activation_id="s", session_id="nope",
                                                           tensors=[_tensor("hidden", _hidden())]))),
+    # The trunk holds blocks [1, 3) of the model.
+    ("cut-outside-trunk", C.INVALID_ARGUMENT, "outside this trunk's blocks [1, 3)",
+     lambda call, stub: call("Forward", pb.ForwardRequest(activation_id=uuid.uuid4().hex, train=True, num_examples=2,
+                                                          cut_start=1, cut_end=4,
+                                                          tensors=[_tensor("hidden", _hidden())]))),
+    ("cut-start-after-end", C.INVALID_ARGUMENT, "cut_start 3 > cut_end 2",
+     lambda call, stub: call("Forward", pb.ForwardRequest(activation_id=uuid.uuid4().hex, train=True, num_examples=2,
+                                                          cut_start=3, cut_end=2,
+                                                          tensors=[_tensor("hidden", _hidden())]))),
 ]
 
 
