@@ -262,3 +262,61 @@ def test_two_clients_sync_cuts_1_3_and_2_3_merge_equals_hand_computation(trunk_s
     nxt = split_model(_blocks_model(), (2, 3))
     load_full_state([nxt.bottom, nxt.top], merged)
     assert torch.equal(nxt.bottom.layers[1][0].weight, merged["1.0.weight"])
+
+
+# -- the ServerApp, ClientApp and SplitFed strategy with client-cuts (in process) ------------------------------
+def test_apps_with_client_cuts_merge_every_block_and_give_the_trunk_its_share(tmp_path, monkeypatch) -> None:
+    import json
+
+    import apps.server_app as server_app
+    from flower_harness import run_apps
+    from strategies import build_strategy
+
+    from splitfed.parts import build_parts
+
+    seen: dict[str, list] = {"replies": [], "result": []}
+    runners: list = []
+
+    def spied(cfg: RunConfig):
+        strategy = build_strategy(cfg)
+        aggregate = strategy.aggregate_train
+
+        def aggregate_train(server_round, replies):  # type: ignore[no-untyped-def]
+            replies = list(replies)
+            seen["replies"].append([(r.content["arrays"].to_torch_state_dict(),
+                                     float(r.content["metrics"]["num-examples"])) for r in replies])
+            arrays, metrics = aggregate(server_round, replies)
+            seen["result"].append(arrays.to_torch_state_dict())
+            return arrays, metrics
+        strategy.aggregate_train = aggregate_train
+        return strategy
+
+    original = server_app.ServerRunner
+
+    def runner(*args, **kwargs):  # type: ignore[no-untyped-def]
+        runners.append(original(*args, **kwargs))
+        return runners[-1]
+
+    monkeypatch.setattr(server_app, "build_strategy", spied)
+    monkeypatch.setattr(server_app, "ServerRunner", runner)
+    _, out = run_apps(tmp_path, num_nodes=2, concurrency=2, num_server_rounds=1, local_steps=5,
+                      client_cuts="1,6 4,9")
+    history = json.loads((out / "history.json").read_text())
+    assert history["status"] == "completed" and history["config"]["cuts"] == "1,9"
+    trunk_runtime = runners[0].runtime
+    assert trunk_runtime.trunk.spec.first_layer == 1 and trunk_runtime.trunk.spec.num_layers == 8
+    # Every reply reached the strategy as a whole model (all of the CNN's tensors, unsplit names).
+    split = build_parts(server_config(RunConfig(client_cuts="1,6 4,9")))
+    whole = full_state([split.bottom, split.trunk, split.top])
+    replies = seen["replies"][0]
+    assert all(list(state) == sorted(whole, key=natural_key) for state, _ in replies)
+    # The aggregate is the example-weighted mean of the completed replies, and the trunk now holds its blocks.
+    total = sum(n for _, n in replies)
+    result = seen["result"][0]
+    for key in whole:
+        want = sum(state[key] * n for state, n in replies) / total
+        assert (result[key] - want).abs().max().item() <= 1e-6
+    held = trunk_blocks(trunk_runtime, 1, 9)
+    assert set(held) == {"3.weight", "3.bias", "7.weight", "7.bias"}
+    assert all(torch.equal(held[k], result[k]) for k in held)
+    assert history["rounds"][0]["evaluate"]["num-examples"] == 1000
