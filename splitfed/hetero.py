@@ -96,11 +96,17 @@ def server_config(cfg: RunConfig) -> RunConfig:
 
 # -- state by model block ------------------------------------------------------------------------------
 def _has_lora(part: nn.Module) -> bool:
-    return hasattr(part, "peft_config")
+    return hasattr(_plain(part), "peft_config")
+
+
+def _plain(part: Any) -> Any:
+    """The part itself, under a ``torch.compile`` wrapper (whose state-dict keys gain a prefix)."""
+    return getattr(part, "_orig_mod", part)
 
 
 def part_state(part: nn.Module) -> dict[str, torch.Tensor]:
     """What a part exchanges, by its own names: its adapters with LoRA, else every (untied) weight and buffer."""
+    part = _plain(part)
     if _has_lora(part):
         from peft import get_peft_model_state_dict
 
@@ -111,7 +117,7 @@ def part_state(part: nn.Module) -> dict[str, torch.Tensor]:
 def full_state(parts: Iterable[Part]) -> dict[str, torch.Tensor]:
     """The exchanged state of ``parts`` named as in the unsplit model (a tied tensor once, first name wins;
     with LoRA, adapters only)."""
-    parts = list(parts)
+    parts = [_plain(p) for p in parts]
     lora = any(_has_lora(p) for p in parts)
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
@@ -134,7 +140,7 @@ def load_full_state(parts: Iterable[Part], state: Mapping[str, torch.Tensor]) ->
     Keys of blocks other parts hold are skipped; a key one of ``parts`` needs and ``state`` lacks raises
     :class:`SplitError`.
     """
-    parts = list(parts)
+    parts = [_plain(p) for p in parts]
     missing = sorted(set(full_state(parts)) - set(state))
     if missing:
         raise SplitError(f"the global state lacks {len(missing)} tensors these parts hold, e.g. {missing[:3]}; "
@@ -162,6 +168,7 @@ def load_full_state(parts: Iterable[Part], state: Mapping[str, torch.Tensor]) ->
 
 def block_state(part: Part, start: int, end: int) -> dict[str, torch.Tensor]:
     """The exchanged state of ``part``'s blocks ``[start, end)`` (model block indices), unsplit names."""
+    part = _plain(part)
     first = part.spec.first_layer
     prefixes = tuple(f"layers.{i - first}." for i in range(max(start, first),
                                                            min(end, first + part.spec.num_layers)))
