@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -49,7 +48,7 @@ from splitfed.errors import (
     TrunkBusyError,
     TrunkStepError,
 )
-from splitfed.split.base import CutState, requested_blocks
+from splitfed.split.base import part_range, with_client_cut
 from splitfed.trunk.aggregation import Outcome
 from splitfed.trunk.decoding import SessionStep
 from splitfed.trunk.requests import ForwardRequest
@@ -221,7 +220,8 @@ class SplitChannelServicer:
         if not req.activation_id:
             raise CodecError("activation_id is empty; send a unique id per forward")
         spec = reply_spec(req)
-        state = self._with_cut(decode_state(tensors, self.tensor_limits), req)
+        state = with_client_cut(decode_state(tensors, self.tensor_limits), req.cut_start, req.cut_end,
+                                self.cuts or part_range(self.runtime.trunk), session=bool(req.session_id))
         self._count("received", tensors)
         small = state.hidden.numel() <= INLINE_MAX_ELEMENTS
         if req.session_id:
@@ -254,22 +254,6 @@ class SplitChannelServicer:
                 f"reply of {payload_bytes(encs)} bytes is above the unary threshold; use ForwardStream")
         self._count("sent", encs)
         return pb.ForwardReply(activation_id=req.activation_id, trunk_version=version), encs
-
-    def _with_cut(self, state: CutState, req: pb.ForwardRequest) -> CutState:
-        """``state`` with the blocks the client's cut asks for (INVALID_ARGUMENT for a cut outside the trunk)."""
-        if not (req.cut_start or req.cut_end):
-            return state
-        spec = getattr(self.runtime.trunk, "spec", None)
-        own = self.cuts or (None if spec is None else (spec.first_layer, spec.first_layer + spec.num_layers))
-        if own is None:
-            raise SplitError("this trunk does not know its block range, so it cannot serve a client's own cut; "
-                             "send cut_start = cut_end = 0")
-        blocks = requested_blocks(req.cut_start, req.cut_end, own)
-        if blocks == tuple(own):
-            return state
-        if req.session_id:
-            raise SplitError(f"inference sessions run the trunk's whole range {tuple(own)}, not blocks {blocks}")
-        return dataclasses.replace(state, blocks=blocks)
 
     def _reply_check(self, reply_dtype: WireDType | None, unary: bool) -> Callable[[tuple[int, ...]], None]:
         itemsize = torch_dtype(reply_dtype).itemsize if reply_dtype else self.runtime.dtype.itemsize

@@ -146,6 +146,33 @@ def reindex_layers(layers: nn.ModuleList) -> None:
                 module.layer_idx = i
 
 
+def part_range(module: nn.Module) -> tuple[int, int] | None:
+    """The model blocks ``[first, end)`` a part holds, or None for a module without a :class:`PartSpec`."""
+    spec = getattr(module, "spec", None)
+    return None if spec is None else (spec.first_layer, spec.first_layer + spec.num_layers)
+
+
+def with_client_cut(state: CutState, cut_start: int, cut_end: int, trunk_range: tuple[int, int] | None, *,
+                    session: bool = False) -> CutState:
+    """``state`` with the blocks a client's cut asks the trunk to run (see :func:`requested_blocks`).
+
+    ``(0, 0)`` and the trunk's whole range leave ``state`` as it is. Raises :class:`SplitError` for a cut the
+    trunk cannot serve, for a trunk of unknown range, and for a sub-range in an inference ``session``.
+    """
+    if not (cut_start or cut_end):
+        return state
+    if trunk_range is None:
+        raise SplitError("this trunk does not know its block range, so it cannot serve a client's own cut; "
+                         "send cut_start = cut_end = 0")
+    blocks = requested_blocks(cut_start, cut_end, trunk_range)
+    if blocks == tuple(trunk_range):
+        return state
+    if session:
+        raise SplitError(f"inference sessions run the trunk's whole range {tuple(trunk_range)}, not blocks "
+                         f"{blocks}; generate with the run's shared cuts")
+    return replace(state, blocks=blocks)
+
+
 #: What :meth:`SplitModel.forward` returns: a Hugging Face ``ModelOutput`` with ``loss`` (None without labels)
 #: and ``logits``, readable as ``out.loss``, ``out["loss"]`` and ``out[0]``.
 SplitOutput = CausalLMOutput | SequenceClassifierOutput | ImageClassifierOutputWithNoAttention
