@@ -320,3 +320,38 @@ def test_apps_with_client_cuts_merge_every_block_and_give_the_trunk_its_share(tm
     assert set(held) == {"3.weight", "3.bias", "7.weight", "7.bias"}
     assert all(torch.equal(held[k], result[k]) for k in held)
     assert history["rounds"][0]["evaluate"]["num-examples"] == 1000
+
+
+def test_lora_run_with_client_cuts_exports_the_merged_model(tmp_path) -> None:
+    # A pretrained-style checkpoint (tiny Llama), LoRA on every part, clients with cuts (1, 3) and (2, 3): the
+    # exported model computes what the split model with the merged adapters (global state + trunk) computes.
+    import json
+
+    from flower_harness import run_apps
+    from llm_fixtures import VOCAB, save_tiny
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from splitfed.parts import ALL_ROLES, build_parts
+
+    folder = save_tiny("llama", tmp_path / "ckpt")
+    settings = dict(model=str(folder), client_cuts="1,3 2,3", lora_rank=4, max_seq_len=32, batch_size=4, lr=0.01,
+                    optimizer="adamw", eval_batches=2)
+    _, out = run_apps(tmp_path, num_nodes=2, concurrency=2, num_server_rounds=1, local_steps=3, **settings)
+    history = json.loads((out / "history.json").read_text())
+    assert history["status"] == "completed" and history["config"]["cuts"] == "1,3"
+    cfg = server_config(RunConfig.from_mapping({k.replace("_", "-"): v for k, v in settings.items()}))
+    split = build_parts(cfg, ALL_ROLES)
+    merged = load_file(str(out / "checkpoint" / "clients.safetensors"))
+    assert any(k.startswith("model.layers.1.") for k in merged)  # block 1: client (2, 3)'s copy and the trunk's
+    load_full_state([split.bottom, split.top], merged)
+    split.trunk.load_state_dict(load_file(str(out / "checkpoint" / "trunk.safetensors")), strict=False)
+    trunk_now = full_state([split.trunk])
+    assert all(torch.equal(trunk_now[k], merged[k]) for k in trunk_now)  # the trunk holds the merged version
+    ids, mask, _ = batch_for("llama", padded=True)
+    ids = ids.clamp(max=VOCAB - 4)
+    exported = AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    with torch.no_grad():
+        want = split.eval()(ids, attention_mask=mask).logits
+        got = exported(input_ids=ids, attention_mask=mask).logits
+    assert (got - want)[mask.bool()].abs().max().item() < 1e-5
