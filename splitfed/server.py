@@ -64,9 +64,8 @@ class ServerRunner:
         from splitfed.auth import TokenIssuer
         from splitfed.channel.server import TrunkServer
         from splitfed.trunk.aggregation import make_aggregator
-        from splitfed.trunk.runtime import GradientGuard, TrunkRuntime
-
         from splitfed.hetero import server_config
+        from splitfed.trunk.runtime import GradientGuard, TrunkRuntime
 
         cfg = server_config(cfg)  # with client-cuts, the trunk holds [min a, max b)
         self.cfg = cfg

@@ -268,11 +268,11 @@ def test_two_clients_sync_cuts_1_3_and_2_3_merge_equals_hand_computation(trunk_s
 def test_apps_with_client_cuts_merge_every_block_and_give_the_trunk_its_share(tmp_path, monkeypatch) -> None:
     import json
 
-    import apps.server_app as server_app
     from flower_harness import run_apps
-    from strategies import build_strategy
 
+    from apps import server_app
     from splitfed.parts import build_parts
+    from strategies import build_strategy
 
     seen: dict[str, list] = {"replies": [], "result": []}
     runners: list = []
@@ -335,8 +335,8 @@ def test_lora_run_with_client_cuts_exports_the_merged_model(tmp_path) -> None:
     from splitfed.parts import ALL_ROLES, build_parts
 
     folder = save_tiny("llama", tmp_path / "ckpt")
-    settings = dict(model=str(folder), client_cuts="1,3 2,3", lora_rank=4, max_seq_len=32, batch_size=4, lr=0.01,
-                    optimizer="adamw", eval_batches=2)
+    settings = {"model": str(folder), "client_cuts": "1,3 2,3", "lora_rank": 4, "max_seq_len": 32, "batch_size": 4,
+                "lr": 0.01, "optimizer": "adamw", "eval_batches": 2}
     _, out = run_apps(tmp_path, num_nodes=2, concurrency=2, num_server_rounds=1, local_steps=3, **settings)
     history = json.loads((out / "history.json").read_text())
     assert history["status"] == "completed" and history["config"]["cuts"] == "1,3"

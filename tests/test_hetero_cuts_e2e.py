@@ -15,7 +15,7 @@ MAIN_JOB_CUTS = "1,6 4,9"
 
 
 @pytest.mark.slow
-def test_flwr_run_main_job_with_client_cuts_reaches_90_percent(flwr_home: Path, tmp_path: Path) -> None:
+def test_flwr_run_main_job_with_client_cuts_reaches_90_percent(flwr_home: Path, tmp_path: Path) -> None:  # noqa: F811
     env = _env(flwr_home)
     out_dir = tmp_path / "outputs"
     overrides = f"client-cuts='{MAIN_JOB_CUTS}' output-dir='{out_dir}'"
@@ -45,8 +45,9 @@ def test_smollm2_lora_with_client_cuts_lowers_perplexity(tmp_path: Path) -> None
 
     pytest.importorskip("gguf")
     model_dir("smollm2-135m")  # converted once (cached), before the clients race for it
-    settings = dict(model="smollm2-135m", client_cuts="3,27 6,24", lora_rank=8, optimizer="adamw", lr=0.001,
-                    momentum=0.0, max_seq_len=64, batch_size=4, local_steps=8, eval_batches=4, trunk_timeout=600.0)
+    settings = {"model": "smollm2-135m", "client_cuts": "3,27 6,24", "lora_rank": 8, "optimizer": "adamw",
+                "lr": 0.001, "momentum": 0.0, "max_seq_len": 64, "batch_size": 4, "local_steps": 8,
+                "eval_batches": 4, "trunk_timeout": 600.0}
     cfg = RunConfig.from_mapping({k.replace("_", "-"): v for k, v in settings.items()})
     pretrained = load_parts("smollm2-135m", (3, 27), ("bottom", "trunk", "top")).eval()
     losses = []
