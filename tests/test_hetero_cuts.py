@@ -355,3 +355,24 @@ def test_lora_run_with_client_cuts_exports_the_merged_model(tmp_path) -> None:
         want = split.eval()(ids, attention_mask=mask).logits
         got = exported(input_ids=ids, attention_mask=mask).logits
     assert (got - want)[mask.bool()].abs().max().item() < 1e-5
+
+
+def test_node_config_cuts_override_client_cuts(tmp_path, monkeypatch) -> None:
+    # Partition 1 says cuts='3,6' in its node config; the plan would give it 1,6.
+    import flower_harness
+    from flower_harness import run_apps
+
+    from strategies import cuts
+
+    grid_init = flower_harness.ThreadGrid.__init__
+
+    def init(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        grid_init(self, *args, **kwargs)
+        self.contexts[101].node_config["cuts"] = "'3,6'"
+
+    seen: list[tuple[int, int]] = []
+    reply_cut = cuts.reply_cut
+    monkeypatch.setattr(flower_harness.ThreadGrid, "__init__", init)
+    monkeypatch.setattr(cuts, "reply_cut", lambda reply: seen.append(reply_cut(reply)) or seen[-1])
+    run_apps(tmp_path, num_nodes=2, concurrency=2, num_server_rounds=1, local_steps=3, client_cuts="1,6")
+    assert sorted(seen) == [(1, 6), (3, 6)]
