@@ -206,7 +206,7 @@ class RunConfig:
 
 
 def parse_client_cuts(text: str) -> list[tuple[int, int]]:
-    """Parse ``client-cuts`` ("a,b a,b ..."): one (bottom end, top start) pair per entry, 0 < a <= b.
+    """Parse ``client-cuts`` ("a,b a,b ..."): one (bottom end, top start) pair per entry, 0 < a < b.
 
     Raises ConfigError naming the key when an entry is not two integers in order.
     """
@@ -216,8 +216,8 @@ def parse_client_cuts(text: str) -> list[tuple[int, int]]:
             a, b = (int(v) for v in entry.split(","))
         except ValueError:
             raise ConfigError(f"client-cuts entries must be 'a,b' (two integers), got {entry!r} in {text!r}") from None
-        if not 0 < a <= b:
-            raise ConfigError(f"client-cuts entry {entry!r} must satisfy 0 < a <= b")
+        if not 0 < a < b:
+            raise ConfigError(f"client-cuts entry {entry!r} must satisfy 0 < a < b (the trunk runs blocks [a, b))")
         cuts.append((a, b))
     if not cuts:
         raise ConfigError("client-cuts is set but holds no 'a,b' entry")
