@@ -9,12 +9,14 @@ gradient for the bottom part, so client training code stays
 from __future__ import annotations
 
 import logging
+import itertools
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -44,6 +46,10 @@ from splitfed.split.base import CutState
 log = logging.getLogger(__name__)
 
 _OUTCOME_NAMES = {v: k for k, v in pb.UpdateOutcome.items()}
+#: The outcome of a micro-batch whose step is still open (the step's outcome comes with its last part).
+PART_OUTCOME = _OUTCOME_NAMES[pb.UPDATE_OUTCOME_UNSPECIFIED]
+
+T = TypeVar("T")
 
 
 def _serialize(parsed: fastwire.Parsed) -> bytes:
@@ -58,6 +64,29 @@ class BackwardReply:
     outcome: str
     trunk_version: int
     staleness: int
+
+
+@dataclass(frozen=True)
+class _Lane:
+    """The tensor-carrying calls of one gRPC channel, with the zero-copy (de)serializers (same bytes on the
+    wire)."""
+
+    forward: Any
+    backward: Any
+    forward_stream: Any
+    backward_stream: Any
+
+    @staticmethod
+    def of(channel: grpc.Channel) -> _Lane:
+        return _Lane(
+            channel.unary_unary(f"/{SERVICE_NAME}/Forward", request_serializer=_serialize,
+                                response_deserializer=lambda b: fastwire.parse(pb.ForwardReply, b)),
+            channel.unary_unary(f"/{SERVICE_NAME}/Backward", request_serializer=_serialize,
+                                response_deserializer=lambda b: fastwire.parse(pb.BackwardReply, b)),
+            channel.stream_stream(f"/{SERVICE_NAME}/ForwardStream", request_serializer=fastwire.serialize_frame,
+                                  response_deserializer=fastwire.parse_frame),
+            channel.stream_stream(f"/{SERVICE_NAME}/BackwardStream", request_serializer=fastwire.serialize_frame,
+                                  response_deserializer=fastwire.parse_frame))
 
 
 class TrunkClient:
@@ -79,6 +108,10 @@ class TrunkClient:
             (error feedback on its gradients) and asks the server to compress its replies alike.
         cut: this client's cut ``(a, b)`` when clients of the run have cuts of their own: every Forward
             asks the trunk to run only blocks ``[a, b)`` (None: the trunk's whole range).
+        channels: gRPC channels (TCP connections) that tensor-carrying calls take in turn; more than
+            one lets calls in flight at once (micro-batches, :meth:`submit`) serialise on several
+            cores of the server and the network stack.
+        max_in_flight: calls :meth:`submit` runs at once.
     """
 
     def __init__(self, address: str, *, client_id: str | None = None, insecure: bool = False,
@@ -87,7 +120,7 @@ class TrunkClient:
                  retry: RetryPolicy = RetryPolicy(), compression: grpc.Compression | None = None,
                  options: Sequence[tuple[str, Any]] = (),
                  wire_compression: WireCompression | str | None = None,
-                 cut: tuple[int, int] | None = None) -> None:
+                 cut: tuple[int, int] | None = None, channels: int = 1, max_in_flight: int = 4) -> None:
         tune_malloc()
         self.cut = (0, 0) if cut is None else (int(cut[0]), int(cut[1]))
         if credentials is None and not insecure:
@@ -110,24 +143,18 @@ class TrunkClient:
             ("grpc.per_rpc_retry_buffer_size", 2 * limits.max_message_bytes),
             *options,
         ]
-        if credentials is not None:
-            self._channel = grpc.secure_channel(address, credentials, options=opts)
-        else:
-            self._channel = grpc.insecure_channel(address, options=opts)
+        if channels < 1 or max_in_flight < 1:
+            raise ConfigError("channels and max_in_flight must be >= 1")
+        # Several channels must not share one connection: a local subchannel pool each.
+        self._channels = [grpc.secure_channel(address, credentials, options=o) if credentials is not None
+                          else grpc.insecure_channel(address, options=o)
+                          for o in ([opts] + [opts + [("grpc.use_local_subchannel_pool", 1)]] * (channels - 1))]
+        self._channel = self._channels[0]
         self._stub = pb_grpc.SplitChannelStub(self._channel)
-        # Tensor-carrying calls use the zero-copy (de)serializers (same bytes on the wire).
-        self._forward = self._channel.unary_unary(
-            f"/{SERVICE_NAME}/Forward", request_serializer=_serialize,
-            response_deserializer=lambda b: fastwire.parse(pb.ForwardReply, b))
-        self._backward = self._channel.unary_unary(
-            f"/{SERVICE_NAME}/Backward", request_serializer=_serialize,
-            response_deserializer=lambda b: fastwire.parse(pb.BackwardReply, b))
-        self._forward_stream = self._channel.stream_stream(
-            f"/{SERVICE_NAME}/ForwardStream", request_serializer=fastwire.serialize_frame,
-            response_deserializer=fastwire.parse_frame)
-        self._backward_stream = self._channel.stream_stream(
-            f"/{SERVICE_NAME}/BackwardStream", request_serializer=fastwire.serialize_frame,
-            response_deserializer=fastwire.parse_frame)
+        self._lanes = [_Lane.of(channel) for channel in self._channels]
+        self._turn = itertools.count()
+        self.max_in_flight = max_in_flight
+        self._pool: ThreadPoolExecutor | None = None
         self._metadata: list[tuple[str, str]] = [(CLIENT_ID_KEY, self.client_id)]
         if token is not None:
             self._metadata.append(("authorization", f"Bearer {token}"))
@@ -214,10 +241,10 @@ class TrunkClient:
         req = pb.ForwardRequest(activation_id=activation_id, train=train, reply_dtype=int(self.wire_dtype),
                                 num_examples=n, session_id=session_id, reply_compression=spec_to_proto(act),
                                 cut_start=self.cut[0], cut_end=self.cut[1])
-        sent = payload_bytes(encs)
+        sent, lane = payload_bytes(encs), self._lane()
         if sent <= self.limits.stream_threshold_bytes and not self._reply_needs_stream:
             try:
-                parsed = self._invoke("Forward", self._forward, fastwire.Parsed(req, encs))
+                parsed = self._invoke("Forward", lane.forward, fastwire.Parsed(req, encs))
                 reply, out = parsed.header, parsed.tensors
             except ChannelError as exc:
                 if exc.code != "RESOURCE_EXHAUSTED" or "use ForwardStream" not in str(exc):
@@ -226,14 +253,15 @@ class TrunkClient:
                 return self.forward(state, activation_id=activation_id, train=train, num_examples=n,
                                     session_id=session_id)
         else:
-            asm = self._stream_call("ForwardStream", self._forward_stream, pb.Frame(forward_request=req),
+            asm = self._stream_call("ForwardStream", lane.forward_stream, pb.Frame(forward_request=req),
                                     "forward_request", encs, "forward_reply")
             reply, out = asm.header, asm.tensors
         hidden = decode_single(out, "hidden", self.tensor_limits)
         self._account(sent, payload_bytes(out))
         return hidden, reply.trunk_version
 
-    def backward(self, activation_id: str, grad: torch.Tensor, *, input_numel: int | None = None) -> BackwardReply:
+    def backward(self, activation_id: str, grad: torch.Tensor, *, input_numel: int | None = None,
+                 step_id: str = "", step_parts: int = 0, feedback_key: str = "grad") -> BackwardReply:
         """Send the gradient of the loss w.r.t. a forward's output; returns the gradient w.r.t. its input.
 
         ``input_numel`` (elements of the forward's input) sizes the reply: the
@@ -243,23 +271,28 @@ class TrunkClient:
 
         With gradient compression, the gradient travels compressed with this
         client's error-feedback residual added; the residual it leaves is kept
-        once the call succeeded.
+        once the call succeeded (``feedback_key``: whose residual, e.g. one per micro-batch).
+
+        ``step_id``/``step_parts``: this gradient is one of the ``step_parts``
+        micro-batches of one client step, which the trunk takes as one
+        contribution; the reply of a part that does not complete the step comes
+        at once, with outcome ``UPDATE_OUTCOME_UNSPECIFIED``.
         """
         spec, token = self.wire_compression.gradients, None
         if spec.active and grad.is_floating_point():
-            packed, token = self.feedback.compress("grad", grad, spec, torch_dtype(self.wire_dtype))
+            packed, token = self.feedback.compress(feedback_key, grad, spec, torch_dtype(self.wire_dtype))
             encs = [encode_packed("grad", packed)]
         else:
             encs = [encode("grad", grad, self.wire_dtype)]
         req = pb.BackwardRequest(activation_id=activation_id, reply_dtype=int(self.wire_dtype),
-                                 reply_compression=spec_to_proto(spec))
-        sent = payload_bytes(encs)
+                                 reply_compression=spec_to_proto(spec), step_id=step_id, step_parts=step_parts)
+        sent, lane = payload_bytes(encs), self._lane()
         reply_bytes = 0 if input_numel is None else input_numel * torch_dtype(self.wire_dtype).itemsize
         if max(sent, reply_bytes) <= self.limits.stream_threshold_bytes:
-            parsed = self._invoke("Backward", self._backward, fastwire.Parsed(req, encs))
+            parsed = self._invoke("Backward", lane.backward, fastwire.Parsed(req, encs))
             reply, out = parsed.header, parsed.tensors
         else:
-            asm = self._stream_call("BackwardStream", self._backward_stream, pb.Frame(backward_request=req),
+            asm = self._stream_call("BackwardStream", lane.backward_stream, pb.Frame(backward_request=req),
                                     "backward_request", encs, "backward_reply")
             reply, out = asm.header, asm.tensors
         grad_in = decode_single(out, "grad", self.tensor_limits)
@@ -287,9 +320,24 @@ class TrunkClient:
             raise ChannelError(f"trunk server {self.address} not reachable within {timeout}s; is it running "
                                "and is the address right?", code="UNAVAILABLE") from None
 
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        """Run ``fn(*args, **kwargs)`` (e.g. :meth:`forward`) on this client's call threads; at most
+        ``max_in_flight`` at once. Retries happen inside each call, as for a direct one."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="splitfed-call")
+            pool = self._pool
+        return pool.submit(fn, *args, **kwargs)
+
+    def _lane(self) -> _Lane:
+        return self._lanes[next(self._turn) % len(self._lanes)]
+
     def close(self) -> None:
-        """Close the underlying gRPC channel."""
-        self._channel.close()
+        """Close the underlying gRPC channels (and the call threads)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> TrunkClient:
         return self
@@ -348,8 +396,16 @@ class RemoteTrunk(nn.Module):
         return self.num_examples if self.num_examples is not None else int(state.hidden.shape[0])
 
     def _record(self, reply: BackwardReply) -> None:
-        self.outcomes[reply.outcome] = self.outcomes.get(reply.outcome, 0) + 1
+        if reply.outcome != PART_OUTCOME:  # a micro-batch: its step's outcome comes with the last part
+            self.outcomes[reply.outcome] = self.outcomes.get(reply.outcome, 0) + 1
         self.last_version = reply.trunk_version
+
+    def pipeline(self, parts: int, *, train: bool) -> Any:
+        """``parts`` micro-batches of one step in flight at once (a
+        :class:`~splitfed.channel.pipeline.RemotePipeline`; :class:`~splitfed.split.SplitModel` drives it)."""
+        from splitfed.channel.pipeline import RemotePipeline
+
+        return RemotePipeline(self, parts, train=train)
 
     def forward(self, state: CutState) -> CutState:
         """Run the remote trunk on ``state``."""

@@ -51,6 +51,7 @@ from splitfed.errors import (
 from splitfed.split.base import part_range, with_client_cut
 from splitfed.trunk.aggregation import Outcome
 from splitfed.trunk.decoding import SessionStep
+from splitfed.trunk.microsteps import StepPart
 from splitfed.trunk.requests import ForwardRequest
 from splitfed.trunk.runtime import TrunkRuntime
 from splitfed.trunk.scheduler import TrunkScheduler
@@ -78,6 +79,7 @@ _OUTCOME = {
     Outcome.REJECTED_STALE: pb.REJECTED_STALE,
     Outcome.REJECTED_GUARD: pb.REJECTED_GUARD,
     Outcome.NOT_TRAINED: pb.NOT_TRAINED,
+    Outcome.PART: pb.UPDATE_OUTCOME_UNSPECIFIED,  # a micro-batch: its step's outcome comes with its last part
 }
 
 T = TypeVar("T")
@@ -279,8 +281,9 @@ class SplitChannelServicer:
             self._count("received", tensors)
             reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
             check = self._reply_check(reply_dtype, unary)
+            step = StepPart.of(req.step_id, req.step_parts)
             pending = await self._on_device(lambda: runtime.start_backward(client, req.activation_id, grad,
-                                                                           retry=retry, reply_check=check))
+                                                                           retry=retry, reply_check=check, step=step))
         except SplitFedError:  # a refused gradient: the step must not wait for this client
             await self._refused(client)
             raise

@@ -46,23 +46,23 @@ def task_of(model: nn.Module) -> Task:
     return "classification" if model.config.model_type in BERT_FAMILY else "causal-lm"
 
 
-def split_model(model: nn.Module, cuts: tuple[int, int] | list[int]) -> SplitModel:
+def split_model(model: nn.Module, cuts: tuple[int, int] | list[int], micro_batches: int = 1) -> SplitModel:
     """Cut ``model`` at blocks ``cuts = (a, b)`` into bottom ``[0, a)``, trunk ``[a, b)`` and top ``[b, n)``.
 
     The parts share ``model``'s modules (nothing is copied; tied embeddings stay
     tied). The result runs all three locally; give ``result.trunk`` to a
     :class:`~splitfed.channel.server.TrunkServer` and keep ``result.bottom`` and
-    ``result.top`` on the client.
+    ``result.top`` on the client. ``micro_batches``: see :class:`SplitModel`.
     """
     a, b = check_cuts(cuts, num_blocks(model))
     if isinstance(model, nn.Sequential):
         bottom, trunk, top = split_sequential(model, a, b)
-        return SplitModel(bottom, trunk, top, task="classification")
+        return SplitModel(bottom, trunk, top, task="classification", micro_batches=micro_batches)
     if model.config.model_type not in BERT_FAMILY and not hasattr(model, "lm_head"):
         raise UnsupportedModelError(f"{type(model).__name__} has no language-model head; load the model with "
                                     "AutoModelForCausalLM")
     bottom, trunk, top = split_transformer(model, a, b)
-    return SplitModel(bottom, trunk, top, task=task_of(model), config=model.config)
+    return SplitModel(bottom, trunk, top, task=task_of(model), config=model.config, micro_batches=micro_batches)
 
 
 __all__ = [

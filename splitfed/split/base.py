@@ -222,17 +222,24 @@ class SplitModel(nn.Module):
     ``token_type_ids``), so ``model(**tokenizer(texts, return_tensors="pt"))``
     and ``transformers.Trainer`` work; image models take their tensor
     positionally or as ``pixel_values``. It returns a Hugging Face
-    ``ModelOutput`` (:data:`SplitOutput`).
+    ``ModelOutput`` (:data:`SplitOutput`). With ``micro_batches = k > 1`` each
+    batch runs as k micro-batches, several in flight across the cut (a remote
+    trunk overlaps them), with the loss and gradients of the whole batch.
     """
 
     def __init__(self, bottom: nn.Module, trunk: nn.Module, top: nn.Module, task: Task,
-                 config: Any = None) -> None:
+                 config: Any = None, micro_batches: int = 1) -> None:
         super().__init__()
+        if int(micro_batches) < 1:
+            raise SplitError(f"micro_batches must be >= 1, got {micro_batches}")
         self.bottom = bottom
         self.trunk = trunk
         self.top = top
         self.task = task
         self.config = config
+        #: Micro-batches per batch: more than one pipelines the step across the cut
+        #: (see :mod:`splitfed.split.microbatch`); same results as one.
+        self.micro_batches = int(micro_batches)
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -256,9 +263,16 @@ class SplitModel(nn.Module):
                              "pixel_values")
         inputs = input_ids if input_ids is not None else pixel_values
         extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
-        state = self.bottom(inputs, attention_mask=attention_mask, position_ids=position_ids, **extra)
-        state = self.trunk(state)
-        logits = self.top(state)
+        parts = min(self.micro_batches, int(inputs.shape[0]))
+        if parts > 1:
+            from splitfed.split.microbatch import run_micro_batches
+
+            logits = run_micro_batches(self, inputs, parts, {"attention_mask": attention_mask,
+                                                             "position_ids": position_ids, **extra})
+        else:
+            state = self.bottom(inputs, attention_mask=attention_mask, position_ids=position_ids, **extra)
+            state = self.trunk(state)
+            logits = self.top(state)
         loss = None
         if labels is not None:
             if self.task == "causal-lm":

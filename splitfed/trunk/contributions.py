@@ -19,6 +19,8 @@ class Outcome(str, enum.Enum):
     REJECTED_STALE = "rejected-stale"
     REJECTED_GUARD = "rejected-guard"
     NOT_TRAINED = "not-trained"
+    #: A micro-batch of a client step still open: the step's outcome comes with the part that completes it.
+    PART = "part"
 
 
 @dataclass

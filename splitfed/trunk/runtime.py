@@ -44,6 +44,7 @@ from splitfed.trunk.aggregation import Contribution, Grads, Outcome, Result, Syn
 from splitfed.trunk.batched import Batcher
 from splitfed.trunk.requests import BackwardResult, ForwardRequest, PendingBackward, ReplyCheck, resolved
 from splitfed.trunk.guard import GradientGuard
+from splitfed.trunk.microsteps import MicroSteps, StepPart
 from splitfed.trunk.recompute import SavedBytes, busy_on_oom, rng_devices, rng_state, set_rng_state
 from splitfed.trunk.store import DoneBackward, ForwardStore, SavedForward, StoreLimits
 
@@ -93,6 +94,7 @@ class TrunkRuntime:
         self._lock = threading.RLock()
         self._version = 0
         self._batches = Batcher(self)
+        self.micro = MicroSteps()  # micro-batches of one client step -> one contribution
         self.aggregator.bind(self._apply_update, lambda: self._version)
         self.stats: dict[str, int] = {"forwards": 0, "backwards": 0, "rebased": 0, "recomputed": 0}
 
@@ -116,6 +118,7 @@ class TrunkRuntime:
         """Remove a client from the step group and free its saved forwards."""
         with self._lock:
             self.store.drop_client(client_id)
+        self.micro.drop(client_id)
         return self.aggregator.leave(client_id)
 
     # -- forward -------------------------------------------------------------
@@ -234,14 +237,15 @@ class TrunkRuntime:
 
     # -- backward ------------------------------------------------------------
     def start_backward(self, client_id: str, activation_id: str, grad: torch.Tensor, *, retry: bool = False,
-                       reply_check: ReplyCheck | None = None) -> PendingBackward:
+                       reply_check: ReplyCheck | None = None, step: StepPart | None = None) -> PendingBackward:
         """Gradient of the loss w.r.t. the forward's input now; the trunk's gradient goes to the aggregator.
 
         Never waits for other clients. ``reply_check`` sees the input's shape
         before anything is consumed, so a reply that could not be delivered is
         refused with the saved forward still in place. A retried request
         (``retry``) for a Backward already computed gets the same answer and the
-        same outcome, never a second contribution.
+        same outcome, never a second contribution. ``step``: this backward is one
+        micro-batch of a client step (see :mod:`splitfed.trunk.microsteps`).
         """
         with self._lock:
             if retry:
@@ -258,6 +262,8 @@ class TrunkRuntime:
                 raise TensorValueError(f"gradient must be a floating tensor, got {grad.dtype}")
             if reply_check is not None:
                 reply_check(tuple(entry.inputs.hidden.shape))
+            if step is not None:
+                self.micro.check(client_id, step, batched=entry.group is not None)
             self.store.pop(activation_id)
             if entry.group is not None:
                 pending, complete = self._batches.receive(entry, grad)
@@ -275,7 +281,8 @@ class TrunkRuntime:
             if complete is not None:
                 self._batches.finish(complete)
             return pending
-        result = self._submit(client_id, entry.version, trunk_grads, entry.num_examples)
+        result = self._submit(client_id, entry.version, trunk_grads, entry.num_examples) if step is None else \
+            self.micro.offer(client_id, step, entry.version, trunk_grads, entry.num_examples, self._submit)
         pending = PendingBackward(resolved(self.handed(grad_in)), result)
         with self._lock:
             self.store.remember(activation_id, DoneBackward(client_id, pending.grad_in, result,
@@ -283,10 +290,10 @@ class TrunkRuntime:
         return pending
 
     def backward(self, client_id: str, activation_id: str, grad: torch.Tensor, *,
-                 retry: bool = False) -> BackwardResult:
+                 retry: bool = False, step: StepPart | None = None) -> BackwardResult:
         """Blocking :meth:`start_backward`: waits for the input gradient and the step's outcome (firing
         timeouts itself)."""
-        pending = self.start_backward(client_id, activation_id, grad, retry=retry)
+        pending = self.start_backward(client_id, activation_id, grad, retry=retry, step=step)
         grad_in = self.wait(pending.grad_in)
         return BackwardResult(grad_in, self.wait(pending.result))
 
