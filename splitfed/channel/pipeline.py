@@ -62,7 +62,8 @@ class RemotePipeline:
         self.step_id = uuid.uuid4().hex
         self._states: list[CutState | None] = [None] * parts
         self._inputs: list[torch.Tensor | None] = [None] * parts
-        self._ids = [uuid.uuid4().hex for _ in range(parts)]
+        # Numbered ids: the trunk sums the parts' gradients in id order, so the sum does not depend on arrival.
+        self._ids = [f"{self.step_id}.{i:04d}" for i in range(parts)]
         self._forwards: list[Future[Any] | None] = [None] * parts
         self._backwards: list[tuple[int, Future[Any]]] = []
         self._gate = _Drain.apply(torch.zeros((), requires_grad=True), self) if train else None

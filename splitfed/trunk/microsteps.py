@@ -13,7 +13,9 @@ part that completed it waits for the step's outcome like any Backward.
 
 Each client has at most one open step: a part of a new step drops the
 incomplete one (a client whose step failed half-way), and so does leaving the
-step group. Pure logic, thread-safe; the runtime calls it outside its lock.
+step group. An open step holds its parts' trunk gradients until the last
+arrives (at most ``step_parts`` times the trunk's gradient, for one step per
+client). Pure logic, thread-safe; the runtime calls it outside its lock.
 """
 
 from __future__ import annotations
@@ -66,19 +68,27 @@ class StepPart:
 class _Open:
     step_id: str
     parts: int
-    received: int = 0
     version: int = 0
     num_examples: int = 0
-    grads: Grads = field(default_factory=list)
+    grads: dict[str, Grads] = field(default_factory=dict)  # by activation id
 
+    @property
+    def received(self) -> int:
+        return len(self.grads)
 
-def _add(acc: Grads, grads: Grads) -> Grads:
-    if not acc:
-        return [None if g is None else g.clone() for g in grads]
-    for i, g in enumerate(grads):
-        if g is not None:
-            acc[i] = g.clone() if acc[i] is None else acc[i].add_(g)  # type: ignore[union-attr]
-    return acc
+    def total(self) -> Grads:
+        """The parts' gradients summed last part first (the order one backward over the concatenated micro-batches
+        accumulates them), by activation id: the sum does not depend on arrival order."""
+        out: Grads = []
+        for key in sorted(self.grads, reverse=True):
+            grads = self.grads[key]
+            if not out:
+                out = list(grads)
+                continue
+            for i, g in enumerate(grads):
+                if g is not None:
+                    out[i] = g if out[i] is None else out[i].add_(g)  # type: ignore[union-attr]
+        return out
 
 
 class MicroSteps:
@@ -102,10 +112,12 @@ class MicroSteps:
             raise CodecError(f"step {part.step_id!r} was opened with {step.parts} parts, this backward says "
                              f"{part.parts}; every micro-batch of a step must send the same step_parts")
 
-    def offer(self, client_id: str, part: StepPart, version: int, grads: Grads, num_examples: int,
-              submit: Submit) -> Future[Result]:
+    def offer(self, client_id: str, part: StepPart, activation_id: str, version: int, grads: Grads,
+              num_examples: int, submit: Submit) -> Future[Result]:
         """Add one part's trunk gradient; the step's contribution goes to ``submit`` with its last part.
 
+        The parts are summed in descending order of their activation ids (a client
+        that numbers them gets the same sum whatever order they arrive in).
         Returns the future of what the trunk did with the step (parts before
         the last: resolved at once with :attr:`Outcome.PART`).
         """
@@ -116,10 +128,9 @@ class MicroSteps:
                 step = None
             if step is None:
                 step = self._open[client_id] = _Open(part.step_id, part.parts, version=version)
-            step.received += 1
             step.version = min(step.version, version)
             step.num_examples += num_examples
-            step.grads = _add(step.grads, grads)
+            step.grads[activation_id] = grads
             self.stats["parts"] += 1
             if step.received < step.parts:
                 return resolved(Result(Outcome.PART, version, 0, 1.0))
@@ -127,7 +138,7 @@ class MicroSteps:
             self.stats["steps"] += 1
         log.debug("client %s: step %s complete (%d parts, %d examples)", client_id, step.step_id, step.parts,
                   step.num_examples)
-        return submit(client_id, step.version, step.grads, step.num_examples)
+        return submit(client_id, step.version, step.total(), step.num_examples)
 
     def drop(self, client_id: str) -> None:
         """Forget a client's incomplete step (it left the step group)."""

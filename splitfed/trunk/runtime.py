@@ -282,7 +282,8 @@ class TrunkRuntime:
                 self._batches.finish(complete)
             return pending
         result = self._submit(client_id, entry.version, trunk_grads, entry.num_examples) if step is None else \
-            self.micro.offer(client_id, step, entry.version, trunk_grads, entry.num_examples, self._submit)
+            self.micro.offer(client_id, step, activation_id, entry.version, trunk_grads, entry.num_examples,
+                             self._submit)
         pending = PendingBackward(resolved(self.handed(grad_in)), result)
         with self._lock:
             self.store.remember(activation_id, DoneBackward(client_id, pending.grad_in, result,
