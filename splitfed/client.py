@@ -15,12 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from splitfed.codec import torch_dtype, wire_dtype
 from splitfed.config import RunConfig
 from splitfed.data import Splits, batches
 from splitfed.optim import make_optimizer
 from splitfed.parts import CLIENT_ROLES, build_parts, client_state, load_client_state, state_nbytes
 from splitfed.privacy import ClientPrivacy, PrivacyConfig, install_eval_noise
 from splitfed.split import SplitModel
+from splitfed.split.microbatch import resolve_micro_batches
 from splitfed.training import evaluate, perplexity, train
 
 log = logging.getLogger(__name__)
@@ -35,10 +37,27 @@ class ClientResult:
     privacy_state: dict[str, Any] = field(default_factory=dict)  # the DP accountant, kept across rounds
 
 
+def micro_batches(cfg: RunConfig, split: SplitModel) -> int:
+    """The run's ``micro-batches`` for this model: the number, or for ``auto`` the rule of
+    :func:`~splitfed.split.microbatch.resolve_micro_batches` with the cut's bytes per example (hidden size x
+    ``max-seq-len`` x the wire dtype's size for transformers; other models: 1). With differential privacy: 1
+    (opacus needs one forward per batch)."""
+    if PrivacyConfig.from_mapping(cfg.to_mapping()).enabled:
+        if cfg.micro_batches != "1":
+            log.info("micro-batches = %s ignored: differentially private training runs whole batches",
+                     cfg.micro_batches)
+        return 1
+    hidden = getattr(split.config, "hidden_size", None)
+    per_example = 0 if hidden is None else int(hidden) * cfg.max_seq_len * torch_dtype(wire_dtype(cfg.wire_dtype)
+                                                                                        ).itemsize
+    return resolve_micro_batches(cfg.micro_batches, cfg.batch_size, per_example)
+
+
 def _client_model(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Module) -> SplitModel:
     split = build_parts(cfg, CLIENT_ROLES)
     load_client_state(split, state, full_keys=bool(cfg.client_cuts))
-    return SplitModel(split.bottom, trunk, split.top, task=split.task, config=split.config)
+    return SplitModel(split.bottom, trunk, split.top, task=split.task, config=split.config,
+                      micro_batches=micro_batches(cfg, split))
 
 
 def connect_trunk(cfg: RunConfig, address: str, token: str | None, client_id: str,

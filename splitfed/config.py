@@ -155,6 +155,9 @@ class RunConfig:
         _choice("trunk-strategy", self.trunk_strategy, ("",) + _STRATEGIES)
         if self.micro_batches != "auto" and not (self.micro_batches.isdigit() and int(self.micro_batches) >= 1):
             raise ConfigError(f"micro-batches must be 'auto' or an integer >= 1, got {self.micro_batches!r}")
+        if self.micro_batches != "1" and self.trunk_batch_window_ms > 0:
+            raise ConfigError("micro-batches needs trunk-batch-window-ms = 0: a cross-client batch's backward is one "
+                              "contribution of all its clients, so it cannot hold one micro-batch of a step")
         if self.client_cuts:
             parse_client_cuts(self.client_cuts)
         _choice("optimizer", self.optimizer, _OPTIMIZERS)
