@@ -32,6 +32,8 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", help="device for model benchmarks (cpu, cuda)")
     parser.add_argument("--split-config", default="", help='split-step model and batch, e.g. "layers=12 hidden=768 '
                         'heads=12 vocab=50257 batch=16 seq=512 bf16=1" (default: the tiny GPT-2)')
+    parser.add_argument("--micro-batches", nargs="*", type=int, default=[1],
+                        help="split_step: also time the step pipelined as k micro-batches, for each k (e.g. 1 4)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     tune_malloc()  # as the trunk server and client do; applies to both sides of every comparison
@@ -47,6 +49,8 @@ def main() -> int:
     for name in args.only or list(SUITES):
         fn = SUITES[name]
         kwargs = {"device": args.device} if "device" in fn.__code__.co_varnames else {}
+        if "micro_batches" in fn.__code__.co_varnames:
+            kwargs["micro_batches"] = tuple(args.micro_batches)
         results.update(fn(**kwargs))
     if "split_step" in (args.only or list(SUITES)):
         results["split_step_config"] = " ".join(f"{k}={v}" for k, v in core.SPLIT_STEP.items())

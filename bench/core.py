@@ -98,13 +98,17 @@ def _serve_trunk(settings: dict[str, int], port_queue: Any, stop: Any, threads: 
     server.stop(grace=0)
 
 
-def split_step_ratio(repeat: int = 10, device: str = "cpu") -> dict[str, float]:
+def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple[int, ...] = (1,)
+                     ) -> dict[str, float]:
     """Split step over loopback / unsplit step, tiny GPT-2; the trunk server in this process and in another.
 
     ``split_step_ratio`` serves the trunk from a thread of this process (the
     real gRPC channel over loopback TCP, no second Python process competing for
     the cores); ``split_step_ratio_process`` serves it from its own process, as
-    in a deployment, but on the same cores as the client.
+    in a deployment, but on the same cores as the client. For each k > 1 in
+    ``micro_batches`` the split step also runs pipelined as k micro-batches
+    (over min(k, 4) gRPC channels): ``split_step_ratio_mb{k}`` and
+    ``split_step_ratio_process_mb{k}``, each timed interleaved with the unsplit step.
     """
     from splitfed.channel.client import RemoteTrunk
     from splitfed.split import SplitModel, split_model
@@ -139,10 +143,13 @@ def split_step_ratio(repeat: int = 10, device: str = "cpu") -> dict[str, float]:
             opt_ref.zero_grad()
             sync()
 
-        for suffix, address in addresses.items():
+        runs = [(f"{where}{'' if k == 1 else f'_mb{k}'}", address, k) for where, address in addresses.items()
+                for k in micro_batches]
+        for suffix, address, k in runs:
             parts = split_model(_gpt2().to(device), cuts)
-            remote = RemoteTrunk(address, insecure=True, wire_dtype="bf16" if bf16 else "fp32")
-            model = SplitModel(parts.bottom, remote, parts.top, task="causal-lm")
+            remote = RemoteTrunk(address, insecure=True, wire_dtype="bf16" if bf16 else "fp32",
+                                 channels=min(k, 4), max_in_flight=2 * k)
+            model = SplitModel(parts.bottom, remote, parts.top, task="causal-lm", micro_batches=k)
             opt_split = torch.optim.SGD(parts.client_modules().parameters(), lr=1e-3)
 
             def split_step() -> None:
@@ -157,7 +164,9 @@ def split_step_ratio(repeat: int = 10, device: str = "cpu") -> dict[str, float]:
             out[f"split_step_ratio{suffix}"] = t_split / t_ref
             out[f"split_step{suffix}_s"] = t_split
             out[f"unsplit_step{suffix}_s"] = t_ref
-            out["split_bytes_per_call"] = remote.client.bytes_sent / max(remote.client.calls, 1)
+            if k == 1:
+                out["split_bytes_per_call"] = remote.client.bytes_sent / max(remote.client.calls, 1)
+            remote.client.leave()  # the next client must not wait for this one in the trunk's sync step
             remote.close()
         return out
     finally:
