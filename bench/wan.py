@@ -150,34 +150,41 @@ def _throughput(rate_bps: float | None, seconds: float) -> float:
     return max(size // len(block), 1) * len(block) / elapsed / 1e6
 
 
+def _label(compression: str, micro_batches: int) -> str:
+    return compression if micro_batches == 1 else f"{compression} mb{micro_batches}"
+
+
 def client(model: str, compressions: Sequence[str], dev: str, rate_bps: float | None, steps: int, warmup: int,
-           quick: bool) -> dict[str, Any]:
-    """Time split steps against the trunk server, the compression settings interleaved step by step."""
+           quick: bool, micro_batches: Sequence[int] = (1,)) -> dict[str, Any]:
+    """Time split steps against the trunk server, the settings (compression x micro-batches) interleaved step by
+    step."""
     from splitfed.channel.client import RemoteTrunk
     from splitfed.compression import WireCompression
     from splitfed.split import SplitModel, split_model
 
     x, y = make_batch(model, quick)
     runs: list[tuple[str, Callable[[], None], Any]] = []
-    for name in compressions:
+    settings = [(name, k) for name in compressions for k in micro_batches]
+    for name, k in settings:
         parts = split_model(build_model(model), CUTS[model])
         remote = RemoteTrunk(f"{SERVER_IP}:{TRUNK_PORT}", insecure=True, options=GRPC_OPTIONS,
-                             wire_compression=WireCompression.of(name))
-        split = SplitModel(parts.bottom, remote, parts.top, task=parts.task, config=parts.config)
+                             wire_compression=WireCompression.of(name), channels=min(k, 4), max_in_flight=2 * k)
+        split = SplitModel(parts.bottom, remote, parts.top, task=parts.task, config=parts.config, micro_batches=k)
         opt = torch.optim.SGD(parts.client_modules().parameters(), lr=1e-3)
 
         def step(split: SplitModel = split, opt: torch.optim.Optimizer = opt) -> None:
             split(x, labels=y).loss.backward()
             opt.step()
             opt.zero_grad()
-        runs.append((name, step, remote))
+        runs.append((_label(name, k), step, remote))
     link_mb_s = _throughput(rate_bps, 0.25 if quick else 1.0)
     for _ in range(warmup):
         for _, step, _ in runs:
             step()
-    times: dict[str, list[float]] = {name: [] for name in compressions}
-    payload = dict.fromkeys(compressions, 0)
-    link = dict.fromkeys(compressions, 0)
+    labels = [_label(name, k) for name, k in settings]
+    times: dict[str, list[float]] = {name: [] for name in labels}
+    payload = dict.fromkeys(labels, 0)
+    link = dict.fromkeys(labels, 0)
     for _ in range(steps):
         for name, step, remote in runs:
             counted, wire = remote.client.bytes_sent + remote.client.bytes_received, _link_bytes(dev)
@@ -189,10 +196,10 @@ def client(model: str, compressions: Sequence[str], dev: str, rate_bps: float | 
     for _, _, remote in runs:
         remote.close()
     return {"link_mb_s": link_mb_s, "settings": [
-        {"compression": name, "step_ms": statistics.median(times[name]) * 1e3,
-         "step_ms_all": [round(t * 1e3, 2) for t in times[name]],
-         "payload_bytes_per_step": payload[name] / steps, "link_bytes_per_step": link[name] / steps}
-        for name in compressions]}
+        {"compression": name, "micro_batches": k, "setting": label, "step_ms": statistics.median(times[label]) * 1e3,
+         "step_ms_all": [round(t * 1e3, 2) for t in times[label]],
+         "payload_bytes_per_step": payload[label] / steps, "link_bytes_per_step": link[label] / steps}
+        for (name, k), label in zip(settings, labels)]}
 
 
 # -- in the calling namespace: namespaces, shaping, processes -------------------------------------
@@ -338,7 +345,8 @@ def _wait_ready(proc: subprocess.Popen[str], timeout: float) -> None:
 
 
 def measure(models: Sequence[str], compressions: Sequence[str], rates: Sequence[str], steps: int, warmup: int,
-            threads: int, quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
+            threads: int, quick: bool, log: Callable[[str], None], micro_batches: Sequence[int] = (1,)
+            ) -> dict[str, Any]:
     """Run the benchmark; returns the JSON-able results (see the module docstring)."""
     env, results = _child_env(), []
     with link() as pair, tempfile.TemporaryDirectory(prefix="sfwan") as tmp:
@@ -359,7 +367,8 @@ def measure(models: Sequence[str], compressions: Sequence[str], rates: Sequence[
                 argv = [sys.executable, "-m", "bench.wan", "--role", "client", "--models", model,
                         "--compression", ",".join(compressions), "--dev", pair.devs[pair.client], "--rate-bps",
                         str(rate_bps or 0), "--steps", str(steps), "--warmup", str(warmup),
-                        "--threads", str(threads)] + (["--quick"] * quick)
+                        "--threads", str(threads), "--micro-batches", ",".join(map(str, micro_batches))
+                        ] + (["--quick"] * quick)
                 proc = pair.spawn(pair.client, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
                 try:
                     out, err_text = proc.communicate(timeout=1800)
@@ -383,14 +392,16 @@ def measure(models: Sequence[str], compressions: Sequence[str], rates: Sequence[
 # -- report ------------------------------------------------------------------------------------
 def table(report: dict[str, Any]) -> str:
     """A Markdown table of the results, with each setting's step time relative to ``none`` at its rate."""
-    header = ("| model | rate | link MB/s | compression | step ms (median) | vs none | MB per step on the link "
-              "| payload MB per step | link MB / link MB/s, ms |")
-    rows = [header, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    base = {(r["model"], r["rate"]): r["step_ms"] for r in report["results"] if r["compression"] == "none"}
+    header = ("| model | rate | link MB/s | compression | micro-batches | step ms (median) | vs none | MB per step on "
+              "the link | payload MB per step | link MB / link MB/s, ms |")
+    rows = [header, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    base = {(r["model"], r["rate"]): r["step_ms"] for r in report["results"]
+            if r["compression"] == "none" and r.get("micro_batches", 1) == 1}
     for r in report["results"]:
         ref = base.get((r["model"], r["rate"]))
         ratio = f"{r['step_ms'] / ref:.2f}" if ref else "-"
-        rows.append(f"| {r['model']} | {r['rate']} | {r['link_mb_s']:.1f} | {r['compression']} | {r['step_ms']:.0f} "
+        rows.append(f"| {r['model']} | {r['rate']} | {r['link_mb_s']:.1f} | {r['compression']} "
+                    f"| {r.get('micro_batches', 1)} | {r['step_ms']:.0f} "
                     f"| {ratio} | {r['link_bytes_per_step'] / 1e6:.3f} | {r['payload_bytes_per_step'] / 1e6:.3f} "
                     f"| {r['link_bytes_per_step'] / r['link_mb_s'] / 1e3:.0f} |")
     return "\n".join(rows)
@@ -406,11 +417,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     res = report["results"]
     models = list(dict.fromkeys(r["model"] for r in res))
     rates = list(dict.fromkeys(r["rate"] for r in res))
-    comps = list(dict.fromkeys(r["compression"] for r in res))
+    comps = list(dict.fromkeys(r.get("setting", r["compression"]) for r in res))
     fig, axes = plt.subplots(2, len(models), figsize=(5.5 * len(models), 7), squeeze=False)
     width = 0.8 / len(comps)
     for col, model in enumerate(models):
-        get = {(r["rate"], r["compression"]): r for r in res if r["model"] == model}
+        get = {(r["rate"], r.get("setting", r["compression"])): r for r in res if r["model"] == model}
         for i, comp in enumerate(comps):
             xs = [j + (i - (len(comps) - 1) / 2) * width for j in range(len(rates))]
             axes[0][col].bar(xs, [get[(rate, comp)]["step_ms"] for rate in rates], width, label=comp)
@@ -448,6 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="steps per setting before measuring")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server and of the client "
                         "(1: one core each; more threads than cores slow both down)")
+    parser.add_argument("--micro-batches", type=lambda s: [int(v) for v in _csv(s)], default=[1],
+                        help="micro-batches per step to compare, e.g. 1,4 (pipelined split step)")
     parser.add_argument("--quick", action="store_true", help="tiny batches (for tests)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--plot", type=Path, help="write a PNG of the results here (e.g. docs/wan.png)")
@@ -469,12 +482,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(args.models[0])
     if args.role == "client":
         result = client(args.models[0], args.compression, args.dev, args.rate_bps or None, args.steps, args.warmup,
-                        args.quick)
+                        args.quick, args.micro_batches)
         sys.stdout.write(json.dumps(result) + "\n")
         return 0
     try:
         report = measure(args.models, args.compression, args.rates, args.steps, args.warmup, args.threads, args.quick,
-                         lambda line: print(f"bench.wan: {line}", file=sys.stderr, flush=True))
+                         lambda line: print(f"bench.wan: {line}", file=sys.stderr, flush=True), args.micro_batches)
     except CannotRun as exc:
         print(f"bench.wan: skipped, cannot run here: {exc}", file=sys.stderr)
         return SKIP_EXIT
