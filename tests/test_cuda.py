@@ -92,3 +92,81 @@ def test_greedy_generation_with_a_gpu_trunk_equals_unsplit(trunk_server) -> None
     with RemoteSession(TrunkClient(server.address, insecure=True), max_length=18) as session:
         got = generate(split.bottom, session, split.top, ids, max_new_tokens=12)
     assert torch.equal(got[:, -12:].cpu(), want[:, -12:].cpu())
+
+
+# -- the pipelined split step and its transfers (splitfed.transfer, splitfed.channel.pipeline) ----------------
+def test_staging_copies_on_a_side_stream_from_reused_pinned_buffers() -> None:
+    from splitfed.transfer import Staging
+
+    staging = Staging(CUDA)
+    x = torch.randn(64, 128, device=CUDA)
+    y = x * 2  # queued on the compute stream; the side-stream copy must wait for it
+    first = staging.to_host(y)
+    host = first.wait()
+    assert host.is_pinned() and host.device.type == "cpu"
+    assert torch.equal(host, (x * 2).cpu())
+    ptr = host.data_ptr()
+    first.release()
+    second = staging.to_host(y + 1)
+    assert second.wait().data_ptr() == ptr  # the same pinned buffer, reused
+    assert torch.equal(second.tensor, (y + 1).cpu())
+    second.release()
+    back = staging.to_device(torch.arange(12.0).reshape(3, 4), torch.float32)
+    assert back.is_cuda and torch.equal(back.cpu(), torch.arange(12.0).reshape(3, 4))
+    cast = staging.to_host(x, torch.bfloat16)  # cast on the device: half the bytes cross
+    assert cast.wait().dtype == torch.bfloat16 and torch.equal(cast.tensor, x.to(torch.bfloat16).cpu())
+    cast.release()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_pipelined_gpu_steps_over_grpc_equal_unsplit(arch: str, trunk_server) -> None:
+    # The trunk is served from this process on the same GPU: the pipeline's backward must never block the
+    # GPU's autograd worker, which the trunk's own backward needs.
+    from splitfed import transfer
+
+    model = tiny_model(arch).train().to(CUDA)
+    ref = copy.deepcopy(model)
+    split = split_model(model, (1, 3))
+    server = trunk_server(TrunkRuntime(split.trunk, torch.optim.SGD(split.trunk.parameters(), lr=0.05)))
+    remote = RemoteTrunk(server.address, insecure=True, channels=2)
+    client = SplitModel(split.bottom, remote, split.top, task="causal-lm", micro_batches=4)
+    opt = torch.optim.SGD(split.client_modules().parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    ids, mask, labels = (t.to(CUDA) for t in batch_for(arch, batch=5, padded=True))
+    before = dict(transfer.COPIES)
+    for _ in range(5):
+        client(ids, attention_mask=mask, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    diff = max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+    assert diff <= 1e-5
+    assert server.runtime.version == 5 and remote.outcomes == {"APPLIED": 5}
+    # Activations, masks and positions leave through the side stream; activations and gradients come back so.
+    assert transfer.COPIES["d2h"] - before["d2h"] == 5 * 4 * (3 + 1)
+    assert transfer.COPIES["h2d"] - before["h2d"] == 5 * 4 * 2
+    assert any(s.pooled > 0 for s in remote.__dict__["_stagings"].values())  # pinned buffers kept for reuse
+    remote.close()
+
+
+def test_pipelined_bf16_autocast_on_gpu_trains(trunk_server) -> None:
+    model = tiny_model("llama").train().to(CUDA)
+    split = split_model(model, (1, 3))
+    server = trunk_server(TrunkRuntime(split.trunk, torch.optim.AdamW(split.trunk.parameters(), lr=1e-2),
+                                       autocast_dtype=torch.bfloat16))
+    client = SplitModel(split.bottom, RemoteTrunk(server.address, insecure=True, wire_dtype="bf16", channels=2),
+                        split.top, task="causal-lm", micro_batches=4)
+    opt = torch.optim.AdamW(split.client_modules().parameters(), lr=1e-2)
+    ids, mask, labels = (t.to(CUDA) for t in batch_for("llama", batch=8, length=16))
+    losses = []
+    for _ in range(8):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = client(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert server.runtime.version == 8
