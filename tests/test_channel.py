@@ -177,6 +177,29 @@ def _grad_nan(call, stub):
     call("Backward", _bwd(act, torch.full((2, 5, HIDDEN), float("inf"))))
 
 
+def _step_fields(step_id: str, parts: int):
+    def run(call, stub):
+        act = uuid.uuid4().hex
+        call("Forward", _fwd(act))
+        req = _bwd(act)
+        req.step_id, req.step_parts = step_id, parts
+        call("Backward", req)
+    return run
+
+
+def _step_parts_change(call, stub):
+    first, second = uuid.uuid4().hex, uuid.uuid4().hex
+    call("Forward", _fwd(first))
+    call("Forward", _fwd(second))
+    req = _bwd(first)
+    req.step_id, req.step_parts = "step", 2
+    assert call("Backward", req).outcome == pb.UPDATE_OUTCOME_UNSPECIFIED  # a part: answered at once
+    _mark()
+    req = _bwd(second)
+    req.step_id, req.step_parts = "step", 3
+    call("Backward", req)
+
+
 def _stream(stub, header, chunks):
     list(stub.ForwardStream(_frames(header, chunks), metadata=[(CLIENT_ID_KEY, "alice")], timeout=20))
 
@@ -255,6 +278,9 @@ CASES: list[Case] = [
     ("garbage-backward-payload", C.INVALID_ARGUMENT, "not a valid BackwardRequest",
      _raw("Backward", b"\x0a\xff\xff\xff\xff\xff")),
     ("unknown-method", C.UNIMPLEMENTED, "", _raw("Explode", b"")),
+    ("step-parts-without-step-id", C.INVALID_ARGUMENT, "step_id is empty", _step_fields("", 2)),
+    ("step-parts-negative", C.INVALID_ARGUMENT, "step_parts must be", _step_fields("s", -1)),
+    ("step-parts-change-within-a-step", C.INVALID_ARGUMENT, "same step_parts", _step_parts_change),
     ("unknown-session", C.NOT_FOUND, "session",
      lambda call, stub: call("Forward", pb.ForwardRequest(activation_id="s", session_id="nope",
                                                           tensors=[_tensor("hidden", _hidden())]))),

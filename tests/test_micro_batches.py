@@ -201,3 +201,21 @@ def test_micro_batched_gradients_equal_unsplit_for_every_config_switch(case) -> 
         assert (p.grad is None) == (q.grad is None), name
         if p.grad is not None:
             assert (p.grad - q.grad).abs().max().item() <= 1e-6, name
+
+
+def test_run_config_micro_batches_reach_the_client_model() -> None:
+    from splitfed.client import micro_batches
+    from splitfed.config import RunConfig
+    from splitfed.errors import ConfigError
+    from splitfed.parts import CLIENT_ROLES, build_parts
+
+    split = build_parts(RunConfig.from_mapping({"model": "tiny-gpt2"}), CLIENT_ROLES)
+    assert micro_batches(RunConfig.from_mapping({"micro-batches": "3"}), split) == 3
+    hidden = split.config.hidden_size
+    big = {"micro-batches": "auto", "batch-size": 16, "max-seq-len": 2 * (1 << 20) // (4 * hidden)}
+    assert micro_batches(RunConfig.from_mapping(big), split) == 4  # 2 MiB per example, 16 examples
+    assert micro_batches(RunConfig.from_mapping({"micro-batches": "auto", "batch-size": 2}), split) == 1
+    dp = {"micro-batches": "4", "dp-noise-multiplier": 1.0}
+    assert micro_batches(RunConfig.from_mapping(dp), split) == 1  # DP-SGD runs whole batches
+    with pytest.raises(ConfigError, match="trunk-batch-window-ms"):
+        RunConfig.from_mapping({"micro-batches": "2", "trunk-batch-window-ms": 5.0})

@@ -25,7 +25,8 @@ from torch import nn
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel import split_channel_pb2_grpc as pb_grpc
-from splitfed.channel.limits import CLIENT_ID_KEY, SERVICE_NAME, ChannelLimits
+from splitfed.channel.lanes import Lane
+from splitfed.channel.limits import CLIENT_ID_KEY, ChannelLimits
 from splitfed.channel.retry import RetryPolicy
 from splitfed.channel.wire import (
     assemble,
@@ -52,10 +53,6 @@ PART_OUTCOME = _OUTCOME_NAMES[pb.UPDATE_OUTCOME_UNSPECIFIED]
 T = TypeVar("T")
 
 
-def _serialize(parsed: fastwire.Parsed) -> bytes:
-    return fastwire.serialize(parsed.header, parsed.tensors)
-
-
 @dataclass
 class BackwardReply:
     """The gradient for the bottom part and what the trunk did with its own gradient."""
@@ -64,29 +61,6 @@ class BackwardReply:
     outcome: str
     trunk_version: int
     staleness: int
-
-
-@dataclass(frozen=True)
-class _Lane:
-    """The tensor-carrying calls of one gRPC channel, with the zero-copy (de)serializers (same bytes on the
-    wire)."""
-
-    forward: Any
-    backward: Any
-    forward_stream: Any
-    backward_stream: Any
-
-    @staticmethod
-    def of(channel: grpc.Channel) -> _Lane:
-        return _Lane(
-            channel.unary_unary(f"/{SERVICE_NAME}/Forward", request_serializer=_serialize,
-                                response_deserializer=lambda b: fastwire.parse(pb.ForwardReply, b)),
-            channel.unary_unary(f"/{SERVICE_NAME}/Backward", request_serializer=_serialize,
-                                response_deserializer=lambda b: fastwire.parse(pb.BackwardReply, b)),
-            channel.stream_stream(f"/{SERVICE_NAME}/ForwardStream", request_serializer=fastwire.serialize_frame,
-                                  response_deserializer=fastwire.parse_frame),
-            channel.stream_stream(f"/{SERVICE_NAME}/BackwardStream", request_serializer=fastwire.serialize_frame,
-                                  response_deserializer=fastwire.parse_frame))
 
 
 class TrunkClient:
@@ -151,7 +125,7 @@ class TrunkClient:
                           for o in ([opts] + [opts + [("grpc.use_local_subchannel_pool", 1)]] * (channels - 1))]
         self._channel = self._channels[0]
         self._stub = pb_grpc.SplitChannelStub(self._channel)
-        self._lanes = [_Lane.of(channel) for channel in self._channels]
+        self._lanes = [Lane.of(channel) for channel in self._channels]
         self._turn = itertools.count()
         self.max_in_flight = max_in_flight
         self._pool: ThreadPoolExecutor | None = None
@@ -329,7 +303,7 @@ class TrunkClient:
             pool = self._pool
         return pool.submit(fn, *args, **kwargs)
 
-    def _lane(self) -> _Lane:
+    def _lane(self) -> Lane:
         return self._lanes[next(self._turn) % len(self._lanes)]
 
     def close(self) -> None:
