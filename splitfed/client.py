@@ -74,13 +74,15 @@ def connect_trunk(cfg: RunConfig, address: str, token: str | None, client_id: st
 
     credentials = client_credentials(address, pinned_ca=ca_pem, own_tls=bool(cfg.tls_cert), root_ca=cfg.tls_root_ca,
                                      allow_plaintext_remote=cfg.trunk_allow_plaintext_remote)
+    # Micro-batches in flight travel over several connections (at most 4).
+    lanes = 1 if cfg.micro_batches == "1" else 4 if cfg.micro_batches == "auto" else min(int(cfg.micro_batches), 4)
     return RemoteTrunk(address, client_id=client_id, insecure=credentials is None, credentials=credentials,
                        token=token, wire_dtype=cfg.wire_dtype,
                        wire_compression=WireCompression.of(
                            cfg.wire_compression, act=cfg.wire_compression_act, grad=cfg.wire_compression_grad,
                            topk_ratio=cfg.topk_ratio, error_feedback=cfg.wire_error_feedback),
                        retry=RetryPolicy(timeout_s=max(cfg.trunk_timeout * 3, 60.0)),
-                       cut=cfg.cuts if cfg.client_cuts else None)
+                       cut=cfg.cuts if cfg.client_cuts else None, channels=lanes, max_in_flight=2 * lanes)
 
 
 def _proximal(parts: nn.Module, mu: float) -> Any:

@@ -219,3 +219,33 @@ def test_run_config_micro_batches_reach_the_client_model() -> None:
     assert micro_batches(RunConfig.from_mapping(dp), split) == 1  # DP-SGD runs whole batches
     with pytest.raises(ConfigError, match="trunk-batch-window-ms"):
         RunConfig.from_mapping({"micro-batches": "2", "trunk-batch-window-ms": 5.0})
+
+
+def test_client_app_trains_with_micro_batches_like_without(trunk_server) -> None:
+    # The Flower client's round (splitfed.client.client_train) with micro-batches = 4 against one trunk server,
+    # and with 1 against another: the same client parts and trunk weights after the round.
+    from flower_harness import default_run_config
+
+    from splitfed.client import client_train
+    from splitfed.config import RunConfig
+    from splitfed.parts import build_parts, initial_client_state
+    from splitfed.workload import load_splits
+
+    base = default_run_config(local_steps=3, lr=0.05)
+    results, trunks = {}, {}
+    for k in ("1", "4"):
+        cfg = RunConfig.from_mapping({**base, "micro-batches": k})
+        split = build_parts(cfg)
+        server = trunk_server(split.trunk, optimizer="sgd", lr=cfg.lr)
+        remote = RemoteTrunk(server.address, insecure=True, channels=2)
+        results[k] = client_train(cfg, initial_client_state(cfg, split), remote, load_splits(cfg, 0, 4),
+                                  server_round=1, partition_id=0)
+        trunks[k] = split.trunk
+        assert server.runtime.version == 3 and results[k].metrics["train-steps"] == 3
+        assert server.runtime.micro.stats["steps"] == (3 if k == "4" else 0)  # micro-batched steps reached it
+        remote.close()
+    for key, value in results["1"].state.items():
+        assert (value - results["4"].state[key]).abs().max().item() <= 1e-6, key
+    for p, q in zip(trunks["1"].parameters(), trunks["4"].parameters()):
+        assert (p - q).abs().max().item() <= 1e-6
+    assert results["4"].metrics["train-trunk-applied"] == 3
