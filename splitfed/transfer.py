@@ -153,6 +153,8 @@ class Staging:
             count_copy("own")  # decoded tensors view read-only reply bytes: the parts get memory of their own
             return host.clone()
         assert self._stream is not None
+        if host.device.type != "cpu":  # already on a device: nothing to stage
+            return host.to(self.device, dtype)
         buf = self._take(tuple(host.shape), host.dtype)
         buf.copy_(host)
         with torch.cuda.stream(self._stream):

@@ -47,6 +47,7 @@ from splitfed.trunk.guard import GradientGuard
 from splitfed.trunk.microsteps import MicroSteps, StepPart
 from splitfed.trunk.recompute import SavedBytes, busy_on_oom, rng_devices, rng_state, set_rng_state
 from splitfed.trunk.store import DoneBackward, ForwardStore, SavedForward, StoreLimits
+from splitfed.transfer import Staging
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class TrunkRuntime:
         self._version = 0
         self._batches = Batcher(self)
         self.micro = MicroSteps()  # micro-batches of one client step -> one contribution
+        self._staging = Staging(self.device) if self.device.type == "cuda" else None  # pinned, side-stream h2d
         self.aggregator.bind(self._apply_update, lambda: self._version)
         self.stats: dict[str, int] = {"forwards": 0, "backwards": 0, "rebased": 0, "recomputed": 0}
 
@@ -151,7 +153,8 @@ class TrunkRuntime:
         (a non-leaf) so that in-place first layers work as in the unsplit model.
         """
         self.check_input(state)
-        hidden = state.hidden.to(self.device, self.dtype)
+        hidden = state.hidden.to(self.device, self.dtype) if self._staging is None else \
+            self._staging.to_device(state.hidden, self.dtype)
         leaf = None
         if train:
             leaf = hidden.detach().requires_grad_(True)
