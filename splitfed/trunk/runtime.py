@@ -272,7 +272,9 @@ class TrunkRuntime:
                 pending, complete = self._batches.receive(entry, grad)
             else:
                 try:
-                    grads = self._gradients(entry, grad.to(self.device, entry.out_value.dtype))
+                    dtype = entry.out_value.dtype
+                    grads = self._gradients(entry, grad.to(self.device, dtype) if self._staging is None else
+                                            self._staging.to_device(grad, dtype))
                 except RuntimeError as exc:  # out of memory included: the graph is spent, so no retry of this one
                     raise TrunkStepError(f"the backward of {activation_id} failed on the server: {exc}; run the "
                                          "forward again") from None
