@@ -249,3 +249,36 @@ def test_client_app_trains_with_micro_batches_like_without(trunk_server) -> None
     for p, q in zip(trunks["1"].parameters(), trunks["4"].parameters()):
         assert (p - q).abs().max().item() <= 1e-6
     assert results["4"].metrics["train-trunk-applied"] == 3
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_micro_batches_survive_lost_replies_and_never_apply_twice(trunk_server, before: bool) -> None:
+    # Every Forward and Backward of every micro-batch loses its first reply (or fails before it runs); gRPC's
+    # retries, in flight on several channels at once, are answered from what the first attempt left.
+    from test_reliability import LoseReplies
+
+    from splitfed.channel.client import RetryPolicy
+
+    def train(interceptors: list) -> tuple[torch.nn.Module, object]:
+        model = tiny_model("gpt2").train()
+        split = split_model(model, cuts=(1, 3))
+        server = trunk_server(split.trunk, optimizer="adamw", lr=0.01, interceptors=interceptors)
+        remote = RemoteTrunk(server.address, insecure=True, retry=RetryPolicy(initial_backoff_s=0.05), channels=2)
+        client = SplitModel(split.bottom, remote, split.top, task="causal-lm", micro_batches=PARTS)
+        opt = torch.optim.AdamW(split.client_modules().parameters(), lr=0.01)
+        ids, mask, labels = batch_for("gpt2", batch=BATCH, padded=True)
+        for _ in range(3):
+            client(ids, attention_mask=mask, labels=labels).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        remote.close()
+        return model, server
+
+    clean, clean_server = train([])
+    faults = LoseReplies(before=before)
+    faulty, faulty_server = train([faults])
+    assert faults.injected == faults.retries_seen == 3 * PARTS * 2
+    assert faulty_server.runtime.version == clean_server.runtime.version == 3
+    assert faulty_server.runtime.micro.stats == clean_server.runtime.micro.stats
+    for (name, a), b in zip(clean.state_dict().items(), faulty.state_dict().values()):
+        assert torch.equal(a, b), name
