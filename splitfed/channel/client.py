@@ -8,8 +8,8 @@ gradient for the bottom part, so client training code stays
 
 from __future__ import annotations
 
-import logging
 import itertools
+import logging
 import threading
 import time
 import uuid

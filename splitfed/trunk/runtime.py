@@ -40,6 +40,7 @@ from splitfed.errors import (
     TrunkStepError,
 )
 from splitfed.split.base import CutState
+from splitfed.transfer import Staging
 from splitfed.trunk.aggregation import Contribution, Grads, Outcome, Result, SyncAggregator, TrunkAggregator
 from splitfed.trunk.batched import Batcher
 from splitfed.trunk.requests import BackwardResult, ForwardRequest, PendingBackward, ReplyCheck, resolved
@@ -47,7 +48,6 @@ from splitfed.trunk.guard import GradientGuard
 from splitfed.trunk.microsteps import MicroSteps, StepPart
 from splitfed.trunk.recompute import SavedBytes, busy_on_oom, rng_devices, rng_state, set_rng_state
 from splitfed.trunk.store import DoneBackward, ForwardStore, SavedForward, StoreLimits
-from splitfed.transfer import Staging
 
 log = logging.getLogger(__name__)
 
