@@ -295,6 +295,23 @@ _NUMPY_FLOATS = {torch.float32: np.float32, torch.float16: np.float16}
 _SMALL = 1 << 20  # elements; below this a single-threaded numpy reduction beats waking torch's thread pool
 
 
+def _bf16_sum_of_squares(flat: torch.Tensor) -> float:
+    """A reduction of a flat bf16 tensor that is NaN or Inf when any element is, without converting it.
+
+    A bf16 value is the top half of an fp32 with the same exponent, so two fp32 views of the
+    bits, one with the odd halves on top and one shifted by a half with the even ones on top,
+    cover every element but the two ends, which are added exactly.
+    """
+    words = flat.view(torch.int16).numpy()
+    pairs = (words.size - 1) // 2
+    odd_on_top = words[: 2 * pairs].view(np.float32)
+    even_on_top = words[1: 2 * pairs + 1].view(np.float32)
+    ends = flat[[0, -1]].float()
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (float(np.dot(odd_on_top, odd_on_top)) + float(np.dot(even_on_top, even_on_top))
+                + float((ends * ends).sum()))
+
+
 def check_finite(name: str, tensor: torch.Tensor) -> None:
     """Raise :class:`TensorValueError` if a floating tensor holds NaN or Inf."""
     if not tensor.dtype.is_floating_point or tensor.numel() == 0:
@@ -306,6 +323,8 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
         flat = tensor.detach().reshape(-1).numpy()
         with np.errstate(over="ignore", invalid="ignore"):
             total = float(np.dot(flat, flat))
+    elif tensor.device.type == "cpu" and tensor.dtype == torch.bfloat16 and sys.byteorder == "little":
+        total = _bf16_sum_of_squares(tensor.detach().reshape(-1).contiguous())
     elif tensor.device.type == "cpu" and tensor.dtype in _NUMPY_FLOATS and tensor.numel() < _SMALL:
         flat = tensor.detach().reshape(-1).numpy()
         total = float(np.add.reduce(flat, dtype=np.float32))
