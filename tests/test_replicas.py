@@ -4,6 +4,7 @@ client; an idle replica still steps; async replicas are averaged; a dead replica
 from __future__ import annotations
 
 import threading
+import uuid
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,9 +35,11 @@ def _servers(tmp_path: Path, mapping: dict[str, Any]) -> tuple[Any, ReplicaSet]:
     return server, ReplicaSet(server, 2, config_replica, args, timeout_s=30.0).start()
 
 
-@pytest.fixture
-def replicas(tmp_path: Path) -> Iterator[tuple[Any, ReplicaSet]]:
-    server, rs = _servers(tmp_path, _mapping())
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, ReplicaSet]]:
+    """One sync replica set for the tests of this module (spawning a replica takes seconds): each test starts
+    from the weights the previous one left, and the one that kills a replica comes last."""
+    server, rs = _servers(tmp_path_factory.mktemp("replicas"), _mapping())
     try:
         yield server, rs
     finally:
@@ -57,7 +60,7 @@ def _steps(clients: dict[int, TrunkClient], steps: int) -> None:
         acts = {}
         for i, tc in clients.items():
             state, _ = _inputs(i, step)
-            acts[i] = f"a-{i}-{step}"
+            acts[i] = f"a-{i}-{step}-{uuid.uuid4().hex[:8]}"
             tc.forward(state, activation_id=acts[i], train=True, num_examples=2)
         errors: list[BaseException] = []
 
@@ -79,15 +82,23 @@ def _clients(addresses: dict[int, str]) -> dict[int, TrunkClient]:
     return {i: TrunkClient(a, insecure=True, client_id=f"client-{i}") for i, a in addresses.items()}
 
 
-def _reference(tmp_path: Path, clients: tuple[int, ...], steps: int) -> dict[str, torch.Tensor]:
-    """One trunk serving ``clients``: the weights after ``steps`` sync steps."""
+def _close(clients: dict[int, TrunkClient]) -> None:
+    for tc in clients.values():
+        tc.leave()  # out of the step group now, not after trunk-timeout
+        tc.close()
+
+
+def _reference(tmp_path: Path, start: dict[str, torch.Tensor], clients: tuple[int, ...],
+               steps: int) -> dict[str, torch.Tensor]:
+    """One trunk from weights ``start`` serving ``clients``: the weights after ``steps`` sync steps."""
     args = (_mapping(trunk_replicas=1), "run", str(tmp_path), None, ServerTransport.from_settings("127.0.0.1"))
-    server = config_replica(0, *args).start()
+    server = config_replica(0, *args)
+    server.runtime.trunk.load_state_dict(start)  # plain SGD: the optimizer holds no state
+    server.start()
     try:
         tcs = _clients({i: server.address for i in clients})
         _steps(tcs, steps)
-        for tc in tcs.values():
-            tc.close()
+        _close(tcs)
         assert server.runtime.version == steps
         return {k: v.clone() for k, v in server.runtime.trunk.state_dict().items()}
     finally:
@@ -101,58 +112,34 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def test_two_gloo_replicas_sync_equal_one_trunk(replicas: tuple[Any, ReplicaSet], tmp_path: Path) -> None:
     # Prepare: 4 clients, two on each replica (the ServerApp's assignment: least loaded first).
     server, rs = replicas
+    start = {k: v.clone() for k, v in server.runtime.trunk.state_dict().items()}
     ranks = {i: rs.rank_for(100 + i) for i in range(4)}
     assert sorted(ranks.values()) == [0, 0, 1, 1]
     tcs = _clients({i: rs.addresses[r] for i, r in ranks.items()})
     # Execute: 5 sync steps over the two replicas, then the same clients on one trunk.
     _steps(tcs, 5)
-    for tc in tcs.values():
-        tc.close()
-    reference = _reference(tmp_path / "ref", tuple(range(4)), 5)
-    # Assert: rank 0 equals the single trunk, and rank 1 equals rank 0.
-    assert server.runtime.version == 5
-    assert rs.group is not None and rs.group.stats["global-steps"] == 5
+    _close(tcs)
+    reference = _reference(tmp_path, start, tuple(range(4)), 5)
+    # Assert: rank 1 equals rank 0 (the check runs after every step the loop took), which equals the single trunk.
+    assert rs.group is not None and rs.group.divergence(timeout=30) <= 1e-6
+    assert server.runtime.version == 5 and rs.group.stats["global-steps"] == 5
     assert _max_diff(server.runtime.trunk.state_dict(), reference) <= 1e-6
-    assert rs.group.divergence(timeout=30) <= 1e-6
-    initial = config_replica(0, _mapping(), "run", str(tmp_path), None,
-                             ServerTransport.from_settings("127.0.0.1")).runtime.trunk.state_dict()
-    assert _max_diff(initial, reference) > 1e-4  # the trunk did train
+    assert _max_diff(start, reference) > 1e-4  # the trunk did train
 
 
 def test_a_replica_without_clients_still_takes_every_step(replicas: tuple[Any, ReplicaSet], tmp_path: Path) -> None:
     # Prepare: one client, on replica 1; rank 0 has no member at all.
     server, rs = replicas
+    start, version = {k: v.clone() for k, v in server.runtime.trunk.state_dict().items()}, server.runtime.version
     tcs = _clients({2: rs.addresses[1]})
     # Execute
     _steps(tcs, 3)
-    tcs[2].close()
+    _close(tcs)
     # Assert: rank 0 applied the same three updates (it joined every all-reduce with zeros).
-    assert server.runtime.version == 3
-    reference = _reference(tmp_path / "ref", (2,), 3)
-    assert _max_diff(server.runtime.trunk.state_dict(), reference) <= 1e-6
     assert rs.group is not None and rs.group.divergence(timeout=30) <= 1e-6
-
-
-def test_async_replicas_are_averaged_at_round_end(tmp_path: Path) -> None:
-    # Prepare: async replicas; a client on each steps its replica on its own.
-    server, rs = _servers(tmp_path, _mapping(trunk_mode="async"))
-    try:
-        tcs = _clients({0: rs.addresses[0], 1: rs.addresses[1]})
-        for i, tc in tcs.items():
-            state, grad = _inputs(i, 0)
-            tc.forward(state, activation_id=f"x{i}", train=True, num_examples=2)
-            tc.backward(f"x{i}", grad)
-            tc.close()
-        assert rs.group is not None
-        assert rs.group.divergence(timeout=30) > 1e-5  # each replica took its own step
-        # Execute
-        rs.end_round()
-        # Assert: identical weights, the version past both replicas' own.
-        assert rs.group.divergence(timeout=30) == 0.0
-        assert server.runtime.version == 2
-    finally:
-        rs.stop()
-        server.stop(grace=0)
+    assert server.runtime.version == version + 3
+    reference = _reference(tmp_path, start, (2,), 3)
+    assert _max_diff(server.runtime.trunk.state_dict(), reference) <= 1e-6
 
 
 def test_a_dead_replica_breaks_the_group_and_its_clients_move_to_rank_0(replicas: tuple[Any, ReplicaSet]) -> None:
@@ -167,7 +154,30 @@ def test_a_dead_replica_breaks_the_group_and_its_clients_move_to_rank_0(replicas
     assert not rs.group.active and rs.live() == [0]
     assert rs.rank_for(2) == 0 and rs.address_for(2) == rs.addresses[0]
     tcs = _clients({0: rs.addresses[0]})
-    start = time.monotonic()
+    version, start = server.runtime.version, time.monotonic()
     _steps(tcs, 1)
-    tcs[0].close()
-    assert server.runtime.version == 1 and time.monotonic() - start < 20
+    _close(tcs)
+    assert server.runtime.version == version + 1 and time.monotonic() - start < 20
+    rs.stop()  # the process group goes too, for the next test's replica set
+
+
+def test_async_replicas_are_averaged_at_round_end(tmp_path: Path) -> None:
+    # Prepare: async replicas; a client on each steps its replica on its own.
+    server, rs = _servers(tmp_path, _mapping(trunk_mode="async"))
+    try:
+        tcs = _clients({0: rs.addresses[0], 1: rs.addresses[1]})
+        for i, tc in tcs.items():
+            state, grad = _inputs(i, 0)
+            tc.forward(state, activation_id=f"x{i}", train=True, num_examples=2)
+            tc.backward(f"x{i}", grad)
+        _close(tcs)
+        assert rs.group is not None
+        assert rs.group.divergence(timeout=30) > 1e-5  # each replica took its own step
+        # Execute
+        rs.end_round()
+        # Assert: identical weights, the version past both replicas' own.
+        assert rs.group.divergence(timeout=30) == 0.0
+        assert server.runtime.version == 2
+    finally:
+        rs.stop()
+        server.stop(grace=0)
