@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -127,6 +128,7 @@ class ReplicaSet:
                                                            self.build, self.build_args),
                                             nprocs=self.world_size - 1, join=False, start_method="spawn")
         try:
+            self._await_workers(store)
             control = _join_group(store, 0, self.world_size, self.backend, self.timeout_s)
             self.group = ReplicaGroup(self.server.runtime, control=control, on_broken=self._broken).start()
             bound = [self.server.address] + [store.get(_ADDRESS.format(r)).decode()
@@ -137,6 +139,21 @@ class ReplicaSet:
         self.addresses = [self.advertise(rank, address) for rank, address in enumerate(bound)]
         log.info("%d trunk replicas (%s) serve at %s", self.world_size, self.backend, ", ".join(self.addresses))
         return self
+
+    def _await_workers(self, store: Any) -> None:
+        """Wait until every replica published its address; a replica that died on the way fails the start at once
+        (its error in the message) instead of after the store's timeout."""
+        keys = [_ADDRESS.format(r) for r in range(1, self.world_size)]
+        deadline = time.monotonic() + self.timeout_s
+        while not store.check(keys):
+            try:
+                self._context.join(timeout=0.2)
+            except tmp.ProcessRaisedException as exc:
+                raise ConfigError(f"a trunk replica failed to start: {exc}") from None
+            except tmp.ProcessExitedException as exc:
+                raise ConfigError(f"a trunk replica process ended while starting ({exc}); see its log above") from None
+            if time.monotonic() > deadline:
+                raise ConfigError(f"the trunk replicas did not start within {self.timeout_s:.0f}s")
 
     # -- clients ----------------------------------------------------------------------------------------
     def live(self) -> list[int]:
