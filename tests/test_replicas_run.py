@@ -8,11 +8,13 @@ import threading
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 from flower_harness import default_run_config, run_apps
 
 from splitfed.channel.client import TrunkClient
 from splitfed.config import RunConfig
+from splitfed.errors import ConfigError
 from splitfed.server import ServerRunner
 from splitfed.split.base import CutState
 
@@ -73,3 +75,10 @@ def test_the_apps_run_with_two_trunk_replicas_and_resume_with_them(tmp_path: Pat
         assert resumed.replicas.group.divergence(timeout=30) <= 1e-6
     finally:
         resumed.stop()
+
+
+def test_replica_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="trunk-replicas must be >= 1"):
+        RunConfig.from_mapping(default_run_config(trunk_replicas=0))
+    with pytest.raises(ConfigError, match="trunk-replicas = 2 needs trunk-mode"):
+        RunConfig.from_mapping(default_run_config(trunk_replicas=2, trunk_mode="per-client"))
