@@ -59,7 +59,7 @@ from splitfed.trunk.contributions import Contribution, Grads, weighted_mean
 if TYPE_CHECKING:
     from splitfed.trunk.runtime import TrunkRuntime
 
-__all__ = ["ReplicaGroup", "ReplicaSyncAggregator", "replica_aggregator"]
+__all__ = ["ReplicaGroup", "ReplicaSyncAggregator", "init_timeout", "replica_aggregator"]
 
 log = logging.getLogger(__name__)
 
