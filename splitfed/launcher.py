@@ -230,7 +230,11 @@ def config_replica(rank: int, run_config: Mapping[str, Any], run_id: str, output
     from splitfed.config import RunConfig
     from splitfed.parts import build_parts, is_pretrained, model_cuts
 
+    from splitfed.logs import setup_logging
+
     cfg = RunConfig.from_mapping(run_config)
+    if rank:  # a spawned replica's own process: log as the ServerApp does
+        setup_logging(cfg.log_level, json_lines=cfg.log_json, run_id=run_id, replica=rank)
     split = build_parts(cfg, ("trunk",) if is_pretrained(cfg) else ("bottom", "trunk", "top"))
     runtime = runner_runtime(cfg, split.trunk.to(replica_device(rank, cfg.trunk_replicas)))
     if cfg.resume and (Path(output_dir) / "checkpoint").exists():

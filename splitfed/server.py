@@ -166,6 +166,8 @@ class ServerRunner:
         agg = self.runtime.aggregator
         out = {"trunk-version": float(self.runtime.version), "trunk-evicted": float(self.runtime.store.evicted)}
         out.update({f"trunk-{k}": float(v) for k, v in agg.stats.items()})
+        if self.replicas is not None:
+            out["trunk-replicas-live"] = float(len(self.replicas.live()))
         return out
 
     # -- per round ----------------------------------------------------------------------------------

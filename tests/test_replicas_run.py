@@ -59,6 +59,7 @@ def test_the_apps_run_with_two_trunk_replicas_and_resume_with_them(tmp_path: Pat
     rounds = history["rounds"]
     assert rounds[1]["evaluate"]["eval-loss"] < rounds[0]["train"]["train-loss"]
     assert rounds[1]["trunk"]["trunk-version"] == rounds[1]["trunk"]["trunk-steps"] >= 2 * 8
+    assert rounds[1]["trunk"]["trunk-replicas-live"] == 2
     saved = json.loads((out / "checkpoint" / "state.json").read_text())
     assert saved["round"] == 2 and saved["trunk-version"] == rounds[1]["trunk"]["trunk-version"]
     # Execute: a restarted server resumes with 2 replicas and takes a sync step with a client on each.
