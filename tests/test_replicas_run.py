@@ -83,3 +83,5 @@ def test_replica_settings_are_checked() -> None:
         RunConfig.from_mapping(default_run_config(trunk_replicas=0))
     with pytest.raises(ConfigError, match="trunk-replicas = 2 needs trunk-mode"):
         RunConfig.from_mapping(default_run_config(trunk_replicas=2, trunk_mode="per-client"))
+    with pytest.raises(ConfigError, match="client-cuts"):
+        RunConfig.from_mapping(default_run_config(trunk_replicas=2, client_cuts="1,3 2,3"))
