@@ -26,8 +26,8 @@ def _build_server(rank: int, args: argparse.Namespace) -> Any:
     from splitfed.channel.server import TrunkServer
     from splitfed.config import RunConfig
     from splitfed.parts import build_parts, is_pretrained, model_cuts
-    from splitfed.trunk.replicas import replica_aggregator
     from splitfed.trunk.aggregation import make_aggregator
+    from splitfed.trunk.replicas import replica_aggregator
 
     cfg = RunConfig(model=args.model, cuts=args.cuts, seed=args.seed, lora_rank=args.lora_rank)
     try:

@@ -81,8 +81,8 @@ def _worker(index: int, world_size: int, port: int, backend: str, timeout_s: flo
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a broken group may not tear down cleanly; the process ends anyway
-                pass
+            except Exception as exc:  # noqa: BLE001 - a broken group may not tear down cleanly; the process ends
+                log.debug("replica %d: process group teardown: %s", rank, exc)
 
 
 class ReplicaSet:
@@ -215,8 +215,8 @@ class ReplicaSet:
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a broken group may not tear down cleanly
-                pass
+            except Exception as exc:  # noqa: BLE001 - a broken group may not tear down cleanly
+                log.debug("process group teardown: %s", exc)
 
 
 # -- a SplitFed run's replicas ----------------------------------------------------------------------------
@@ -228,9 +228,8 @@ def config_replica(rank: int, run_config: Mapping[str, Any], run_id: str, output
     from splitfed.channel.server import TrunkServer
     from splitfed.checkpoint import read_checkpoint, unflatten
     from splitfed.config import RunConfig
-    from splitfed.parts import build_parts, is_pretrained, model_cuts
-
     from splitfed.logs import setup_logging
+    from splitfed.parts import build_parts, is_pretrained, model_cuts
 
     cfg = RunConfig.from_mapping(run_config)
     if rank:  # a spawned replica's own process: log as the ServerApp does

@@ -4,8 +4,8 @@ client; an idle replica still steps; async replicas are averaged; a dead replica
 from __future__ import annotations
 
 import threading
-import uuid
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,8 @@ LENGTHS = (5, 6, 7, 8)
 
 
 def _mapping(**overrides: Any) -> dict[str, Any]:
-    settings = dict(model="tiny-gpt2", trunk_replicas=2, lr=0.05, seed=3, auth=False, trunk_timeout=30.0)
+    settings: dict[str, Any] = {"model": "tiny-gpt2", "trunk_replicas": 2, "lr": 0.05, "seed": 3, "auth": False,
+                                "trunk_timeout": 30.0}
     settings.update(overrides)
     return RunConfig(**settings).to_mapping()  # type: ignore[arg-type]
 
@@ -64,13 +65,13 @@ def _steps(clients: dict[int, TrunkClient], steps: int) -> None:
             tc.forward(state, activation_id=acts[i], train=True, num_examples=2)
         errors: list[BaseException] = []
 
-        def back(i: int) -> None:
+        def back(i: int, act: str, grad: torch.Tensor, errors: list[BaseException] = errors) -> None:
             try:
-                clients[i].backward(acts[i], _inputs(i, step)[1])
+                clients[i].backward(act, grad)
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
 
-        threads = [threading.Thread(target=back, args=(i,)) for i in clients]
+        threads = [threading.Thread(target=back, args=(i, acts[i], _inputs(i, step)[1])) for i in clients]
         for t in threads:
             t.start()
         for t in threads:
