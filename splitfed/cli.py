@@ -20,11 +20,14 @@ def _cuts(text: str) -> tuple[int, int]:
     return a, b
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _build_server(rank: int, args: argparse.Namespace) -> Any:
+    """Replica ``rank``'s trunk server for ``splitfed serve`` (not started); rank r listens on ``--port`` + r and,
+    with several replicas and a GPU each, computes on ``cuda:r``."""
     from splitfed.channel.server import TrunkServer
     from splitfed.config import RunConfig
     from splitfed.parts import build_parts, is_pretrained, model_cuts
     from splitfed.trunk.aggregation import make_aggregator
+    from splitfed.trunk.replicas import replica_aggregator
 
     cfg = RunConfig(model=args.model, cuts=args.cuts, seed=args.seed, lora_rank=args.lora_rank)
     try:
@@ -41,18 +44,40 @@ def _serve(args: argparse.Namespace) -> int:
             raise SystemExit("give --tls-cert and --tls-key (and --tls-client-ca for mutual TLS), or --insecure "
                              "to serve plaintext")
         credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
-    aggregator = make_aggregator(args.trunk_mode, quorum=args.quorum, max_staleness=args.max_staleness,
-                                 timeout=args.trunk_timeout)
-    server = TrunkServer(parts.trunk, host=args.host, port=args.port, insecure=args.insecure,
-                         credentials=credentials, optimizer=args.optimizer, lr=args.lr, aggregator=aggregator,
-                         model_name=args.model, cuts=cuts, batch_window_ms=args.batch_window_ms,
-                         max_batch_tokens=args.max_batch_tokens, checkpointing=args.checkpointing).start()
-    log.info("serving the trunk of %s (blocks %d..%d) on %s", args.model, cuts[0], cuts[1] - 1, server.address)
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    trunk = parts.trunk
+    if args.replicas > 1:
+        from splitfed.launcher import replica_device
+
+        trunk = trunk.to(replica_device(rank, args.replicas))
+    aggregator = (replica_aggregator if args.replicas > 1 else make_aggregator)(
+        args.trunk_mode, quorum=args.quorum, max_staleness=args.max_staleness, timeout=args.trunk_timeout)
+    return TrunkServer(trunk, host=args.host, port=args.port + rank if args.port else 0, insecure=args.insecure,
+                       credentials=credentials, optimizer=args.optimizer, lr=args.lr, aggregator=aggregator,
+                       model_name=args.model, cuts=cuts, batch_window_ms=args.batch_window_ms,
+                       max_batch_tokens=args.max_batch_tokens, checkpointing=args.checkpointing)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    server = _build_server(0, args).start()
+    replicas = None
+    if args.replicas > 1:
+        from splitfed.launcher import ReplicaSet
+
+        replicas = ReplicaSet(server, args.replicas, _build_server, (args,), timeout_s=max(args.trunk_timeout * 2,
+                                                                                             60.0)).start()
+    log.info("serving the trunk of %s on %s", args.model,
+             ", ".join(replicas.addresses) if replicas is not None else server.address)
+
+    def stop(*_: object) -> None:
+        if replicas is not None:
+            replicas.stop()
+        server.stop()
+
+    signal.signal(signal.SIGTERM, lambda *_: stop())
     try:
         server.wait()
     except KeyboardInterrupt:
-        server.stop()
+        stop()
     return 0
 
 
@@ -166,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="activation checkpointing: keep only each forward's input, recompute in the backward")
     serve.add_argument("--max-batch-tokens", type=int, default=65536,
                        help="positions (batch x length) one batched trunk call may hold")
+    serve.add_argument("--replicas", type=int, default=1,
+                       help="trunk replicas over torch.distributed (one per GPU when there are enough, else CPU "
+                            "processes); replica r listens on --port + r")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on the trunk")
     serve.set_defaults(func=_serve)

@@ -181,6 +181,12 @@ class RunConfig:
                                 ("trunk-replicas", self.trunk_replicas, 1)]:
             if value < low:
                 raise ConfigError(f"{key} must be >= {low}, got {value}")
+        if self.trunk_replicas > 1 and self.trunk_mode not in ("sync", "async", "quorum"):
+            raise ConfigError(f"trunk-replicas = {self.trunk_replicas} needs trunk-mode sync, async or quorum, got "
+                              f"{self.trunk_mode!r}; set trunk-replicas = 1")
+        if self.trunk_replicas > 1 and self.client_cuts:
+            raise ConfigError("trunk-replicas > 1 does not combine with client-cuts yet (the round-end merge of "
+                              "the trunk's blocks updates one replica); set trunk-replicas = 1")
         if self.local_steps == 0 and self.local_epochs == 0:
             raise ConfigError("local-steps and local-epochs are both 0; set one of them")
         if self.trunk_batch_window_ms < 0:

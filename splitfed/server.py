@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,7 +22,6 @@ from splitfed.config import RunConfig
 from splitfed.checkpoint import Checkpoint, flatten, read_checkpoint, unflatten, write_checkpoint
 from splitfed.errors import ModelLoadError
 from splitfed.messages import SERVER_ROUND, TRUNK_ADDRESS, TRUNK_CA, TRUNK_TOKEN
-from splitfed.optim import make_optimizer
 from splitfed.parts import (
     ALL_ROLES,
     build_parts,
@@ -63,9 +63,7 @@ class ServerRunner:
     def __init__(self, cfg: RunConfig, run_id: str = "0", output_dir: str | Path | None = None) -> None:
         from splitfed.auth import TokenIssuer
         from splitfed.channel.server import TrunkServer
-        from splitfed.trunk.aggregation import make_aggregator
         from splitfed.hetero import server_config
-        from splitfed.trunk.runtime import GradientGuard, TrunkRuntime
 
         cfg = server_config(cfg)  # with client-cuts, the trunk holds [min a, max b)
         self.cfg = cfg
@@ -75,16 +73,16 @@ class ServerRunner:
         # A pretrained model's client parts are never read here (clients read their own copy).
         self.split = build_parts(cfg, ("trunk",) if is_pretrained(cfg) else ALL_ROLES)
         trunk = self.split.trunk
-        trainable = [p for p in trunk.parameters() if p.requires_grad]
-        optimizer = make_optimizer(cfg.optimizer, trainable, cfg.effective_trunk_lr, momentum=cfg.momentum,
-                                   weight_decay=cfg.weight_decay) if trainable else None
-        aggregator = make_aggregator(cfg.trunk_mode, quorum=cfg.quorum, max_staleness=cfg.max_staleness,
-                                     staleness_policy=cfg.staleness_policy, timeout=cfg.trunk_timeout)
-        self.runtime = TrunkRuntime(trunk, optimizer, aggregator=aggregator,
-                                    guard=GradientGuard(cfg.grad_guard_norm or None),
-                                    autocast_dtype=torch.bfloat16 if cfg.precision == "bf16" else None,
-                                    checkpointing=cfg.trunk_checkpointing)
-        self.tokens = TokenIssuer(self.run_id, ttl_s=cfg.token_ttl) if cfg.auth else None
+        if cfg.trunk_replicas > 1:  # one GPU per replica when there are enough, else CPU (see splitfed.launcher)
+            from splitfed.launcher import replica_device
+
+            trunk.to(replica_device(0, cfg.trunk_replicas))
+        from splitfed.launcher import runner_runtime
+
+        self.runtime = runner_runtime(cfg, trunk)  # sync aggregation global over the replicas when there are some
+        self._secret = secrets.token_bytes(32)  # replicas verify the same tokens
+        self.tokens = TokenIssuer(self.run_id, secret=self._secret, ttl_s=cfg.token_ttl) if cfg.auth else None
+        self.replicas: Any = None  # a splitfed.launcher.ReplicaSet once started, with trunk-replicas > 1
         self.history: list[RoundRecord] = []
         self.round_offset = 0
         self.client_state = initial_client_state(cfg, self.split)
@@ -114,6 +112,16 @@ class ServerRunner:
     def start(self) -> ServerRunner:
         """Start the trunk server."""
         self.server.start()
+        if self.cfg.trunk_replicas > 1:
+            from functools import partial
+
+            from splitfed.launcher import ReplicaSet, advertised, config_replica
+
+            args = (self.cfg.to_mapping(), self.run_id, str(self.output_dir),
+                    self._secret if self.tokens is not None else None, self.transport)
+            self.replicas = ReplicaSet(self.server, self.cfg.trunk_replicas, config_replica, args,
+                                       advertise=partial(advertised, self.cfg.trunk_advertise),
+                                       timeout_s=max(self.cfg.trunk_timeout * 2, 60.0)).start()
         self.transport.write_ca(self.output_dir)  # the CA certificate is public: for operators' health checks
         log.info("SplitFed: trunk (blocks %d..%d of %s) served at %s, clients dial %s; trunk mode %s",
                  self.cuts[0], self.cuts[1] - 1, self.cfg.model, self.server.address, self.advertised_address,
@@ -121,7 +129,9 @@ class ServerRunner:
         return self
 
     def stop(self) -> None:
-        """Stop the trunk server (and close the TensorBoard writer)."""
+        """Stop the trunk server and its replicas (and close the TensorBoard writer)."""
+        if self.replicas is not None:
+            self.replicas.stop()
         self.server.stop(grace=1.0)
         self.tensorboard.close()
 
@@ -142,7 +152,8 @@ class ServerRunner:
     # -- per message ------------------------------------------------------------------------------
     def trunk_config(self, node_id: int, server_round: int) -> dict[str, str | int]:
         """What a client needs to reach the trunk this round (address, its token, the CA to pin)."""
-        out: dict[str, str | int] = {TRUNK_ADDRESS: self.advertised_address, SERVER_ROUND: server_round}
+        address = self.advertised_address if self.replicas is None else self.replicas.address_for(node_id)
+        out: dict[str, str | int] = {TRUNK_ADDRESS: address, SERVER_ROUND: server_round}
         self.transport.round_notice(server_round)
         if self.transport.ca_pem is not None:
             out[TRUNK_CA] = self.transport.ca_pem
@@ -155,6 +166,8 @@ class ServerRunner:
         agg = self.runtime.aggregator
         out = {"trunk-version": float(self.runtime.version), "trunk-evicted": float(self.runtime.store.evicted)}
         out.update({f"trunk-{k}": float(v) for k, v in agg.stats.items()})
+        if self.replicas is not None:
+            out["trunk-replicas-live"] = float(len(self.replicas.live()))
         return out
 
     # -- per round ----------------------------------------------------------------------------------
@@ -171,6 +184,8 @@ class ServerRunner:
         epsilon = max((v for k, v in record.train.items() if k.endswith("epsilon")), default=None)
         if epsilon is not None and self.server.metrics is not None:
             self.server.metrics.set_epsilon(float(epsilon))
+        if self.replicas is not None:
+            self.replicas.end_round()  # async/quorum: average the replicas; rank 0 then holds what is saved
         self.checkpoint(server_round)
         ev = record.evaluate
         log.info("round %d done in %.1fs: train loss %.4f, eval loss %s, eval accuracy %s, trunk version %d%s",

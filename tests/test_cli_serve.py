@@ -43,3 +43,52 @@ def test_serve_refuses_plaintext_without_insecure() -> None:
     result = subprocess.run([sys.executable, "-m", "splitfed.cli", "serve", "--model", "mnist-cnn", "--port", "0"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "--insecure" in result.stderr
+
+
+def _free_port_pair() -> int:
+    """A port P with P + 1 free too (replica 1 listens on --port + 1)."""
+    for _ in range(50):
+        port = _free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def test_serve_replicas_take_global_sync_steps() -> None:
+    """`splitfed serve --replicas 2`: replica r on --port + r; a sync step waits for the clients of both."""
+    import threading
+
+    port = _free_port_pair()
+    proc = subprocess.Popen([sys.executable, "-m", "splitfed.cli", "serve", "--model", "mnist-cnn", "--cuts", "3,6",
+                             "--port", str(port), "--insecure", "--replicas", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    outcome: list[object] = []
+    try:
+        clients = [TrunkClient(f"127.0.0.1:{port + r}", insecure=True, client_id=f"c{r}") for r in range(2)]
+        for client in clients:
+            client.wait_ready(120)
+        acts = [uuid.uuid4().hex for _ in clients]
+        outs = [c.forward(CutState(torch.randn(2, 32, 14, 14)), activation_id=a, train=True)[0]
+                for c, a in zip(clients, acts)]
+
+        def first_backward() -> None:
+            try:
+                outcome.append(clients[0].backward(acts[0], outs[0]).trunk_version)
+            except Exception as exc:  # noqa: BLE001 - asserted below
+                outcome.append(exc)
+
+        first = threading.Thread(target=first_backward)
+        first.start()
+        first.join(2)
+        assert first.is_alive(), outcome  # replica 0's client waits for replica 1's
+        second = clients[1].backward(acts[1], outs[1]).trunk_version
+        first.join(30)
+        assert outcome == [1] and second == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out[-3000:]

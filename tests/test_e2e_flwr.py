@@ -140,6 +140,20 @@ def test_default_main_job_reaches_90_percent(flwr_home: Path, tmp_path: Path) ->
     assert history["rounds"][-1]["evaluate"]["eval-accuracy"] >= 0.90
 
 
+@pytest.mark.slow
+def test_main_job_over_two_trunk_replicas_reaches_90_percent(flwr_home: Path, tmp_path: Path) -> None:
+    """The main job with ``trunk-replicas=2`` (two gloo trunk processes spawned by the ServerApp) through
+    ``flwr run``; ``tests/test_replicas_run.py`` is its fast in-process check."""
+    env = _env(flwr_home)
+    out_dir = tmp_path / "outputs"
+    output = flwr_run([".", "local", "--stream", "--run-config", f"trunk-replicas=2 output-dir='{out_dir}'",
+                       "--federation-config", "num-supernodes=4 client-resources-num-cpus=1"], env)
+    assert _status("local", _run_id(output), env) == "finished:completed", output[-4000:]
+    history = json.loads((out_dir / "history.json").read_text())
+    assert history["rounds"][-1]["evaluate"]["eval-accuracy"] >= 0.90
+    assert history["rounds"][-1]["trunk"]["trunk-steps"] > 0
+
+
 def _wait_port(port: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

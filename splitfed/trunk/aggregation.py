@@ -282,7 +282,7 @@ class TrunkAggregator:
             applied.append(c)
             decided.append((item, None))
         self._observe("bucket_size", len(applied))
-        update = self.combine(applied) if applied else None
+        update = self.combine(applied)  # an empty step too: a replicated combine still joins the all-reduce
         try:
             if update is not None:
                 self._step(update)

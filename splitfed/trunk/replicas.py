@@ -1,0 +1,360 @@
+"""Trunk replicas over torch.distributed: one process group, a control loop per replica, the global sync step.
+
+Each replica is a whole trunk (a :class:`~splitfed.trunk.runtime.TrunkRuntime`
+behind its own server) serving its own clients. :class:`ReplicaGroup` joins the
+replicas' runtimes through the default ``torch.distributed`` process group
+(NCCL when the trunks sit on GPUs, gloo on CPU) and runs one *control loop*
+thread per replica; every collective of a replica is issued by that thread, in
+the same order on every rank.
+
+The control loop. At each tick (on a local change, at once; else every
+``tick_s``) every replica all-reduces a small status vector over a gloo group:
+how many replicas are ``idle`` (no step-group members), ``busy`` (members whose
+gradients have not all arrived), ``ready`` (every member sent its gradient), and
+the requests pending (parameter averaging, a weight check, leaving). Because a
+replica with nothing to do still takes part in every tick, nobody waits on a
+collective that one replica never enters, and a busy replica enters one at
+least every ``tick_s``: the process group's timeout only fires for a replica
+that is hung or gone.
+
+``sync`` mode (:class:`ReplicaSyncAggregator`): a replica's aggregator never
+steps on its own. When a tick shows no busy replica and at least one ready
+one, every replica closes its bucket at once and the step's gradients are
+all-reduced: the sum of ``weight * examples * grad`` over every client of every
+replica, divided by the sum of their examples (DDP semantics: the same update
+one trunk serving all the clients would take). Every replica applies it, so
+the weights stay identical. A replica with no members (or whose gradients the
+guard refused) adds zeros and still applies the update; a step with no
+examples anywhere is skipped on every replica. A client that joins a replica
+while a step is being agreed on goes into the next step (as a late joiner does
+on one trunk).
+
+``async`` and ``quorum`` modes: each replica steps on its own schedule (a
+global collective per gradient would force the lockstep those modes exist to
+avoid); at the end of every round the replicas' weights are averaged
+(:meth:`ReplicaGroup.average`, local SGD): they drift apart for at most a round.
+
+Failures. A collective that fails (a replica died: gloo sees its sockets close;
+or hung past the group's timeout) *breaks* the group: every survivor stops
+taking part, its aggregator falls back to stepping alone, and ``on_broken`` is
+called (the launcher keeps rank 0 serving and stops the others, whose clients
+are moved to rank 0 at the next round). The group is not re-formed within a
+run; restart with ``resume = true`` to get the replicas back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from splitfed.trunk.aggregation import SyncAggregator, TrunkAggregator, make_aggregator
+from splitfed.trunk.contributions import Contribution, Grads, weighted_mean
+
+if TYPE_CHECKING:
+    from splitfed.trunk.runtime import TrunkRuntime
+
+__all__ = ["ReplicaGroup", "ReplicaSyncAggregator", "init_timeout", "replica_aggregator"]
+
+log = logging.getLogger(__name__)
+
+# Fields of the status vector every tick all-reduces (SUM).
+_IDLE, _BUSY, _READY, _AVERAGE, _CHECK, _LEAVE = range(6)
+
+
+class ReplicaSyncAggregator(SyncAggregator):
+    """``sync`` aggregation whose steps are global over a :class:`ReplicaGroup` (see the module docstring).
+
+    While no group is attached, or after the group broke, it is a plain
+    :class:`~splitfed.trunk.aggregation.SyncAggregator`.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.group: ReplicaGroup | None = None
+
+    def _attached(self) -> bool:
+        return self.group is not None and self.group.active
+
+    def _maybe_close(self) -> None:
+        if self._attached():
+            assert self.group is not None
+            self.group.wake()  # the control loop decides when the step happens
+            return
+        super()._maybe_close()
+
+    def local_status(self) -> int:
+        """``_IDLE``, ``_BUSY`` or ``_READY`` for this replica's step group and open bucket."""
+        with self._lock:
+            if not self._members and not self._bucket.items:
+                return _IDLE
+            return _READY if self._bucket.items and self.ready(self._bucket.clients, set(self._members)) else _BUSY
+
+    def close_global(self) -> None:
+        """Close the open bucket (empty or not) into the global step; called by the control loop on every rank."""
+        with self._lock:
+            self._close(self._bucket)
+
+    def combine(self, contributions: Sequence[Contribution]) -> Grads | None:
+        if not self._attached():
+            return weighted_mean(contributions)
+        assert self.group is not None
+        return self.group.reduce_gradients(contributions)
+
+    def fall_back(self) -> None:
+        """The group is gone: close the open bucket locally if it is complete."""
+        with self._lock:
+            super()._maybe_close()
+
+    def describe(self) -> str:
+        return super().describe() + (f", global over {self.group.world_size} replicas" if self._attached() else "")
+
+
+def replica_aggregator(mode: str, **kwargs: Any) -> TrunkAggregator:
+    """The aggregator of one replica: :class:`ReplicaSyncAggregator` for ``sync``, else the mode's own
+    (``async`` and ``quorum`` replicas step alone and are averaged at round end)."""
+    if mode == "sync":
+        kwargs.pop("quorum", None)
+        return ReplicaSyncAggregator(**kwargs)
+    return make_aggregator(mode, **kwargs)
+
+
+class ReplicaGroup:
+    """This process's replica in the default process group, and its control loop.
+
+    Create it after ``torch.distributed.init_process_group`` on every rank, then
+    :meth:`start`. Rank 0's weights are broadcast to every replica at start.
+
+    Args:
+        runtime: this replica's trunk runtime.
+        control: a gloo process group for the status ticks (None: the default group, when it is gloo).
+        tick_s: how often an idle or busy replica takes part in a tick.
+        on_broken: called (from the control loop) with the error when a collective fails.
+    """
+
+    def __init__(self, runtime: TrunkRuntime, *, control: Any = None, tick_s: float = 0.02,
+                 on_broken: Callable[[BaseException], None] | None = None) -> None:
+        self.runtime = runtime
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.control = control
+        self.tick_s = tick_s
+        self.on_broken = on_broken
+        self.active = False
+        self.error: BaseException | None = None
+        self.stats: dict[str, int] = {"ticks": 0, "global-steps": 0, "averages": 0}
+        self._wake = threading.Event()
+        self._requests = {_AVERAGE: 0, _CHECK: 0, _LEAVE: 0}
+        self._done: dict[int, threading.Event] = {}
+        self._last_check = float("nan")
+        self._req_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._finished = threading.Event()
+        agg = runtime.aggregator
+        self.sync = isinstance(agg, ReplicaSyncAggregator)
+        if agg.mode == "sync" and not self.sync:
+            raise TypeError("a sync replica needs a ReplicaSyncAggregator (see replica_aggregator())")
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def start(self) -> ReplicaGroup:
+        """Broadcast rank 0's weights and version (a collective), then run the control loop."""
+        self._broadcast_weights()
+        self.active = True
+        if self.sync:
+            self.runtime.aggregator.group = self  # type: ignore[attr-defined]
+        self._thread = threading.Thread(target=self._loop, name=f"splitfed-replica-{self.rank}", daemon=True)
+        self._thread.start()
+        log.info("trunk replica %d of %d joined (%s, %s)", self.rank, self.world_size, dist.get_backend(),
+                 self.runtime.aggregator.describe())
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Leave the group: every replica's loop ends at the next tick (the others go on alone)."""
+        if self.active:
+            self._request(_LEAVE, wait=False)
+        self.wait(timeout)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the control loop ended (left or broken); returns True if it did."""
+        return self._finished.wait(timeout)
+
+    def wake(self) -> None:
+        """Something changed locally: take part in a tick now."""
+        self._wake.set()
+
+    # -- requests of rank 0 ------------------------------------------------------------------------------
+    def _request(self, kind: int, wait: bool = True, timeout: float | None = None) -> bool:
+        with self._req_lock:
+            if not self.active:
+                return False
+            self._requests[kind] += 1
+            done = self._done.setdefault(kind, threading.Event())
+            done.clear()
+        self.wake()
+        return done.wait(timeout) if wait else True
+
+    def average(self, timeout: float | None = None) -> bool:
+        """Round end: average the weights of every replica (``async``/``quorum``; ``sync`` replicas are identical
+        and this only checks it). Returns False when the group is not active."""
+        if self.sync:
+            divergence = self.divergence(timeout)
+            if divergence > 1e-5:
+                log.error("sync trunk replicas diverged: max |w - w_rank0| = %.3g; averaging them", divergence)
+            else:
+                return True
+        return self._request(_AVERAGE, timeout=timeout)
+
+    def divergence(self, timeout: float | None = None) -> float:
+        """Max absolute difference between any replica's weights and rank 0's (a collective; NaN if inactive)."""
+        if not self._request(_CHECK, timeout=timeout):
+            return float("nan")
+        return self._last_check
+
+    # -- the control loop ------------------------------------------------------------------------------
+    def _status(self) -> torch.Tensor:
+        vec = torch.zeros(6, dtype=torch.float64)
+        vec[self.runtime.aggregator.local_status() if self.sync else _IDLE] = 1  # type: ignore[attr-defined]
+        with self._req_lock:
+            for kind, count in self._requests.items():
+                vec[kind] = count
+                self._requests[kind] = 0
+        return vec
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                self._wake.clear()
+                vec = self._status()
+                own_ready = bool(vec[_READY])
+                dist.all_reduce(vec, group=self.control)
+                self.stats["ticks"] += 1
+                if vec[_LEAVE] > 0:
+                    log.info("trunk replica %d: the group ends (a replica left)", self.rank)
+                    break
+                if vec[_AVERAGE] > 0:
+                    self._average()
+                    self._set_done(_AVERAGE)
+                if vec[_CHECK] > 0:
+                    self._last_check = self._check()
+                    self._set_done(_CHECK)
+                if self.sync and vec[_BUSY] == 0 and vec[_READY] > 0:
+                    self.runtime.aggregator.close_global()  # type: ignore[attr-defined]
+                    self.stats["global-steps"] += 1
+                    continue
+                if not own_ready:  # a ready replica re-enters at once; the others at a change or a tick
+                    self._wake.wait(self.tick_s)
+        except Exception as exc:  # noqa: BLE001 - any failed collective breaks the group
+            self.error = exc
+            log.error("trunk replica %d: a collective failed (%s: %s); this replica leaves the group and its "
+                      "trunk steps alone from now on", self.rank, type(exc).__name__, exc)
+            self._end()
+            if self.on_broken is not None:
+                self.on_broken(exc)
+            return
+        self._end()
+
+    def _end(self) -> None:
+        self.active = False
+        if self.sync:
+            self.runtime.aggregator.fall_back()  # type: ignore[attr-defined]
+        with self._req_lock:
+            for event in self._done.values():
+                event.set()
+        self._finished.set()
+
+    def _set_done(self, kind: int) -> None:
+        with self._req_lock:
+            event = self._done.get(kind)
+        if event is not None:
+            event.set()
+
+    # -- collectives ------------------------------------------------------------------------------------
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every floating parameter and buffer of the trunk, in module order (the same on every rank)."""
+        trunk = self.runtime.trunk
+        return [t for t in list(trunk.parameters()) + list(trunk.buffers()) if t.is_floating_point()]
+
+    def _flat(self) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1).float() for t in self._tensors()])
+
+    def _unflat(self, flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for t in self._tensors():
+                t.copy_(flat[offset:offset + t.numel()].view_as(t).to(t.dtype))
+                offset += t.numel()
+
+    def _broadcast_weights(self) -> None:
+        rt = self.runtime
+        with rt._lock:
+            flat = self._flat()
+            dist.broadcast(flat, 0)
+            self._unflat(flat)
+            version = torch.tensor([rt._version], dtype=torch.int64, device=flat.device)
+            dist.broadcast(version, 0)
+            rt._version = int(version.item())
+
+    def _average(self) -> None:
+        """Average every replica's weights; the version becomes max + 1 and pending forwards are rebased."""
+        rt = self.runtime
+        with rt._lock:
+            rt._rebase_pending()
+            flat = self._flat()
+            dist.all_reduce(flat)
+            self._unflat(flat / self.world_size)
+            version = torch.tensor([rt._version], dtype=torch.int64, device=flat.device)
+            dist.all_reduce(version, op=dist.ReduceOp.MAX)
+            rt._version = int(version.item()) + 1
+        self.stats["averages"] += 1
+        log.info("trunk replica %d: weights averaged over %d replicas (version %d)", self.rank, self.world_size,
+                 rt._version)
+
+    def _check(self) -> float:
+        rt = self.runtime
+        with rt._lock:
+            mine = self._flat()
+            ref = mine.clone()
+            dist.broadcast(ref, 0)
+            diff = (mine - ref).abs().max().reshape(1) if mine.numel() else torch.zeros(1, device=mine.device)
+            dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        return float(diff.item())
+
+    def reduce_gradients(self, contributions: Sequence[Contribution]) -> Grads | None:
+        """The global update of a sync step: every replica's ``sum(weight * examples * grad)``, summed, over
+        the sum of every replica's examples (None, on every rank, when no replica had examples)."""
+        params = self.runtime._trainable
+        live = [c for c in contributions if c.grads is not None]
+        sizes = [p.numel() for p in params]
+        device = params[0].device if params else torch.device("cpu")
+        flat = torch.zeros(sum(sizes) + 1 + len(params), dtype=torch.float32, device=device)
+        offset = 0
+        for i, p in enumerate(params):
+            for c in live:
+                g = c.grads[i]  # type: ignore[index]
+                if g is not None:
+                    flat[offset:offset + sizes[i]].add_(g.reshape(-1).to(device, torch.float32),
+                                                        alpha=c.weight * c.num_examples)
+                    flat[sum(sizes) + 1 + i] = 1.0
+            offset += sizes[i]
+        flat[sum(sizes)] = float(sum(c.num_examples for c in live))
+        dist.all_reduce(flat)
+        tail = flat[sum(sizes):].cpu()  # one device-to-host copy: the examples and which gradients exist
+        total = float(tail[0])
+        if total <= 0:
+            return None
+        out: Grads = []
+        offset = 0
+        for i, p in enumerate(params):
+            out.append((flat[offset:offset + sizes[i]] / total).view_as(p) if tail[1 + i] > 0 else None)
+            offset += sizes[i]
+        return out
+
+
+def init_timeout(seconds: float) -> timedelta:
+    """The process group's timeout: a collective waits at most this for a hung replica."""
+    return timedelta(seconds=max(seconds, 10.0))
