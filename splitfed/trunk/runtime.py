@@ -41,20 +41,40 @@ from splitfed.errors import (
 )
 from splitfed.split.base import CutState
 from splitfed.transfer import Staging
-from splitfed.trunk.aggregation import Contribution, Grads, Outcome, Result, SyncAggregator, TrunkAggregator
+from splitfed.trunk.aggregation import (
+    Contribution,
+    Grads,
+    Outcome,
+    Result,
+    SyncAggregator,
+    TrunkAggregator,
+)
 from splitfed.trunk.batched import Batcher
-from splitfed.trunk.requests import BackwardResult, ForwardRequest, PendingBackward, ReplyCheck, resolved
 from splitfed.trunk.guard import GradientGuard
 from splitfed.trunk.microsteps import MicroSteps, StepPart
-from splitfed.trunk.recompute import SavedBytes, busy_on_oom, rng_devices, rng_state, set_rng_state
+from splitfed.trunk.recompute import (
+    SavedBytes,
+    busy_on_oom,
+    rng_devices,
+    rng_state,
+    set_rng_state,
+)
+from splitfed.trunk.requests import (
+    BackwardResult,
+    ForwardRequest,
+    PendingBackward,
+    ReplyCheck,
+    resolved,
+)
 from splitfed.trunk.store import DoneBackward, ForwardStore, SavedForward, StoreLimits
+from splitfed.trunk.upkeep import RuntimeUpkeep
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class TrunkRuntime:
+class TrunkRuntime(RuntimeUpkeep):
     """Hosts the trunk, its optimizer and the saved forwards of every client.
 
     Args:
@@ -379,54 +399,3 @@ class TrunkRuntime:
         self.store.freeze(pending, self._version, frozen)
         self.stats["rebased"] += len(pending)
         log.debug("rebased %d pending forwards before trunk step %d", len(pending), self._version + 1)
-
-    def forget(self, client_id: str, activation_id: str) -> None:
-        """Drop a saved forward whose reply could not be delivered (the client resends it)."""
-        with self._lock:
-            if self.store.find(activation_id) is not None:
-                self.store.get(activation_id, client_id)
-                self.store.pop(activation_id)
-
-    # -- maintenance -------------------------------------------------------------
-    def sweep(self) -> int:
-        """Evict expired saved forwards; returns how many were evicted.
-
-        A client that lost its last saved forward this way can no longer
-        contribute to the open step: it leaves the step group (its next
-        training forward brings it back).
-        """
-        with self._lock:
-            evicted = self.store.sweep()
-            gone = self.store.take_evicted_clients()
-        for client_id in gone:
-            self.aggregator.leave(client_id)
-        return evicted
-
-    def state_dict(self) -> dict[str, Any]:
-        """Trunk weights, optimizer state and version, for checkpoints."""
-        with self._lock:
-            return {"trunk": self.trunk.state_dict(), "version": self._version,
-                    "optimizer": None if self.optimizer is None else self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
-        """Restore what :meth:`state_dict` returned (``strict=False``: trunk tensors may be a subset, e.g.
-        LoRA adapters over a base that was read from the pretrained checkpoint)."""
-        with self._lock:
-            self.trunk.load_state_dict(state["trunk"], strict=strict)
-            if self.optimizer is not None and state.get("optimizer") is not None:
-                self.optimizer.load_state_dict(state["optimizer"])
-            self._version = int(state["version"])
-
-    # -- driving ---------------------------------------------------------------------
-    def deadline(self) -> float | None:
-        """When :meth:`poll` next has work: a member falls silent (monotonic seconds), or None."""
-        return self.aggregator.deadline()
-
-    def poll(self) -> None:
-        """Drop silent members, closing a bucket they held up (their saved forwards wait for their TTL:
-        a slow client's late backward still gets its input gradient), and run the backward of batches
-        whose missing members were dropped."""
-        self.aggregator.poll()
-        self._batches.poll()
-
-

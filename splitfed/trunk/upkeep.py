@@ -1,0 +1,83 @@
+"""Upkeep of the trunk runtime: dropping undelivered forwards, sweeping expired state, deadlines, checkpoints.
+
+A mixin of :class:`splitfed.trunk.runtime.TrunkRuntime`: these methods use its
+lock, store, aggregator and optimizer, and are kept apart from the forward and
+backward paths.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from splitfed.trunk.aggregation import TrunkAggregator
+from splitfed.trunk.store import ForwardStore
+
+if TYPE_CHECKING:
+    from splitfed.trunk.batched import Batcher
+
+
+class RuntimeUpkeep:
+    """Housekeeping and checkpoint state of a trunk runtime (see :class:`~splitfed.trunk.runtime.TrunkRuntime`)."""
+
+    trunk: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    aggregator: TrunkAggregator
+    store: ForwardStore
+    _lock: threading.RLock
+    _version: int
+    _batches: Batcher
+
+    def forget(self, client_id: str, activation_id: str) -> None:
+        """Drop a saved forward whose reply could not be delivered (the client resends it)."""
+        with self._lock:
+            if self.store.find(activation_id) is not None:
+                self.store.get(activation_id, client_id)
+                self.store.pop(activation_id)
+
+    # -- maintenance -------------------------------------------------------------
+    def sweep(self) -> int:
+        """Evict expired saved forwards; returns how many were evicted.
+
+        A client that lost its last saved forward this way can no longer
+        contribute to the open step: it leaves the step group (its next
+        training forward brings it back).
+        """
+        with self._lock:
+            evicted = self.store.sweep()
+            gone = self.store.take_evicted_clients()
+        for client_id in gone:
+            self.aggregator.leave(client_id)
+        return evicted
+
+    def state_dict(self) -> dict[str, Any]:
+        """Trunk weights, optimizer state and version, for checkpoints."""
+        with self._lock:
+            return {"trunk": self.trunk.state_dict(), "version": self._version,
+                    "optimizer": None if self.optimizer is None else self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Restore what :meth:`state_dict` returned (``strict=False``: trunk tensors may be a subset, e.g.
+        LoRA adapters over a base that was read from the pretrained checkpoint)."""
+        with self._lock:
+            self.trunk.load_state_dict(state["trunk"], strict=strict)
+            if self.optimizer is not None and state.get("optimizer") is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
+            self._version = int(state["version"])
+
+    # -- driving ---------------------------------------------------------------------
+    def deadline(self) -> float | None:
+        """When :meth:`poll` next has work: a member falls silent (monotonic seconds), or None."""
+        return self.aggregator.deadline()
+
+    def poll(self) -> None:
+        """Drop silent members, closing a bucket they held up (their saved forwards wait for their TTL:
+        a slow client's late backward still gets its input gradient), and run the backward of batches
+        whose missing members were dropped."""
+        self.aggregator.poll()
+        self._batches.poll()
+
+
