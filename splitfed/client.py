@@ -81,8 +81,16 @@ def connect_trunk(cfg: RunConfig, address: str, token: str | None, client_id: st
                        wire_compression=WireCompression.of(
                            cfg.wire_compression, act=cfg.wire_compression_act, grad=cfg.wire_compression_grad,
                            topk_ratio=cfg.topk_ratio, error_feedback=cfg.wire_error_feedback),
-                       retry=RetryPolicy(timeout_s=max(cfg.trunk_timeout * 3, 60.0)),
+                       retry=RetryPolicy(timeout_s=_call_timeout(cfg)),
                        cut=cfg.cuts if cfg.client_cuts else None, channels=lanes, max_in_flight=2 * lanes)
+
+
+def _call_timeout(cfg: RunConfig) -> float:
+    """How long one trunk call may take; in sequential mode a Join waits for the other clients' turns, so it may
+    take as long as the ServerApp waits for a round."""
+    if cfg.trunk_mode == "sequential":
+        return cfg.trunk_timeout * 10 + 600.0
+    return max(cfg.trunk_timeout * 3, 60.0)
 
 
 def _proximal(parts: nn.Module, mu: float) -> Any:

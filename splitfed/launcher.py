@@ -259,9 +259,16 @@ def runner_runtime(cfg: Any, trunk: torch.nn.Module) -> Any:
     trainable = [p for p in trunk.parameters() if p.requires_grad]
     optimizer = make_optimizer(cfg.optimizer, trainable, cfg.effective_trunk_lr, momentum=cfg.momentum,
                                weight_decay=cfg.weight_decay) if trainable else None
-    factory = replica_aggregator if cfg.trunk_replicas > 1 else make_aggregator
-    aggregator = factory(cfg.trunk_mode, quorum=cfg.quorum, max_staleness=cfg.max_staleness,
-                         staleness_policy=cfg.staleness_policy, timeout=cfg.trunk_timeout)
+    if cfg.trunk_replicas > 1:
+        aggregator = replica_aggregator(cfg.trunk_mode, quorum=cfg.quorum, max_staleness=cfg.max_staleness,
+                                        staleness_policy=cfg.staleness_policy, timeout=cfg.trunk_timeout)
+    else:  # per-client copies get the trunk's optimizer settings, and FedProx's term when it merges them
+        proximal = cfg.proximal_mu if (cfg.trunk_strategy or cfg.strategy) == "fedprox" else 0.0
+        aggregator = make_aggregator(
+            cfg.trunk_mode, quorum=cfg.quorum, max_staleness=cfg.max_staleness, staleness_policy=cfg.staleness_policy,
+            timeout=cfg.trunk_timeout, seed=cfg.seed, proximal_mu=proximal,
+            copy_optimizer=lambda ps: make_optimizer(cfg.optimizer, ps, cfg.effective_trunk_lr, momentum=cfg.momentum,
+                                                     weight_decay=cfg.weight_decay))
     return TrunkRuntime(trunk, optimizer, aggregator=aggregator, guard=GradientGuard(cfg.grad_guard_norm or None),
                         autocast_dtype=torch.bfloat16 if cfg.precision == "bf16" else None,
                         checkpointing=cfg.trunk_checkpointing)

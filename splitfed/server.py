@@ -161,6 +161,11 @@ class ServerRunner:
             out[TRUNK_TOKEN] = self.tokens.issue(node_id, server_round)
         return out
 
+    def begin_round(self, server_round: int, node_ids: list[int]) -> None:
+        """Tell the trunk the round's participants (per-client copies, sequential turns), by Flower node id."""
+        # Clients are named on the trunk as their tokens name them (splitfed.auth.Claims.client_id).
+        self.runtime.aggregator.begin_round(server_round, [f"node-{n}" for n in node_ids])
+
     def trunk_metrics(self) -> dict[str, float]:
         """The trunk's counters (version, steps, outcomes, evictions)."""
         agg = self.runtime.aggregator

@@ -32,6 +32,7 @@ from splitfed.server import ServerRunner
 from strategies.cuts import complete_replies, load_trunk
 from strategies.replies import RoundReplies, merge_records
 from strategies.state import load_strategy_state, strategy_state
+from strategies.trunk_copies import TrunkCopies, build_trunk_strategy
 
 #: Name of the per-node record SplitFed adds to train and evaluate messages.
 SPLITFED_RECORD = "splitfed"
@@ -43,11 +44,16 @@ class SplitFed(Strategy):
     Args:
         strategy: aggregates the client parts (any Flower ``Strategy``).
         runner: the server side of the run (trunk server, tokens, checkpoints).
+        trunk_strategy: with ``trunk-mode = "per-client"``, merges the round's trunk copies (default: the one
+            ``trunk-strategy`` names, else the same kind as ``strategy``).
     """
 
-    def __init__(self, strategy: Strategy, runner: ServerRunner) -> None:
+    def __init__(self, strategy: Strategy, runner: ServerRunner, trunk_strategy: Strategy | None = None) -> None:
         self.strategy = strategy
         self.runner = runner
+        self.trunk_copies: TrunkCopies | None = None
+        if runner.cfg.trunk_mode == "per-client":
+            self.trunk_copies = TrunkCopies(trunk_strategy or build_trunk_strategy(runner.cfg))
         self._offset = runner.round_offset
         self._last_train: MetricRecord | None = None
         self._last_eval: MetricRecord | None = None
@@ -90,6 +96,9 @@ class SplitFed(Strategy):
         """The inner strategy's train messages, each with the trunk's address and a fresh token."""
         run_round = self._round(server_round)
         messages = self._with_trunk(self.strategy.configure_train(run_round, arrays, config, grid), run_round)
+        self.runner.begin_round(run_round, [m.metadata.dst_node_id for m in messages])
+        if self.trunk_copies is not None:
+            self.trunk_copies.configure(run_round, self.runner.runtime, grid)
         self._sent["train"] = len(messages)
         self._outcomes = {"train": None, "evaluate": None}
         return messages
@@ -124,7 +133,9 @@ class SplitFed(Strategy):
         arrays, metrics = self.strategy.aggregate_train(run_round, outcome.ok)
         if cfg.client_cuts:  # the trunk starts the next round from the merged version of its blocks
             load_trunk(arrays, self.runner.runtime)
+        copies = {} if self.trunk_copies is None else self.trunk_copies.merge(run_round, self.runner.runtime)
         metrics = MetricRecord({**(dict(metrics) if metrics is not None else {}), **self.runner.trunk_metrics(),
+                                **copies,
                                 "train-failures": outcome.failed})
         self._last_train = metrics
         return arrays, metrics

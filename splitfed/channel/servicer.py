@@ -207,6 +207,13 @@ class SplitChannelServicer:
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in the trunk server: {exc!r}")
         raise AssertionError("unreachable")  # pragma: no cover
 
+    async def _turn(self, client: str) -> None:
+        """Wait (holding no thread) until the aggregator lets ``client`` train (sequential mode's turns)."""
+        turn = self.runtime.aggregator.turn(client)
+        if turn is not None and not turn.done():
+            self.scheduler.wake()  # the turn's timeout is a deadline the device thread must watch
+            await asyncio.shield(asyncio.wrap_future(turn))
+
     async def _refused(self, client: str) -> None:
         runtime = self.runtime
         await self._on_device(lambda: runtime.refused(client))
@@ -239,6 +246,8 @@ class SplitChannelServicer:
                     small=small))
             version = self.runtime.version
         else:
+            if req.train:
+                await self._turn(client)
             request = ForwardRequest(client, req.activation_id, state, req.train, req.num_examples, retry)
             try:
                 out, version = await _outcome(self.scheduler.forward(request, small=small))
@@ -310,6 +319,7 @@ class SplitChannelServicer:
     async def Join(self, request: pb.JoinRequest, context: Any) -> pb.JoinReply:
         async def run() -> pb.JoinReply:
             client, _ = self._identity(context)
+            await self._turn(client)
             size = self.runtime.join(client)
             return pb.JoinReply(trunk_version=self.runtime.version, group_size=size)
         return await self._call(context, run, request)

@@ -1,4 +1,4 @@
-"""When and how client gradients update the trunk: sync, async and quorum modes.
+"""When and how client gradients update the trunk: sync, async and quorum modes (and the hooks of the others).
 
 Pure logic: no gRPC, no Flower, no threads of its own. The trunk runtime hands
 each client's trunk gradient to an aggregator as a :class:`Contribution` with
@@ -43,10 +43,12 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
+import torch
+
 from splitfed.errors import ConfigError, TrunkStepError
 from splitfed.trunk.contributions import Contribution, Grads, Outcome, Result, weighted_mean
 
-__all__ = ["AsyncAggregator", "Contribution", "Grads", "Outcome", "QuorumAggregator", "Result", "SyncAggregator",
+__all__ = ["AsyncAggregator", "Contribution", "CopyOptimizer", "Grads", "Outcome", "QuorumAggregator", "Result", "SyncAggregator",
            "TrunkAggregator", "make_aggregator", "weighted_mean"]
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,8 @@ class _Bucket:
 
 
 ApplyUpdate = Callable[[Grads], None]
+#: Builds the optimizer of one per-client trunk copy over its parameters.
+CopyOptimizer = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 GetVersion = Callable[[], int]
 
 
@@ -163,6 +167,21 @@ class TrunkAggregator:
                 log.info("client %s left the trunk step group (%d members)", client_id, len(self._members))
                 self._maybe_close()
             return len(self._members)
+
+    # -- hooks of other modes (see splitfed.trunk.percopy and splitfed.trunk.turns) --------------
+    def track_trunk(self, names: Sequence[str], params: Sequence[torch.Tensor]) -> None:
+        """Called once by the runtime with the trunk's trainable parameters (and their names)."""
+
+    def weights_for(self, client_id: str) -> list[torch.Tensor] | None:
+        """The trainable weights a training forward of ``client_id`` runs on (None: the shared trunk)."""
+        return None
+
+    def begin_round(self, server_round: int, clients: Sequence[str]) -> None:
+        """A round starts with these clients (called by the server side; ``clients`` as the trunk names them)."""
+
+    def turn(self, client_id: str) -> Future[None] | None:
+        """A future a client's training must await before it may use the trunk (None: no turns)."""
+        return None
 
     # -- rules (override these) -------------------------------------------
     def ready(self, bucket_clients: set[str], members: set[str]) -> bool:
@@ -364,8 +383,11 @@ class AsyncAggregator(TrunkAggregator):
 
 
 def make_aggregator(mode: str, *, quorum: int = 1, max_staleness: int = 0, staleness_policy: str = "reject",
-                    timeout: float = 30.0) -> TrunkAggregator:
-    """Build the aggregator for ``mode`` (``sync``, ``async`` or ``quorum``)."""
+                    timeout: float = 30.0, copy_optimizer: CopyOptimizer | None = None, proximal_mu: float = 0.0,
+                    seed: int = 0) -> TrunkAggregator:
+    """Build the aggregator for ``mode``: ``sync``, ``async``, ``quorum``, ``per-client`` (SplitFed V1, each
+    client's copy stepped by ``copy_optimizer``, default SGD at lr 0.01) or ``sequential`` (SplitFed V2, turns in a
+    permutation seeded by ``seed`` and the round)."""
     kwargs = dict(max_staleness=max_staleness, staleness_policy=staleness_policy, timeout=timeout)
     if mode == "sync":
         return SyncAggregator(**kwargs)  # type: ignore[arg-type]
@@ -373,4 +395,12 @@ def make_aggregator(mode: str, *, quorum: int = 1, max_staleness: int = 0, stale
         return AsyncAggregator(**kwargs)  # type: ignore[arg-type]
     if mode == "quorum":
         return QuorumAggregator(quorum, **kwargs)  # type: ignore[arg-type]
-    raise ConfigError(f"trunk-mode must be sync, async or quorum, got {mode!r}")
+    if mode == "per-client":
+        from splitfed.trunk.percopy import PerClientAggregator
+
+        return PerClientAggregator(copy_optimizer, proximal_mu=proximal_mu, timeout=timeout)
+    if mode == "sequential":
+        from splitfed.trunk.turns import SequentialAggregator
+
+        return SequentialAggregator(seed=seed, timeout=timeout)
+    raise ConfigError(f"trunk-mode must be sync, async, quorum, per-client or sequential, got {mode!r}")

@@ -118,6 +118,7 @@ class TrunkRuntime(RuntimeUpkeep):
         self.micro = MicroSteps()  # micro-batches of one client step -> one contribution
         self._staging = Staging(self.device) if self.device.type == "cuda" else None  # pinned, side-stream h2d
         self.aggregator.bind(self._apply_update, lambda: self._version)
+        self.aggregator.track_trunk(self._names, self._trainable)
         self.stats: dict[str, int] = {"forwards": 0, "backwards": 0, "rebased": 0, "recomputed": 0}
 
     # -- properties --------------------------------------------------------
@@ -213,28 +214,37 @@ class TrunkRuntime(RuntimeUpkeep):
             if not train:
                 with torch.no_grad(), self._autocast(), busy_on_oom("forward"):
                     return self.handed(self.trunk(inputs).hidden), self._version
+            weights = self.aggregator.weights_for(client_id)  # a per-client copy, or None: the shared trunk
             if self.checkpointing:  # keep the input and the output only; the backward recomputes
                 rng = rng_state(self.device)
                 with torch.no_grad(), self._autocast(), busy_on_oom("forward"):
-                    out_value = self.trunk(inputs).hidden
+                    out_value = self._run(inputs, weights)
                 output = None
                 nbytes = sum(t.numel() * t.element_size() for t in (inputs.hidden, out_value))
             else:
-                output, nbytes, rng = self.traced_forward(inputs)
+                output, nbytes, rng = self.traced_forward(inputs, weights)
                 out_value = output.detach()
             self.store.admit(client_id, nbytes)
             self.store.add(SavedForward(activation_id, client_id, self._version, inputs.with_hidden(leaf), output,
-                                        out_value, nbytes, max(int(num_examples), 1), rng))
+                                        out_value, nbytes, max(int(num_examples), 1), rng, weights=weights))
             return self.handed(out_value), self._version
 
-    def traced_forward(self, inputs: CutState) -> tuple[torch.Tensor, int, Any]:
-        """The trunk on prepared ``inputs``, keeping its graph: (output, bytes held for the backward, output
-        included, and the RNG state the forward started from, for a recompute)."""
-        counter = SavedBytes({p.untyped_storage().data_ptr() for p in self.trunk.parameters()})
+    def _run(self, inputs: CutState, weights: list[torch.Tensor] | None) -> torch.Tensor:
+        """The trunk's output hidden state, on its own weights or on ``weights`` (its trainable ones replaced)."""
+        if weights is None:
+            return self.trunk(inputs).hidden
+        return functional_call(self.trunk, dict(zip(self._names, weights)), (inputs,)).hidden
+
+    def traced_forward(self, inputs: CutState, weights: list[torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, int, Any]:
+        """The trunk on prepared ``inputs`` (on ``weights``, see :meth:`_run`), keeping its graph: (output, bytes
+        held for the backward, output included, and the RNG state the forward started from, for a recompute)."""
+        own = list(self.trunk.parameters()) + list(weights or ())
+        counter = SavedBytes({p.untyped_storage().data_ptr() for p in own})
         rng = rng_state(self.device)
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), self._autocast(), \
                 busy_on_oom("forward"):
-            output = self.trunk(inputs).hidden
+            output = self._run(inputs, weights)
         return output, counter.nbytes + output.numel() * output.element_size(), rng
 
     def forward_request(self, request: ForwardRequest) -> tuple[torch.Tensor, int]:
@@ -345,10 +355,10 @@ class TrunkRuntime(RuntimeUpkeep):
         inputs = [entry.inputs.hidden]
         if entry.output is not None:
             output = entry.output
-            targets = inputs + self._trainable
+            targets = inputs + (self._trainable if entry.weights is None else entry.weights)
         else:  # rebased or checkpointed: recompute on the weights this forward saw, with its RNG state
             self.stats["recomputed"] += 1
-            frozen = entry.frozen_params
+            frozen = entry.frozen_params if entry.frozen_params is not None else entry.weights
             with torch.random.fork_rng(devices=rng_devices(self.device)), self._autocast():
                 set_rng_state(self.device, entry.rng_state)
                 state = entry.inputs.with_hidden(entry.inputs.hidden.clone())

@@ -127,6 +127,11 @@ class TrunkScheduler:
         """Run ``fn()`` on the device thread, in order with every other task."""
         return self._put(_Task(fn, Future()))
 
+    def wake(self) -> None:
+        """Make the device thread look at the runtime's deadline again (it changed outside the thread)."""
+        with self._cond:
+            self._cond.notify()
+
     def now_or_queued(self, fn: Callable[[], T], *, small: bool) -> Future[T]:
         """Run a ``small`` task on the calling thread when the device thread is idle and nothing waits; else queue it.
 

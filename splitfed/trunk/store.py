@@ -73,6 +73,7 @@ class SavedForward:
     frozen: FrozenWeights | None = None
     group: Any = None  # the ForwardGroup of a batched forward, and this client's index in it
     index: int = 0
+    weights: list[torch.Tensor] | None = None  # the client's own trunk copy (per-client mode), else None
 
     @property
     def frozen_params(self) -> list[torch.Tensor] | None:
