@@ -1,0 +1,246 @@
+"""Compare the trunk variants on the main job: ``python -m bench.variants [--out docs/img]``.
+
+Runs the MNIST CNN job with ``flwr run . local`` once per trunk mode -- sync,
+async, quorum, per-client (SplitFed V1) and sequential (SplitFed V2), plus a
+heterogeneous-cut run when ``--client-cuts`` is given -- for 4 IID clients and
+for 4 clients with Dirichlet(0.1) label shards, on the same data, seed and
+settings (pyproject's defaults; ``--rounds`` rounds). All four ClientApps run at
+once (``init-args-num-cpus=4``: sequential mode's clients wait for their
+turn together), in every run. Writes:
+
+* ``variants_accuracy.png``: held-out accuracy per round, one panel per partitioning;
+* ``variants_bytes.png``: bytes per round (split channel, training and evaluation,
+  plus the client parts sent and received through Flower);
+* ``variants.json`` (every run's curves) and ``variants.md`` (the table: final
+  accuracy, bytes per round, seconds per round).
+
+The runs use their own ``FLWR_HOME`` and ports, and the processes they leave
+(the local SuperLink, Ray) are ended by PID at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+#: label -> run-config overrides; the heterogeneous-cut run is added by ``--client-cuts``.
+VARIANTS: dict[str, str] = {
+    "sync": "trunk-mode='sync'",
+    "async": "trunk-mode='async'",
+    "quorum": "trunk-mode='quorum'",
+    "per-client (V1)": "trunk-mode='per-client'",
+    "sequential (V2)": "trunk-mode='sequential'",
+}
+PARTITIONS: dict[str, str] = {
+    "4 IID clients": "partitioner='iid'",
+    "4 clients, Dirichlet(0.1)": "partitioner='dirichlet' dirichlet-alpha=0.1",
+}
+
+
+@dataclass
+class Run:
+    """One run's per-round curves."""
+
+    variant: str
+    partition: str
+    accuracy: list[float] = field(default_factory=list)
+    bytes: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    status: str = "completed"
+
+    def row(self) -> dict[str, Any]:
+        """The table's row: final accuracy, mean bytes and seconds per round."""
+        n = max(len(self.seconds), 1)
+        return {"variant": self.variant, "partition": self.partition, "status": self.status,
+                "accuracy": self.accuracy[-1] if self.accuracy else float("nan"),
+                "bytes-per-round": sum(self.bytes) / n, "seconds-per-round": sum(self.seconds) / n}
+
+
+def round_bytes(record: dict[str, Any]) -> float:
+    """Bytes of one round: the split channel (train and evaluate) and the client parts through Flower."""
+    train, ev = record.get("train", {}), record.get("evaluate", {})
+    channel = sum(float(d.get(f"{p}-bytes-{k}", 0.0)) for d, p in ((train, "train"), (ev, "eval"))
+                  for k in ("sent", "received"))
+    clients = float(record.get("failures", {}).get("train-sent", 4))
+    parts = 2.0 * float(train.get("train-state-bytes", 0.0)) * clients  # each client's parts up and down
+    return channel + parts
+
+
+def curves(history: dict[str, Any], variant: str, partition: str) -> Run:
+    """The per-round accuracy, bytes and seconds of a run's history."""
+    run = Run(variant, partition, status=history.get("status", "?"))
+    for record in sorted(history["rounds"], key=lambda r: r["round"]):
+        run.accuracy.append(float(record["evaluate"].get("eval-accuracy", float("nan"))))
+        run.bytes.append(round_bytes(record))
+        run.seconds.append(float(record["seconds"]))
+    return run
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class FlowerRuns:
+    """``flwr run . local`` in a private FLWR_HOME; :meth:`close` ends the processes it left, by PID."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+        self.env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+                        FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1", RAY_TMPDIR=self.ray_tmp,
+                        FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(_free_port()),
+                        FLWR_LOCAL_CONTROL_API_PORT=str(_free_port()),
+                        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+
+    def run(self, overrides: str, out: Path, timeout: float = 3600) -> dict[str, Any]:
+        """One run with ``overrides``; returns its history (``status`` says whether it completed)."""
+        cmd = [str(BIN / "flwr"), "run", ".", "local", "--stream", "--run-config", f"{overrides} output-dir='{out}'",
+               "--federation-config", "num-supernodes=4 client-resources-num-cpus=1 init-args-num-cpus=4"]
+        result = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
+        path = out / "history.json"
+        if not path.exists():
+            sys.stderr.write((result.stdout + result.stderr)[-3000:] + "\n")
+            return {"status": "failed", "rounds": []}
+        return json.loads(path.read_text())
+
+    def close(self) -> None:
+        """End the SuperLink, Ray and anything else started under this FLWR_HOME, children first."""
+        try:
+            import psutil
+        except ImportError:  # pragma: no cover - psutil comes with the test extra
+            return
+        markers = (str(self.home), self.ray_tmp)
+        procs = []
+        for p in psutil.process_iter(["pid", "cmdline", "environ"]):
+            try:
+                cmd = " ".join(p.info["cmdline"] or [])
+                env = p.info.get("environ") or {}
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if p.pid != os.getpid() and (any(m in cmd for m in markers) or env.get("FLWR_HOME") == str(self.home)):
+                procs.append(p)
+        for p in list(procs):
+            try:
+                procs.extend(p.children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+def table(runs: list[Run]) -> str:
+    """A Markdown table of the runs."""
+    lines = ["| variant | clients | accuracy (last round) | MB / round | s / round |", "|---|---|---|---|---|"]
+    for run in runs:
+        r = run.row()
+        acc = f"{r['accuracy']:.3f}" if r["status"] == "completed" else f"failed ({r['status']})"
+        lines.append(f"| {r['variant']} | {r['partition']} | {acc} | {r['bytes-per-round'] / 1e6:.1f} | "
+                     f"{r['seconds-per-round']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(runs: list[Run], out: Path) -> None:
+    """``variants_accuracy.png`` and ``variants_bytes.png``: one panel per partitioning, a line per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    partitions = list(dict.fromkeys(r.partition for r in runs))
+    for what, ylabel, scale, name in (("accuracy", "held-out accuracy", 1.0, "variants_accuracy.png"),
+                                      ("bytes", "MB per round", 1e-6, "variants_bytes.png")):
+        fig, axes = plt.subplots(1, len(partitions), figsize=(5.5 * len(partitions), 4), dpi=100, squeeze=False)
+        for ax, partition in zip(axes[0], partitions):
+            for run in (r for r in runs if r.partition == partition):
+                ys = [y * scale for y in getattr(run, what)]
+                ax.plot(range(1, len(ys) + 1), ys, marker="o", label=run.variant)
+            ax.set_title(partition)
+            ax.set_xlabel("round")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=8)
+        fig.suptitle("MNIST CNN: trunk variants, same data and seed")
+        fig.tight_layout()
+        fig.savefig(out / name)
+        plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.variants", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(ROOT / "docs" / "img"), help="folder for the plots, JSON and table")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--only", nargs="*", help="variant labels to run (default: all)")
+    parser.add_argument("--partitions", nargs="*", choices=sorted(PARTITIONS), help="default: both")
+    parser.add_argument("--client-cuts", default="", help="add a heterogeneous-cut run (sync) with this "
+                        "client-cuts value, e.g. \"2,6 3,6\"")
+    parser.add_argument("--extra", default="", help="run-config overrides for every run, e.g. \"local-steps=10\"")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    variants = dict(VARIANTS)
+    if args.client_cuts:
+        variants["heterogeneous cuts"] = f"trunk-mode='sync' client-cuts='{args.client_cuts}'"
+    if args.only:
+        variants = {k: v for k, v in variants.items() if k in args.only}
+    partitions = {k: v for k, v in PARTITIONS.items() if not args.partitions or k in args.partitions}
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="splitfed-variants-") as tmp:
+        flower = FlowerRuns(Path(tmp) / "flwr-home")
+        (Path(tmp) / "flwr-home").mkdir()
+        try:
+            for p_label, p_over in partitions.items():
+                for v_label, v_over in variants.items():
+                    started = time.monotonic()
+                    overrides = f"{v_over} {p_over} num-server-rounds={args.rounds} seed=42 {args.extra}".strip()
+                    history = flower.run(overrides, Path(tmp) / f"run{len(runs)}")
+                    runs.append(curves(history, v_label, p_label))
+                    sys.stdout.write(f"{v_label:<20} {p_label:<28} {runs[-1].status:<10} accuracy "
+                                     + " ".join(f"{a:.3f}" for a in runs[-1].accuracy)
+                                     + f"  ({time.monotonic() - started:.0f}s)\n")
+                    sys.stdout.flush()
+        finally:
+            flower.close()
+    (out / "variants.json").write_text(json.dumps([{**r.row(), "curves": {"accuracy": r.accuracy, "bytes": r.bytes,
+                                                                          "seconds": r.seconds}} for r in runs],
+                                                  indent=1))
+    text = table(runs)
+    (out / "variants.md").write_text(text + "\n")
+    sys.stdout.write(text + "\n")
+    try:
+        plot(runs, out)
+    except ImportError:
+        sys.stderr.write("no plots: pip install 'splitfed[plots]' (matplotlib)\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
