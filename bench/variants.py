@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                         "client-cuts value, e.g. \"2,6 3,6\"")
     parser.add_argument("--extra", default="", help="run-config overrides for every run, e.g. \"local-steps=10\"")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the processes started are ended below
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     variants = dict(VARIANTS)
