@@ -223,3 +223,43 @@ def test_v2_a_dead_client_is_skipped_after_the_timeout_and_the_round_finishes(tr
     late: list[BaseException] = []
     _train_alone(*_client(model, server.address, dead), _data(1), late)
     assert not late and agg.served == [live, dead]
+
+
+def test_v1_copies_of_a_lora_trunk_hold_the_adapters_only_and_train_like_the_trunk_alone() -> None:
+    """A LoRA trunk's copy is its adapters (and their optimizer state); a step on it equals a step of the trunk."""
+    pytest.importorskip("peft")
+    from conftest import tiny_model
+
+    from splitfed.lora import apply_lora, lora_config
+    from splitfed.split import CutState
+    from splitfed.trunk.runtime import TrunkRuntime
+
+    trunk = split_model(tiny_model("llama").train(), (1, 3)).trunk
+    apply_lora(trunk, lora_config("llama", 4), seed=0)
+    alone = copy.deepcopy(trunk)
+    for p in alone.parameters():  # peft starts B at zero: move off it so the step reaches A as well
+        if p.requires_grad:
+            p.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+    trunk.load_state_dict(alone.state_dict())
+    before = {n: p.detach().clone() for n, p in trunk.named_parameters()}
+    adam = (lambda ps: torch.optim.AdamW(list(ps), lr=0.01))
+    agg = PerClientAggregator(adam)
+    runtime = TrunkRuntime(trunk, adam([p for p in trunk.parameters() if p.requires_grad]), aggregator=agg)
+    hidden = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    grad = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))
+    out, _ = runtime.forward("node-1", "a1", CutState(hidden), train=True, num_examples=2)
+    runtime.backward("node-1", "a1", grad)
+
+    (trained,) = agg.trained()
+    adapters = {n for n, p in trunk.named_parameters() if p.requires_grad}
+    assert set(trained.state) == adapters and all("lora_" in n for n in adapters)
+    adapter_bytes = sum(p.numel() * 4 for n, p in trunk.named_parameters() if n in adapters)
+    assert agg.bytes_held == 3 * adapter_bytes + 4 * len(adapters)  # weights, AdamW's two moments, its step counts
+    opt = adam([p for p in alone.parameters() if p.requires_grad])
+    ref = alone(CutState(hidden.clone())).hidden
+    assert (ref.detach() - out).abs().max() <= 1e-6
+    ref.backward(grad)
+    opt.step()
+    expected = [p.detach() for n, p in alone.named_parameters() if n in adapters]
+    assert _max_diff(list(trained.state.values()), expected) <= 1e-6
+    assert all(torch.equal(p, before[n]) for n, p in trunk.named_parameters() if n in adapters)  # until merged
