@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Strategy
 
 from splitfed.config import RunConfig
 from splitfed.logs import setup_logging
 from splitfed.server import ServerRunner
+from splitfed.trunk.aggregation import TrunkAggregator
 from strategies import SplitFed, build_strategy
 
 log = logging.getLogger("splitfed")
@@ -30,15 +33,26 @@ def output_dir(cfg: RunConfig) -> Path:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run SplitFed for ``num-server-rounds`` rounds (or what is left after a resume)."""
+    run(grid, context)
+
+
+def run(grid: Grid, context: Context, *, strategy: Callable[[RunConfig], Strategy] | None = None,
+        trunk_strategy: Callable[[RunConfig], Strategy] | None = None,
+        aggregator: Callable[[RunConfig], TrunkAggregator] | None = None) -> None:
+    """The ServerApp's work. A ServerApp of your own passes its own pieces, each built from the run config: the
+    Flower ``strategy`` for the client parts (default: ``strategy``), the ``trunk_strategy`` that merges
+    per-client trunk copies (default: ``trunk-strategy``), the trunk's ``aggregator`` (default: ``trunk-mode``)."""
     cfg = RunConfig.from_mapping(context.run_config)
     setup_logging(cfg.log_level, json_lines=cfg.log_json, run_id=context.run_id)
-    runner = ServerRunner(cfg, run_id=str(context.run_id), output_dir=output_dir(cfg)).start()
+    runner = ServerRunner(cfg, run_id=str(context.run_id), output_dir=output_dir(cfg),
+                          aggregator=None if aggregator is None else aggregator(cfg)).start()
     try:
         if runner.rounds_left:
-            strategy = SplitFed(build_strategy(cfg), runner)
-            strategy.start(grid, ArrayRecord(torch_state_dict=runner.client_state), num_rounds=runner.rounds_left,
-                           timeout=cfg.trunk_timeout * 10 + 600.0, train_config=ConfigRecord({"lr": cfg.lr}),
-                           evaluate_config=ConfigRecord())
+            rounds = SplitFed((strategy or build_strategy)(cfg), runner,
+                              trunk_strategy=None if trunk_strategy is None else trunk_strategy(cfg))
+            rounds.start(grid, ArrayRecord(torch_state_dict=runner.client_state), num_rounds=runner.rounds_left,
+                         timeout=cfg.trunk_timeout * 10 + 600.0, train_config=ConfigRecord({"lr": cfg.lr}),
+                         evaluate_config=ConfigRecord())
         else:
             log.warning("all %d rounds are already done in %s", cfg.num_server_rounds, runner.output_dir)
         runner.finish()

@@ -249,8 +249,9 @@ def config_replica(rank: int, run_config: Mapping[str, Any], run_id: str, output
                        max_concurrent_rpcs=cfg.trunk_max_concurrent_rpcs)
 
 
-def runner_runtime(cfg: Any, trunk: torch.nn.Module) -> Any:
-    """A SplitFed run's trunk runtime over ``trunk`` (optimizer, aggregator, guard, precision from ``cfg``)."""
+def runner_runtime(cfg: Any, trunk: torch.nn.Module, aggregator: Any = None) -> Any:
+    """A SplitFed run's trunk runtime over ``trunk`` (optimizer, aggregator, guard, precision from ``cfg``;
+    ``aggregator``: one of your own instead of the one ``trunk-mode`` names)."""
     from splitfed.optim import make_optimizer
     from splitfed.trunk.aggregation import make_aggregator
     from splitfed.trunk.replicas import replica_aggregator
@@ -259,10 +260,10 @@ def runner_runtime(cfg: Any, trunk: torch.nn.Module) -> Any:
     trainable = [p for p in trunk.parameters() if p.requires_grad]
     optimizer = make_optimizer(cfg.optimizer, trainable, cfg.effective_trunk_lr, momentum=cfg.momentum,
                                weight_decay=cfg.weight_decay) if trainable else None
-    if cfg.trunk_replicas > 1:
+    if aggregator is None and cfg.trunk_replicas > 1:
         aggregator = replica_aggregator(cfg.trunk_mode, quorum=cfg.quorum, max_staleness=cfg.max_staleness,
                                         staleness_policy=cfg.staleness_policy, timeout=cfg.trunk_timeout)
-    else:  # per-client copies get the trunk's optimizer settings, and FedProx's term when it merges them
+    elif aggregator is None:  # per-client copies get the trunk's optimizer settings, and FedProx's term
         proximal = cfg.proximal_mu if (cfg.trunk_strategy or cfg.strategy) == "fedprox" else 0.0
         aggregator = make_aggregator(
             cfg.trunk_mode, quorum=cfg.quorum, max_staleness=cfg.max_staleness, staleness_policy=cfg.staleness_policy,

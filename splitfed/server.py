@@ -33,6 +33,7 @@ from splitfed.parts import (
     trainable_state,
 )
 from splitfed.tensorboard import RoundWriter
+from splitfed.trunk.aggregation import TrunkAggregator
 from splitfed.workload import tokenizer_for
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,11 @@ class ServerRunner:
         cfg: the run's settings.
         run_id: Flower's run id (tokens of other runs are refused).
         output_dir: where checkpoints, the history and the exported model go.
+        aggregator: the trunk's aggregator (default: the one ``trunk-mode`` names; see ``docs/research.md``).
     """
 
-    def __init__(self, cfg: RunConfig, run_id: str = "0", output_dir: str | Path | None = None) -> None:
+    def __init__(self, cfg: RunConfig, run_id: str = "0", output_dir: str | Path | None = None,
+                 aggregator: TrunkAggregator | None = None) -> None:
         from splitfed.auth import TokenIssuer
         from splitfed.channel.server import TrunkServer
         from splitfed.hetero import server_config
@@ -79,7 +82,8 @@ class ServerRunner:
             trunk.to(replica_device(0, cfg.trunk_replicas))
         from splitfed.launcher import runner_runtime
 
-        self.runtime = runner_runtime(cfg, trunk)  # sync aggregation global over the replicas when there are some
+        # sync aggregation global over the replicas when there are some; a researcher's own aggregator otherwise
+        self.runtime = runner_runtime(cfg, trunk, aggregator)
         self._secret = secrets.token_bytes(32)  # replicas verify the same tokens
         self.tokens = TokenIssuer(self.run_id, secret=self._secret, ttl_s=cfg.token_ttl) if cfg.auth else None
         self.replicas: Any = None  # a splitfed.launcher.ReplicaSet once started, with trunk-replicas > 1
