@@ -153,6 +153,9 @@ class RunConfig:
         _choice("partitioner", self.partitioner, _PARTITIONERS)
         _choice("strategy", self.strategy, _STRATEGIES)
         _choice("trunk-strategy", self.trunk_strategy, ("",) + _STRATEGIES)
+        if self.trunk_strategy and self.trunk_mode != "per-client":
+            raise ConfigError(f"trunk-strategy merges per-client trunk copies: set trunk-mode = 'per-client' or "
+                              f"leave trunk-strategy empty (trunk-mode is {self.trunk_mode!r})")
         if self.micro_batches != "auto" and not (self.micro_batches.isdigit() and int(self.micro_batches) >= 1):
             raise ConfigError(f"micro-batches must be 'auto' or an integer >= 1, got {self.micro_batches!r}")
         if self.micro_batches != "1" and self.trunk_batch_window_ms > 0:
