@@ -135,8 +135,7 @@ class SplitFed(Strategy):
             load_trunk(arrays, self.runner.runtime)
         copies = {} if self.trunk_copies is None else self.trunk_copies.merge(run_round, self.runner.runtime)
         metrics = MetricRecord({**(dict(metrics) if metrics is not None else {}), **self.runner.trunk_metrics(),
-                                **copies,
-                                "train-failures": outcome.failed})
+                                **copies, "train-failures": outcome.failed})
         self._last_train = metrics
         return arrays, metrics
 

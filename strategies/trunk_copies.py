@@ -50,8 +50,8 @@ def copy_reply(copy: TrainedCopy, index: int = 0) -> Message:
     content = RecordDict({"arrays": ArrayRecord(torch_state_dict=copy.state),
                           "metrics": MetricRecord({"num-examples": copy.num_examples, "trunk-steps": copy.steps})})
     # A reply from the copy's node to the server; built from metadata, so it needs no running ServerApp.
-    metadata = Metadata(run_id=0, message_id=f"trunk-copy-{copy.client_id}", src_node_id=_node_id(copy.client_id, index),
-                        dst_node_id=0, reply_to_message_id="", group_id="trunk-copies", created_at=time.time(),
+    metadata = Metadata(run_id=0, message_id=f"trunk-copy-{copy.client_id}",
+                        src_node_id=_node_id(copy.client_id, index), dst_node_id=0, reply_to_message_id="", group_id="trunk-copies", created_at=time.time(),
                         ttl=3600.0, message_type="train")
     return Message(content=content, metadata=metadata)
 

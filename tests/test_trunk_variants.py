@@ -156,7 +156,8 @@ def test_v2_order_is_a_seeded_permutation() -> None:
     assert turn_order(clients, 7, 1) != first or turn_order(clients, 7, 2) != turn_order(clients, 42, 2)
 
 
-def _train_alone(model: SplitModel, opt: torch.optim.Optimizer, data: list, errors: list) -> None:  # type: ignore[type-arg]
+def _train_alone(model: SplitModel, opt: torch.optim.Optimizer, data: list,  # type: ignore[type-arg]
+                 errors: list) -> None:  # type: ignore[type-arg]
     try:
         client = model.trunk.client
         client.join()  # waits for this client's turn

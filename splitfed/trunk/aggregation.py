@@ -48,8 +48,8 @@ import torch
 from splitfed.errors import ConfigError, TrunkStepError
 from splitfed.trunk.contributions import Contribution, Grads, Outcome, Result, weighted_mean
 
-__all__ = ["AsyncAggregator", "Contribution", "CopyOptimizer", "Grads", "Outcome", "QuorumAggregator", "Result", "SyncAggregator",
-           "TrunkAggregator", "make_aggregator", "weighted_mean"]
+__all__ = ["AsyncAggregator", "Contribution", "CopyOptimizer", "Grads", "Outcome", "QuorumAggregator", "Result",
+           "SyncAggregator", "TrunkAggregator", "make_aggregator", "weighted_mean"]
 
 log = logging.getLogger(__name__)
 
