@@ -36,6 +36,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+RAY_START_FLAKE = "timed out during startup"  # Ray's raylet must register within a fixed 30 s
 
 #: label -> run-config overrides; the heterogeneous-cut run is added by ``--client-cuts``.
 VARIANTS: dict[str, str] = {
@@ -109,13 +110,20 @@ class FlowerRuns:
                         PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
 
     def run(self, overrides: str, out: Path, timeout: float = 3600) -> dict[str, Any]:
-        """One run with ``overrides``; returns its history (``status`` says whether it completed)."""
+        """One run with ``overrides``; returns its history (``status`` says whether it completed). A run whose Ray
+        missed its start-up window (it happens on a loaded machine and says nothing about splitfed) is retried
+        once."""
         cmd = [str(BIN / "flwr"), "run", ".", "local", "--stream", "--run-config", f"{overrides} output-dir='{out}'",
                "--federation-config", "num-supernodes=4 client-resources-num-cpus=1 init-args-num-cpus=4"]
-        result = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
         path = out / "history.json"
+        for attempt in range(2):
+            result = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
+            output = result.stdout + result.stderr
+            if path.exists() or RAY_START_FLAKE not in output or attempt:
+                break
+            time.sleep(5)
         if not path.exists():
-            sys.stderr.write((result.stdout + result.stderr)[-3000:] + "\n")
+            sys.stderr.write(output[-3000:] + "\n")
             return {"status": "failed", "rounds": []}
         return json.loads(path.read_text())
 
@@ -152,6 +160,21 @@ class FlowerRuns:
             except psutil.NoSuchProcess:
                 pass
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+def _merged(path: Path, runs: list[Run]) -> list[Run]:
+    """The runs of an earlier ``variants.json`` with these ones in place of the same variant and partitioning
+    (to redo some runs of a comparison)."""
+    if not path.exists():
+        return runs
+    new = {(r.variant, r.partition): r for r in runs}
+    out = []
+    for row in json.loads(path.read_text()):
+        key = (row["variant"], row["partition"])
+        curves_ = row["curves"]
+        out.append(new.pop(key, None) or Run(key[0], key[1], curves_["accuracy"], curves_["bytes"],
+                                              curves_["seconds"], row["status"]))
+    return out + list(new.values())
 
 
 def table(runs: list[Run]) -> str:
@@ -230,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                     sys.stdout.flush()
         finally:
             flower.close()
+    runs = _merged(out / "variants.json", runs) if (args.only or args.partitions) else runs
     (out / "variants.json").write_text(json.dumps([{**r.row(), "curves": {"accuracy": r.accuracy, "bytes": r.bytes,
                                                                           "seconds": r.seconds}} for r in runs],
                                                   indent=1))
