@@ -36,7 +36,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-RAY_START_FLAKE = "timed out during startup"  # Ray's raylet must register within a fixed 30 s
+#: What Ray says when its raylet or GCS missed a fixed start-up window (a loaded machine, not splitfed).
+RAY_START_FLAKES = ("timed out during startup", "Timed out waiting for file")
 
 #: label -> run-config overrides; the heterogeneous-cut run is added by ``--client-cuts``.
 VARIANTS: dict[str, str] = {
@@ -62,6 +63,7 @@ class Run:
     bytes: list[float] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     status: str = "completed"
+    trunk: dict[str, float] = field(default_factory=dict)  # the trunk's counters after the last round
 
     def row(self) -> dict[str, Any]:
         """The table's row: final accuracy, mean bytes and seconds per round."""
@@ -88,6 +90,7 @@ def curves(history: dict[str, Any], variant: str, partition: str) -> Run:
         run.accuracy.append(float(record["evaluate"].get("eval-accuracy", float("nan"))))
         run.bytes.append(round_bytes(record))
         run.seconds.append(float(record["seconds"]))
+        run.trunk = dict(record.get("trunk", {}))
     return run
 
 
@@ -119,7 +122,7 @@ class FlowerRuns:
         for attempt in range(2):
             result = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
             output = result.stdout + result.stderr
-            if path.exists() or RAY_START_FLAKE not in output or attempt:
+            if path.exists() or not any(f in output for f in RAY_START_FLAKES) or attempt:
                 break
             time.sleep(5)
         if not path.exists():
@@ -173,7 +176,7 @@ def _merged(path: Path, runs: list[Run]) -> list[Run]:
         key = (row["variant"], row["partition"])
         curves_ = row["curves"]
         out.append(new.pop(key, None) or Run(key[0], key[1], curves_["accuracy"], curves_["bytes"],
-                                              curves_["seconds"], row["status"]))
+                                              curves_["seconds"], row["status"], row.get("trunk", {})))
     return out + list(new.values())
 
 
@@ -254,9 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             flower.close()
     runs = _merged(out / "variants.json", runs) if (args.only or args.partitions) else runs
-    (out / "variants.json").write_text(json.dumps([{**r.row(), "curves": {"accuracy": r.accuracy, "bytes": r.bytes,
-                                                                          "seconds": r.seconds}} for r in runs],
-                                                  indent=1))
+    (out / "variants.json").write_text(json.dumps([{**r.row(), "trunk": r.trunk, "curves": {
+        "accuracy": r.accuracy, "bytes": r.bytes, "seconds": r.seconds}} for r in runs], indent=1))
     text = table(runs)
     (out / "variants.md").write_text(text + "\n")
     sys.stdout.write(text + "\n")
