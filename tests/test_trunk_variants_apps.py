@@ -15,7 +15,7 @@ def _rounds(out) -> list[dict]:  # type: ignore[no-untyped-def]
     return json.loads((out / "history.json").read_text())["rounds"]
 
 
-@pytest.mark.parametrize("trunk_strategy", ["", "fedmedian"])
+@pytest.mark.parametrize("trunk_strategy", ["", "fedadam"])
 def test_per_client_rounds_merge_and_free_one_copy_per_client(tmp_path, trunk_strategy: str) -> None:
     _, out = run_apps(tmp_path, num_nodes=4, concurrency=2, num_server_rounds=2, local_steps=STEPS,
                       trunk_mode="per-client", trunk_strategy=trunk_strategy)
