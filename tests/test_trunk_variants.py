@@ -69,11 +69,12 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
 
 
-def _v1_round(trunk_server, clients: int = 3):  # type: ignore[no-untyped-def]
+def _v1_round(trunk_server, clients: int = 3, checkpointing: bool = False):  # type: ignore[no-untyped-def]
     """One V1 round of ``clients`` clients, steps interleaved; returns the global model, the server, the data."""
     model = tiny_cnn().train()
     agg = PerClientAggregator(_sgd)
-    server = trunk_server(split_model(copy.deepcopy(model), CUTS).trunk, aggregator=agg, lr=LR)
+    server = trunk_server(split_model(copy.deepcopy(model), CUTS).trunk, aggregator=agg, lr=LR,
+                          checkpointing=checkpointing)
     names = [f"node-{i + 1}" for i in range(clients)]
     agg.begin_round(1, names)
     pairs = [_client(model, server.address, n) for n in names]
@@ -86,12 +87,14 @@ def _v1_round(trunk_server, clients: int = 3):  # type: ignore[no-untyped-def]
     return model, server, agg, data
 
 
-def test_v1_each_copy_equals_its_client_alone_and_fedavg_merges_them_by_examples(trunk_server) -> None:
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["saved", "recomputed"])
+def test_v1_each_copy_equals_its_client_alone_and_fedavg_merges_them_by_examples(trunk_server,
+                                                                                 checkpointing: bool) -> None:
     from flwr.serverapp.strategy import FedAvg
 
     from strategies.trunk_copies import TrunkCopies
 
-    model, server, agg, data = _v1_round(trunk_server)
+    model, server, agg, data = _v1_round(trunk_server, checkpointing=checkpointing)
     refs = [_unsplit(model, d) for d in data]
     trained = agg.trained()
     assert [c.client_id for c in trained] == ["node-1", "node-2", "node-3"]
