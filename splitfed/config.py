@@ -153,6 +153,9 @@ class RunConfig:
         _choice("partitioner", self.partitioner, _PARTITIONERS)
         _choice("strategy", self.strategy, _STRATEGIES)
         _choice("trunk-strategy", self.trunk_strategy, ("",) + _STRATEGIES)
+        if self.client_cuts and self.trunk_mode == "per-client":
+            raise ConfigError("client-cuts and trunk-mode = 'per-client' do not combine yet (the trunk's per-client "
+                              "copies hold its whole range); use sync, async, quorum or sequential with client-cuts")
         if self.trunk_strategy and self.trunk_mode != "per-client":
             raise ConfigError(f"trunk-strategy merges per-client trunk copies: set trunk-mode = 'per-client' or "
                               f"leave trunk-strategy empty (trunk-mode is {self.trunk_mode!r})")
