@@ -6,7 +6,8 @@ gradients step the trunk at once, as if that client were training alone.
 
 Turns: the server side tells the aggregator the round's participants
 (:meth:`SequentialAggregator.begin_round`); their order is a permutation seeded
-by ``seed`` and the round (:func:`turn_order`, reproducible). A client's Join
+by ``seed`` and the round (:func:`turn_order`), reproducible for the same client
+names (Flower node ids: a simulation draws new ones every run). A client's Join
 (or first training Forward) awaits :meth:`SequentialAggregator.turn`, a future
 resolved when its turn comes, so a waiting client holds no thread. Its turn ends
 when it leaves the step group (Leave at the end of its local training, or a
