@@ -84,3 +84,30 @@ def test_cut_policy_cuts_are_the_ones_a_client_trains_with() -> None:
     for memory, expected in ((16.0, (3, 6)), (1.0, (1, 6))):
         node = example.POLICY.node_config({"partition-id": 0, "num-partitions": 2, "memory-gb": memory})
         assert hetero.node_cut(cfg, 0, node) == expected
+
+
+@pytest.mark.slow
+def test_cut_policy_client_app_trains_each_node_at_its_own_depth(tmp_path) -> None:
+    """The example's ClientApp in a real run with client-cuts: a small node trains with the shallow cut."""
+    pytest.importorskip("splitfed.hetero", reason="heterogeneous cuts (client-cuts) are not on this branch")
+    from flwr.app import Context, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from apps.server_app import app as server_app
+
+    example = _load("cut_policy")
+    out = tmp_path / "outputs"
+    config = default_run_config(output_dir=str(out), num_server_rounds=1, local_steps=2,
+                                client_cuts=example.POLICY.client_cuts())
+    grid = ThreadGrid(example.app, 2, config, concurrency=2)
+    for context, memory in zip(grid.contexts.values(), (16.0, 1.0)):
+        context.node_config["memory-gb"] = memory
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = grid.run_id, SUPERLINK_NODE, 1
+    try:
+        server_app(grid, Context(run_id=grid.run_id, node_id=SUPERLINK_NODE, node_config={}, state=RecordDict(),
+                                 run_config=config))
+    finally:
+        grid.close()
+    assert [c.node_config["cuts"] for c in grid.contexts.values()] == ["3,6", "1,6"]
+    (record,) = json.loads((out / "history.json").read_text())["rounds"]
+    assert record["train"]["train-steps"] == 4 and record["evaluate"]["num-examples"] > 0
