@@ -267,3 +267,26 @@ def test_v1_copies_of_a_lora_trunk_hold_the_adapters_only_and_train_like_the_tru
     expected = [p.detach() for n, p in alone.named_parameters() if n in adapters]
     assert _max_diff(list(trained.state.values()), expected) <= 1e-6
     assert all(torch.equal(p, before[n]) for n, p in trunk.named_parameters() if n in adapters)  # until merged
+
+
+def test_v1_micro_batches_of_one_step_step_the_copy_once_like_the_whole_batch() -> None:
+    from splitfed.split import CutState
+    from splitfed.trunk.microsteps import StepPart
+    from splitfed.trunk.runtime import TrunkRuntime
+
+    hidden = torch.randn(4, 4, 14, 14, generator=torch.Generator().manual_seed(0))
+    copies = []
+    for parts in (1, 2):
+        trunk = split_model(tiny_cnn(), CUTS).trunk
+        agg = PerClientAggregator(_sgd)
+        runtime = TrunkRuntime(trunk, _sgd(trunk.parameters()), aggregator=agg)
+        grad = torch.randn(4, 8, 7, 7, generator=torch.Generator().manual_seed(1))
+        acts = [f"a{i}" for i in range(parts)]
+        for act, h in zip(acts, hidden.chunk(parts)):
+            runtime.forward("node-1", act, CutState(h), train=True, num_examples=len(h))
+        for act, g in zip(acts, grad.chunk(parts)):
+            runtime.backward("node-1", act, g, step=StepPart("s1", parts) if parts > 1 else None)
+        (trained,) = agg.trained()
+        assert trained.steps == 1 and trained.num_examples == 4
+        copies.append(list(trained.state.values()))
+    assert _max_diff(copies[0], copies[1]) <= 1e-6
