@@ -290,3 +290,21 @@ def test_v1_micro_batches_of_one_step_step_the_copy_once_like_the_whole_batch() 
         assert trained.steps == 1 and trained.num_examples == 4
         copies.append(list(trained.state.values()))
     assert _max_diff(copies[0], copies[1]) <= 1e-6
+
+
+def test_v2_nobody_is_skipped_before_any_client_of_the_round_shows_up() -> None:
+    now = [0.0]
+    agg = SequentialAggregator(seed=1, timeout=10, clock=lambda: now[0])
+    agg.begin_round(1, ["node-1", "node-2"])
+    first, second = agg.order
+    now[0] = 100.0  # clients still starting: silence does not count yet
+    agg.poll()
+    assert agg.current == first and agg.deadline() is None
+    waiting = agg.turn(second)  # a client shows life: the first one's timeout starts now
+    assert not waiting.done() and agg.deadline() == 110.0
+    now[0] = 109.0
+    agg.poll()
+    assert agg.current == first
+    now[0] = 110.0
+    agg.poll()
+    assert agg.skipped == [first] and agg.current == second and waiting.done()

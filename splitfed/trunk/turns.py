@@ -13,7 +13,9 @@ resolved when its turn comes, so a waiting client holds no thread. Its turn ends
 when it leaves the step group (Leave at the end of its local training, or a
 refused training request), or when it shows no sign of life (Join, training
 forward, gradient) for ``timeout`` seconds: a dead or silent client is skipped
-and the next one gets the trunk. A skipped client that comes back, or a client
+and the next one gets the trunk. Nobody is skipped before some client of the
+round has been heard from (clients still starting, e.g. Ray actors): a turn that
+began earlier counts its timeout from that moment. A skipped client that comes back, or a client
 that was not announced, is served after the others.
 
 Concurrency: guarded by the aggregator's lock; futures are resolved under it.
@@ -65,6 +67,7 @@ class SequentialAggregator(TrunkAggregator):
         self._waiting: dict[str, Future[None]] = {}
         self._current: str | None = None
         self._since = 0.0
+        self._heard = False  # whether any client was heard from since the round began
         self.stats.update({"turns": 0, "skipped-turns": 0})
 
     @property
@@ -84,14 +87,22 @@ class SequentialAggregator(TrunkAggregator):
             self.server_round = server_round
             self.order = turn_order(clients, self.seed, server_round)
             self.served, self.skipped = [], []
+            self._heard = False
             late = [c for c in self._queue if c not in self.order]
             self._queue = deque(self.order + late)
             log.info("sequential: round %d order %s", server_round, ", ".join(self.order))
             self._advance()
 
+    def _heard_from(self) -> None:
+        """A client showed life: from now on silence counts (caller holds the lock)."""
+        if not self._heard:
+            self._heard = True
+            self._since = self.clock()
+
     def turn(self, client_id: str) -> Future[None]:
         """A future resolved when ``client_id`` may use the trunk (at once if it is its turn)."""
         with self._lock:
+            self._heard_from()
             if client_id == self._current:
                 self._since = self.clock()
                 done: Future[None] = Future()
@@ -125,12 +136,14 @@ class SequentialAggregator(TrunkAggregator):
     # -- signs of life and leaving ------------------------------------------------------------
     def join(self, client_id: str) -> int:
         with self._lock:
+            self._heard_from()
             if client_id == self._current:
                 self._since = self.clock()
             return super().join(client_id)
 
     def offer(self, c: Contribution) -> Future[Result]:
         with self._lock:
+            self._heard_from()
             if c.client_id == self._current:
                 self._since = self.clock()
             return super().offer(c)
@@ -150,13 +163,13 @@ class SequentialAggregator(TrunkAggregator):
 
     def deadline(self) -> float | None:
         with self._lock:
-            return None if self._current is None else self._since + self.timeout
+            return None if self._current is None or not self._heard else self._since + self.timeout
 
     def poll(self) -> None:
         """Skip the client whose turn it is when it has been silent for ``timeout``."""
         with self._lock:
             client = self._current
-            if client is None or self.clock() - self._since < self.timeout:
+            if client is None or not self._heard or self.clock() - self._since < self.timeout:
                 return
             self.stats["skipped-turns"] += 1
             log.warning("sequential: skipped %s: no sign of life within %.1fs of its turn; the next client gets "
