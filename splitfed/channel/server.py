@@ -22,8 +22,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from torch import nn
 
-from splitfed.channel.limits import CLIENT_ID_KEY, RETRY_KEYS, SERVICE_NAME, ChannelLimits
-from splitfed.channel.servicer import SplitChannelServicer, method_handlers, status_for
+from splitfed.channel.handlers import method_handlers, status_for
+from splitfed.channel.limits import (
+    CLIENT_ID_KEY,
+    RETRY_KEYS,
+    SERVICE_NAME,
+    ChannelLimits,
+)
+from splitfed.channel.servicer import SplitChannelServicer
 from splitfed.errors import ConfigError
 from splitfed.optim import make_optimizer
 from splitfed.trunk.aggregation import TrunkAggregator

@@ -22,7 +22,13 @@ import grpc
 
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.limits import CLIENT_ID_KEY, RETRY_KEYS, SERVICE_NAME, ChannelLimits
+from splitfed.channel.handlers import (
+    Malformed,
+    check_parsed,
+    metadata,
+    status_for,
+)
+from splitfed.channel.limits import CLIENT_ID_KEY, RETRY_KEYS, ChannelLimits
 from splitfed.channel.wire import (
     ReplyCompression,
     assemble,
@@ -34,19 +40,10 @@ from splitfed.channel.wire import (
 )
 from splitfed.codec import TensorLimits, WireDType, torch_dtype
 from splitfed.errors import (
-    ActivationNotFoundError,
-    ActivationStateError,
-    AuthError,
     CodecError,
-    ConfigError,
-    DuplicateActivationError,
-    PermissionDeniedError,
     ResourceExhaustedError,
     SessionNotFoundError,
-    SplitError,
     SplitFedError,
-    TrunkBusyError,
-    TrunkStepError,
 )
 from splitfed.split.base import part_range, with_client_cut
 from splitfed.trunk.aggregation import Outcome
@@ -57,21 +54,6 @@ from splitfed.trunk.runtime import TrunkRuntime
 from splitfed.trunk.scheduler import TrunkScheduler
 
 log = logging.getLogger(__name__)
-
-_STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (AuthError, grpc.StatusCode.UNAUTHENTICATED),
-    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
-    (ActivationNotFoundError, grpc.StatusCode.NOT_FOUND),
-    (SessionNotFoundError, grpc.StatusCode.NOT_FOUND),
-    (DuplicateActivationError, grpc.StatusCode.ALREADY_EXISTS),
-    (ActivationStateError, grpc.StatusCode.FAILED_PRECONDITION),
-    (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (TrunkBusyError, grpc.StatusCode.UNAVAILABLE),
-    (TrunkStepError, grpc.StatusCode.INTERNAL),
-    (CodecError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
-    (SplitError, grpc.StatusCode.INVALID_ARGUMENT),
-]
 
 _OUTCOME = {
     Outcome.APPLIED: pb.APPLIED,
@@ -94,68 +76,6 @@ async def _outcome(future: concurrent.futures.Future[T]) -> T:
     if future.done():
         return future.result()
     return await asyncio.wrap_future(future)
-
-
-def status_for(exc: BaseException) -> grpc.StatusCode:
-    """The gRPC status a splitfed error maps to."""
-    for kind, code in _STATUS:
-        if isinstance(exc, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
-
-
-def metadata(context: Any) -> dict[str, str]:
-    """Invocation metadata as a dict (last value wins)."""
-    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-
-
-class Malformed:
-    """Stands in for a request whose bytes do not parse; the servicer answers INVALID_ARGUMENT."""
-
-    def __init__(self, kind: str, error: Exception) -> None:
-        self.kind = kind
-        self.error = error
-
-
-def _safe(parse: Callable[[bytes], Any], kind: str) -> Callable[[bytes], Any]:
-    def run(data: bytes) -> Any:
-        try:
-            return parse(data)
-        except Exception as exc:  # CodecError, protobuf's DecodeError, and others on hostile bytes
-            return Malformed(kind, exc)
-    return run
-
-
-def _check_parsed(message: Any) -> None:
-    if isinstance(message, Malformed):
-        raise CodecError(f"request is not a valid {message.kind} message: {message.error}")
-
-
-def method_handlers(servicer: SplitChannelServicer) -> grpc.GenericRpcHandler:
-    """The service's handlers.
-
-    Tensor-carrying messages go through :mod:`splitfed.channel.fastwire`
-    (zero-copy); every parser turns unparseable bytes into INVALID_ARGUMENT
-    (gRPC's generated registration would answer INTERNAL).
-    """
-    plain = {"Info": pb.InfoRequest, "Join": pb.JoinRequest, "Leave": pb.LeaveRequest,
-             "OpenSession": pb.OpenSessionRequest, "CloseSession": pb.CloseSessionRequest}
-    handlers: dict[str, grpc.RpcMethodHandler] = {}
-    for name, request in plain.items():
-        reply = getattr(pb, request.__name__.replace("Request", "Reply"))
-        handlers[name] = grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, name), request_deserializer=_safe(request.FromString, request.__name__),
-            response_serializer=reply.SerializeToString)
-    for name, request in (("Forward", pb.ForwardRequest), ("Backward", pb.BackwardRequest)):
-        handlers[name] = grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, name),
-            request_deserializer=_safe(lambda b, m=request: fastwire.parse(m, b), request.__name__),
-            response_serializer=lambda p: fastwire.serialize(p.header, p.tensors))
-    for name in ("ForwardStream", "BackwardStream"):
-        handlers[name] = grpc.stream_stream_rpc_method_handler(
-            getattr(servicer, name), request_deserializer=_safe(fastwire.parse_frame, "Frame"),
-            response_serializer=fastwire.serialize_frame)
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
 class SplitChannelServicer:
@@ -189,7 +109,7 @@ class SplitChannelServicer:
 
     async def _call(self, context: Any, fn: Callable[[], Awaitable[T]], request: Any = None) -> T:
         try:
-            _check_parsed(request)
+            check_parsed(request)
             return await fn()
         except SplitFedError as exc:
             code = status_for(exc)
@@ -334,7 +254,7 @@ class SplitChannelServicer:
 
     async def Forward(self, request: Any, context: Any) -> fastwire.Parsed:
         async def run() -> fastwire.Parsed:
-            _check_parsed(request)
+            check_parsed(request)
             identity = self._identity(context)
             return fastwire.Parsed(*await self._forward(identity, request.header, request.tensors, unary=True))
         return await self._call(context, run, request)
@@ -344,7 +264,7 @@ class SplitChannelServicer:
             identity = self._identity(context)
             if isinstance(request, Malformed):
                 await self._refused(identity[0])
-            _check_parsed(request)
+            check_parsed(request)
             return fastwire.Parsed(*await self._backward(identity, request.header, request.tensors, unary=True))
         return await self._call(context, run)
 
@@ -353,7 +273,7 @@ class SplitChannelServicer:
         out, total = [], 0
         budget = self.limits.max_tensor_bytes + self.limits.max_message_bytes
         async for frame in requests:
-            _check_parsed(frame)
+            check_parsed(frame)
             total += len(getattr(frame, "data", b"")) if isinstance(frame, fastwire.ChunkView) else frame.ByteSize()
             if total > budget:
                 raise ResourceExhaustedError(f"streamed request exceeds {budget} bytes")
