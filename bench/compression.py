@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -50,33 +49,9 @@ def _free_port() -> int:
 
 def _end_processes_of(marker: str) -> None:
     """End the processes this run started: those whose command line or environment names ``marker``."""
-    import psutil
+    from bench.processes import end_processes_of
 
-    procs = []
-    for p in psutil.process_iter(["pid", "cmdline", "environ"]):
-        try:
-            cmd = " ".join(p.info["cmdline"] or [])
-            env = p.info.get("environ") or {}
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if p.pid != os.getpid() and (marker in cmd or env.get("FLWR_HOME") == marker):
-            procs.append(p)
-    for p in list(procs):
-        try:
-            procs.extend(p.children(recursive=True))
-        except psutil.NoSuchProcess:  # it ended between the scan and now
-            pass
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    end_processes_of(marker)
 
 
 def flwr_run(overrides: str, out: Path, supernodes: int = 4) -> dict:

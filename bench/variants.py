@@ -133,35 +133,12 @@ class FlowerRuns:
     def close(self) -> None:
         """End the SuperLink, Ray and anything else started under this FLWR_HOME, children first."""
         try:
-            import psutil
+            import psutil  # noqa: F401
         except ImportError:  # pragma: no cover - psutil comes with the test extra
             return
-        markers = (str(self.home), self.ray_tmp)
-        procs = []
-        for p in psutil.process_iter(["pid", "cmdline", "environ"]):
-            try:
-                cmd = " ".join(p.info["cmdline"] or [])
-                env = p.info.get("environ") or {}
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            if p.pid != os.getpid() and (any(m in cmd for m in markers) or env.get("FLWR_HOME") == str(self.home)):
-                procs.append(p)
-        for p in list(procs):
-            try:
-                procs.extend(p.children(recursive=True))
-            except psutil.NoSuchProcess:
-                pass
-        for p in procs:
-            try:
-                p.send_signal(signal.SIGTERM)
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=10)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
+        from bench.processes import end_processes_of
+
+        end_processes_of(str(self.home), self.ray_tmp)
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
 

@@ -17,8 +17,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
+
+from bench.processes import end_processes_of
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -45,31 +46,7 @@ def _env(home: Path) -> dict[str, str]:
 
 def _kill_tree_matching(marker: str) -> None:
     """End every process whose command line mentions ``marker`` (our FLWR_HOME), children first."""
-    procs = []
-    for p in psutil.process_iter(["pid", "cmdline", "environ"]):
-        try:
-            cmd = " ".join(p.info["cmdline"] or [])
-            env = p.info.get("environ") or {}
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if p.pid != os.getpid() and (marker in cmd or env.get("FLWR_HOME") == marker):
-            procs.append(p)
-    for p in procs:
-        try:
-            procs.extend(p.children(recursive=True))
-        except psutil.NoSuchProcess:  # it ended between the scan and now
-            pass
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    end_processes_of(marker)
 
 
 @pytest.fixture
