@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -54,12 +53,7 @@ def main() -> int:
         results.update(fn(**kwargs))
     if "split_step" in (args.only or list(SUITES)):
         results["split_step_config"] = " ".join(f"{k}={v}" for k, v in core.SPLIT_STEP.items())
-    if args.json:
-        print(json.dumps(results, indent=None, sort_keys=True))
-    else:
-        width = max(len(k) for k in results)
-        for key, value in results.items():
-            print(f"{key:<{width}}  {value:.4g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
+    core.print_results(results, args.json)
     return 0
 
 

@@ -29,6 +29,18 @@ import torch
 MiB = 1 << 20
 
 
+def print_results(results: dict[str, Any], as_json: bool) -> None:
+    """Print a bench's results: one JSON object, or one aligned ``key  value`` line each."""
+    import json
+
+    if as_json:
+        print(json.dumps(results, sort_keys=True))
+        return
+    width = max(len(k) for k in results)
+    for key, value in results.items():
+        print(f"{key:<{width}}  {value:.4g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
+
+
 def timeit(fn: Callable[[], object], repeat: int, warmup: int = 2) -> float:
     """Median seconds of ``fn`` over ``repeat`` runs after ``warmup`` runs."""
     for _ in range(warmup):
@@ -64,8 +76,9 @@ SPLIT_STEP: dict[str, int] = {"layers": 6, "hidden": 256, "heads": 4, "vocab": 8
 
 
 def _gpt2(seed: int = 0) -> torch.nn.Module:
-    from splitfed.models import tiny_gpt2_config
     from transformers import GPT2LMHeadModel
+
+    from splitfed.models import tiny_gpt2_config
 
     torch.manual_seed(seed)
     c = SPLIT_STEP

@@ -23,7 +23,6 @@ vocabulary; 14 blocks cut 1/13, so the trunk holds 12 blocks and each client
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import multiprocessing as mp
 import statistics
@@ -32,6 +31,8 @@ import time
 from typing import Any
 
 import torch
+
+from bench.core import print_results
 
 #: name -> (layers, hidden, heads, vocab, cuts)
 MODELS: dict[str, tuple[int, int, int, int, tuple[int, int]]] = {
@@ -217,12 +218,7 @@ def main() -> int:
                                    device=args.device, model=args.gen_model)
     results.update(batched_generation(args.gen_sessions, args.gen_new_tokens, window_ms=args.gen_window_ms,
                                       repeat=args.repeat, device=args.device, model=args.gen_model))
-    if args.json:
-        print(json.dumps(results, sort_keys=True))
-    else:
-        width = max(len(k) for k in results)
-        for key, value in results.items():
-            print(f"{key:<{width}}  {value:.4g}")
+    print_results(results, args.json)
     return 0
 
 

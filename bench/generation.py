@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
 import sys
 import time
@@ -27,7 +26,7 @@ from typing import Any
 
 import torch
 
-from bench.core import interleaved
+from bench.core import interleaved, print_results
 
 
 def tiny_llama(seed: int = 0) -> torch.nn.Module:
@@ -144,12 +143,7 @@ def main() -> int:
         a, b = (int(x) for x in args.cuts.split(","))
         cuts = (a, b)
     results = generation(args.new_tokens, args.prompt_len, args.gen_model, cuts, args.repeat, args.device)
-    if args.json:
-        print(json.dumps(results, sort_keys=True))
-    else:
-        width = max(len(k) for k in results)
-        for key, value in results.items():
-            print(f"{key:<{width}}  {value:.4g}")
+    print_results(results, args.json)
     return 0
 
 

@@ -61,6 +61,17 @@ def tiny_model(arch: str, layers: int = 4, attn: str = "sdpa", seed: int = 0) ->
     return model.eval()
 
 
+def spread_model(arch: str) -> nn.Module:
+    """A tiny model whose weights are spread wide enough that greedy decoding does not repeat one token."""
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
 def tiny_cnn(seed: int = 0) -> nn.Sequential:
     """The MNIST CNN at small size."""
     from splitfed.models import mnist_cnn

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import batch_for, tiny_model
+from conftest import batch_for, spread_model, tiny_model
 
 from splitfed.channel.client import TrunkClient
 from splitfed.generation import generate
@@ -28,15 +28,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def _model(arch: str) -> torch.nn.Module:
-    """A tiny model whose weights are spread wide enough that greedy decoding does not repeat one token."""
-    model = tiny_model(arch)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
+_model = spread_model
 
 
 class _Twin:

@@ -7,10 +7,15 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import VOCAB, batch_for, tiny_model
+from conftest import VOCAB, batch_for, spread_model
 
 from splitfed.channel.client import TrunkClient
-from splitfed.errors import ChannelError, ConfigError, PermissionDeniedError, SessionNotFoundError
+from splitfed.errors import (
+    ChannelError,
+    ConfigError,
+    PermissionDeniedError,
+    SessionNotFoundError,
+)
 from splitfed.generation import LocalSession, RemoteSession, generate, pick_tokens
 from splitfed.split import CutState, split_model
 from splitfed.trunk.runtime import TrunkRuntime
@@ -39,15 +44,7 @@ class FakeClock:
         return self.now
 
 
-def _model(arch: str) -> torch.nn.Module:
-    """A tiny model whose weights are spread wide enough that greedy decoding does not repeat one token."""
-    model = tiny_model(arch)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
+_model = spread_model
 
 
 def _reference(arch: str, ids: torch.Tensor, mask: torch.Tensor, **kwargs: object) -> torch.Tensor:
