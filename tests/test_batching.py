@@ -113,3 +113,50 @@ def test_packing_pads_right_and_takes_each_clients_rows_back() -> None:
     assert packed.state.attention_mask is not None and packed.state.attention_mask[4:6, 3:].sum() == 0
     for i, s in enumerate(states):
         assert torch.equal(packed.part(packed.state.hidden, i), s.hidden)
+
+
+def _quorum_run(batched: bool) -> tuple[torch.nn.Module, dict, dict]:
+    """Quorum k=2 over 4 clients: c0 and c1 forward (as one batch or alone); c2 and c3 then step the trunk
+    under them; c0 and c1 send their gradients on the older weights, which makes the second step."""
+    from splitfed.trunk.requests import ForwardRequest
+    from splitfed.trunk.runtime import TrunkRuntime
+
+    torch.manual_seed(0)
+    split = split_model(tiny_model("llama").train(), cuts=(1, 3))
+    rt = TrunkRuntime(split.trunk, torch.optim.SGD(split.trunk.parameters(), lr=0.1),
+                      aggregator=make_aggregator("quorum", quorum=2, max_staleness=4, timeout=60))
+    states = _inputs("llama", 0)
+    requests = [ForwardRequest(f"c{i}", f"a{i}", states[i], True, 2 + i) for i in range(4)]
+    outs, grads_in = {}, {}
+    first = rt.forward_many(requests[:2]) if batched else [rt.forward_request(r) for r in requests[:2]]
+    for i, (out, version) in enumerate(first):
+        outs[i] = out
+        assert version == 0
+    pending = {}
+    for i in (2, 3):  # these two make the first step, while c0 and c1 still hold their forwards
+        outs[i], _ = rt.forward_request(requests[i])
+        pending[i] = rt.start_backward(f"c{i}", f"a{i}", torch.sin(outs[i] * (1 + i)))
+    assert rt.version == 1
+    for i in (0, 1):
+        pending[i] = rt.start_backward(f"c{i}", f"a{i}", torch.sin(outs[i] * (1 + i)))
+    results = {i: p.result.result(30) for i, p in pending.items()}
+    for i, p in pending.items():
+        grads_in[i] = p.grad_in.result(30)
+    assert rt.version == 2 and results[0].staleness == results[1].staleness == 1
+    if batched:  # one batch of c0 and c1, rebased under the first step and recomputed for its one backward
+        assert rt._batches.stats["group-backwards"] == 1 and rt.stats["recomputed"] == 1
+    else:
+        assert rt._batches.stats["group-backwards"] == 0 and rt.stats["recomputed"] == 2
+    return split.trunk, outs, grads_in
+
+
+def test_quorum_batches_the_trunk_stepped_under_equal_one_call_per_client() -> None:
+    """Quorum mode batches training forwards; a batch whose backward comes after a step is recomputed on the
+    weights it saw: outputs, input gradients and the weights after both steps equal one call per client."""
+    trunk, outs, grads_in = _quorum_run(batched=False)
+    b_trunk, b_outs, b_grads_in = _quorum_run(batched=True)
+    for i in range(4):
+        assert torch.allclose(outs[i], b_outs[i], atol=1e-6, rtol=1e-6), i
+        assert torch.allclose(grads_in[i], b_grads_in[i], atol=1e-6, rtol=1e-6), i
+    for (name, a), b in zip(trunk.state_dict().items(), b_trunk.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-6), name

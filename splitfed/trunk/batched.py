@@ -13,10 +13,11 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.func import functional_call
 
 from splitfed.errors import DuplicateActivationError, TrunkStepError
 from splitfed.trunk.batching import ForwardGroup, batch_key, pack
-from splitfed.trunk.recompute import busy_on_oom
+from splitfed.trunk.recompute import busy_on_oom, rng_devices, set_rng_state
 from splitfed.trunk.store import DoneBackward, SavedForward
 
 if TYPE_CHECKING:
@@ -26,6 +27,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Outcome = tuple[torch.Tensor, int] | BaseException
+
+#: Modes whose training forwards may share a trunk call: there the step applies a sum of gradients, so one
+#: backward per batch gives it the same sum. In async mode each gradient is a step of its own.
+BATCHED_TRAINING_MODES = ("sync", "quorum")
 
 
 class Batcher:
@@ -42,7 +47,8 @@ class Batcher:
         if request.retry or batch_key(request.state) is None:
             return False
         rt = self.rt
-        return not request.train or (rt.trains and rt.aggregator.mode == "sync" and not rt.checkpointing)
+        return not request.train or (rt.trains and rt.aggregator.mode in BATCHED_TRAINING_MODES
+                                     and not rt.checkpointing)
 
     def forward_many(self, requests: list[ForwardRequest]) -> list[Outcome]:
         """Run compatible requests together, the rest one by one; results in request order."""
@@ -126,7 +132,8 @@ class Batcher:
         rt.store.admit(requests[0].client_id, nbytes)
         self._count(len(requests))
         group = ForwardGroup(packed, leaf, output, rt.version, [r.client_id for r in requests],
-                             [r.activation_id for r in requests], [max(int(r.num_examples), 1) for r in requests])
+                             [r.activation_id for r in requests], [max(int(r.num_examples), 1) for r in requests],
+                             inputs=inputs.with_hidden(leaf), rng=rng)
         self.groups.append(group)
         rows = out_value.shape[0]
         results: list[Outcome] = []
@@ -173,19 +180,29 @@ class Batcher:
         for group in ready:
             self.finish(group)
 
-    def abandon_all(self, why: str) -> None:
-        """Fail every batch still waiting for gradients (the weights it saw are about to change)."""
-        for group in list(self.groups):
-            self.groups.remove(group)
-            error = TrunkStepError(f"{why}; run the forward again")
-            for i in group.grads:
-                group.grad_in[i].set_exception(error)
-            if group.grads:
-                group.result.set_exception(error)
-            for i, activation_id in enumerate(group.activation_ids):
-                if i not in group.grads and self.rt.store.find(activation_id) is not None:
-                    self.rt.store.pop(activation_id)
-            group.output = None
+    def rebase(self, frozen: list[torch.Tensor]) -> int:
+        """The trunk is about to step: batches still waiting for gradients keep the weights they saw
+        (``frozen``, copied before the step) and their backward recomputes the batched forward on them, with
+        its RNG state, so each member's gradient is exactly that of the version it saw. Returns how many."""
+        rebased = 0
+        for group in self.groups:
+            if group.frozen is None:
+                group.frozen, group.output = frozen, None
+                rebased += 1
+        return rebased
+
+    def _output(self, group: ForwardGroup) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The batch's output with its graph, and the weights it depends on (recomputed when rebased)."""
+        rt = self.rt
+        if group.frozen is None:
+            assert group.output is not None
+            return group.output, rt._trainable
+        rt.stats["recomputed"] += 1
+        with torch.random.fork_rng(devices=rng_devices(rt.device)), rt._autocast():
+            set_rng_state(rt.device, group.rng)
+            state = group.inputs.with_hidden(group.inputs.hidden.clone())
+            output = functional_call(rt.trunk, dict(zip(rt._names, group.frozen)), (state,)).hidden
+        return output, list(group.frozen)
 
     def finish(self, group: ForwardGroup) -> None:
         """One backward for the whole batch; the trunk's gradient goes to the aggregator as one contribution.
@@ -196,10 +213,11 @@ class Batcher:
             if group not in self.groups:  # finished or abandoned meanwhile
                 return
             self.groups.remove(group)
-            full, weights, total = group.output_gradient()
             members = tuple(group.clients[i] for i in sorted(group.grads))
-            targets = [group.leaf] + (rt._trainable if rt.trains else [])
             try:
+                group.output, weights_seen = self._output(group)
+                full, weights, total = group.output_gradient()
+                targets = [group.leaf] + (weights_seen if rt.trains else [])
                 grads = torch.autograd.grad(group.output, targets, full, allow_unused=True)
             except RuntimeError as exc:
                 error = TrunkStepError(f"the batched backward of {len(members)} clients failed on the server: "

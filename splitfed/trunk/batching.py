@@ -99,6 +99,9 @@ class ForwardGroup:
     dropped: set[int] = field(default_factory=set)
     grad_in: list[Future[torch.Tensor]] = field(default_factory=list)
     result: Future[Result] = field(default_factory=Future)
+    inputs: Any = None  # the trunk's input (hidden = ``leaf``), kept to recompute a rebased batch
+    rng: Any = None  # the RNG state the forward ran with
+    frozen: list[torch.Tensor] | None = None  # rebased: the weights the forward saw (the trunk has stepped)
 
     def __post_init__(self) -> None:
         self.grad_in = [Future() for _ in self.clients]

@@ -256,10 +256,11 @@ class TrunkRuntime(RuntimeUpkeep):
     def can_batch(self, request: ForwardRequest) -> bool:
         """Whether ``request`` may share a trunk call with other clients' forwards.
 
-        Evaluation forwards always may. Training forwards may in ``sync`` mode,
-        where the batch's backward runs once for the whole step; in ``async``
-        and ``quorum`` modes each client's gradient is applied on its own
-        schedule, so their training forwards run one by one.
+        Evaluation forwards always may. Training forwards may in ``sync`` and
+        ``quorum`` modes, where a step applies a sum of gradients and the
+        batch's backward gives it that sum at once (a batch the trunk stepped
+        under is recomputed on the weights it saw); in ``async`` mode each
+        client's gradient is a step of its own, so they run one by one.
         """
         return self._batches.can_batch(request)
 
@@ -401,11 +402,11 @@ class TrunkRuntime(RuntimeUpkeep):
 
     def _rebase_pending(self) -> None:
         """Give forwards still waiting for their backward the weights they saw (before this step)."""
-        self._batches.abandon_all("the trunk stepped before the batch's backward ran")
         pending = [e for e in self.store.entries() if e.frozen is None and e.group is None]
-        if not pending:
+        waiting = [g for g in self._batches.groups if g.frozen is None]
+        if not pending and not waiting:
             return
         frozen = [p.detach().clone().requires_grad_(True) for p in self._trainable]
         self.store.freeze(pending, self._version, frozen)
-        self.stats["rebased"] += len(pending)
+        self.stats["rebased"] += len(pending) + self._batches.rebase(frozen)
         log.debug("rebased %d pending forwards before trunk step %d", len(pending), self._version + 1)
