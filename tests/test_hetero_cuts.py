@@ -201,10 +201,10 @@ def _reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict
     return c1.state_dict(), c2.state_dict(), trunk.state_dict()
 
 
-def _client(address: str, cut: tuple[int, int], start: threading.Barrier, out: dict) -> None:
+def _client(address: str, cut: tuple[int, int], start: threading.Barrier, out: dict, model: nn.Module) -> None:
     from splitfed.channel.client import RemoteTrunk
 
-    split = split_model(_blocks_model(), cut)
+    split = split_model(model, cut)
     remote = RemoteTrunk(address, insecure=True, client_id=f"client-{cut[0]}", cut=cut)
     model = SplitModel(split.bottom, remote, split.top, task="classification")
     optimizer = torch.optim.SGD(split.client_modules().parameters(), lr=LR)
@@ -225,7 +225,9 @@ def test_two_clients_sync_cuts_1_3_and_2_3_merge_equals_hand_computation(trunk_s
     server = trunk_server(split_model(_blocks_model(), (1, 3)).trunk, optimizer="sgd", lr=LR, cuts=(1, 3))
     out: dict = {}
     start = threading.Barrier(2)
-    threads = [threading.Thread(target=_client, args=(server.address, cut, start, out)) for cut in BATCH]
+    # Built here, not in the threads: _blocks_model seeds torch's global RNG, which the threads would share.
+    models = {cut: _blocks_model() for cut in BATCH}
+    threads = [threading.Thread(target=_client, args=(server.address, cut, start, out, models[cut])) for cut in BATCH]
     for t in threads:
         t.start()
     for t in threads:
