@@ -33,6 +33,9 @@ def main() -> int:
                         'heads=12 vocab=50257 batch=16 seq=512 bf16=1" (default: the tiny GPT-2)')
     parser.add_argument("--micro-batches", nargs="*", type=int, default=[1],
                         help="split_step: also time the step pipelined as k micro-batches, for each k (e.g. 1 4)")
+    parser.add_argument("--wire-compression", default="none", choices=("none", "int8", "topk"),
+                        help="split_step: what crosses the cut (int8: activations and gradients; topk: int8 "
+                             "activations, top-k gradients)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     tune_malloc()  # as the trunk server and client do; applies to both sides of every comparison
@@ -50,9 +53,12 @@ def main() -> int:
         kwargs = {"device": args.device} if "device" in fn.__code__.co_varnames else {}
         if "micro_batches" in fn.__code__.co_varnames:
             kwargs["micro_batches"] = tuple(args.micro_batches)
+        if "wire_compression" in fn.__code__.co_varnames:
+            kwargs["wire_compression"] = args.wire_compression
         results.update(fn(**kwargs))
     if "split_step" in (args.only or list(SUITES)):
         results["split_step_config"] = " ".join(f"{k}={v}" for k, v in core.SPLIT_STEP.items())
+        results["split_step_wire_compression"] = args.wire_compression
     core.print_results(results, args.json)
     return 0
 

@@ -111,8 +111,15 @@ def _serve_trunk(settings: dict[str, int], port_queue: Any, stop: Any, threads: 
     server.stop(grace=0)
 
 
-def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple[int, ...] = (1,)
-                     ) -> dict[str, float]:
+def _wire(name: str) -> Any:
+    """The :class:`~splitfed.compression.WireCompression` a bench's ``--wire-compression`` names."""
+    from splitfed.compression import WireCompression
+
+    return WireCompression.of("int8", grad="topk", topk_ratio=0.01) if name == "topk" else WireCompression.of(name)
+
+
+def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple[int, ...] = (1,),
+                     wire_compression: str = "none") -> dict[str, float]:
     """Split step over loopback / unsplit step, tiny GPT-2; the trunk server in this process and in another.
 
     ``split_step_ratio`` serves the trunk from a thread of this process (the
@@ -121,7 +128,8 @@ def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple
     in a deployment, but on the same cores as the client. For each k > 1 in
     ``micro_batches`` the split step also runs pipelined as k micro-batches
     (over min(k, 4) gRPC channels): ``split_step_ratio_mb{k}`` and
-    ``split_step_ratio_process_mb{k}``, each timed interleaved with the unsplit step.
+    ``split_step_ratio_process_mb{k}``, each timed interleaved with the unsplit step. ``wire_compression``
+    (none, int8, topk) is what crosses the cut in every split run (reported as ``split_step_wire_compression``).
     """
     from splitfed.channel.client import RemoteTrunk
     from splitfed.split import SplitModel, split_model
@@ -161,7 +169,8 @@ def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple
         for suffix, address, k in runs:
             parts = split_model(_gpt2().to(device), cuts)
             remote = RemoteTrunk(address, insecure=True, wire_dtype="bf16" if bf16 else "fp32",
-                                 channels=min(k, 4), max_in_flight=2 * k)
+                                 channels=min(k, 4), max_in_flight=2 * k,
+                                 wire_compression=_wire(wire_compression))
             model = SplitModel(parts.bottom, remote, parts.top, task="causal-lm", micro_batches=k)
             opt_split = torch.optim.SGD(parts.client_modules().parameters(), lr=1e-3)
 
