@@ -50,6 +50,15 @@ def tiny_config(arch: str, layers: int = 4, attn: str = "sdpa"):
     return cfg
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: tiny models run fastest so, and do not oversubscribe a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def tiny_model(arch: str, layers: int = 4, attn: str = "sdpa", seed: int = 0) -> nn.Module:
     """A tiny randomly initialised model of ``arch`` in eval mode."""
     import transformers as tf

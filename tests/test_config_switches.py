@@ -10,7 +10,6 @@ split model (trunk local) the weights must equal the unsplit model's.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,13 +124,7 @@ CASES = [
 PARAMS = [pytest.param(case, attn, id=f"{case}-{attn}") for case in CASES for attn in case.attns]
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread (and do not oversubscribe a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest on one thread
 
 
 def build(case: Case, attn: str | None = None, seed: int = 0) -> nn.Module:

@@ -58,15 +58,16 @@ def test_five_gpu_steps_over_grpc_equal_unsplit(arch: str, trunk_server) -> None
     assert next(split.trunk.parameters()).is_cuda
 
 
-def test_bf16_autocast_on_gpu_trains(trunk_server) -> None:
+def _train_bf16(trunk_server, micro_batches: int = 1, channels: int = 1, batch: int = 4):  # type: ignore[no-untyped-def]
+    """8 AdamW steps of a tiny Llama split over the channel, bf16 autocast on both sides and bf16 on the wire."""
     model = tiny_model("llama").train().to(CUDA)
     split = split_model(model, (1, 3))
     server = trunk_server(TrunkRuntime(split.trunk, torch.optim.AdamW(split.trunk.parameters(), lr=1e-2),
                                        autocast_dtype=torch.bfloat16))
-    client = SplitModel(split.bottom, RemoteTrunk(server.address, insecure=True, wire_dtype="bf16"), split.top,
-                        task="causal-lm")
+    remote = RemoteTrunk(server.address, insecure=True, wire_dtype="bf16", channels=channels)
+    client = SplitModel(split.bottom, remote, split.top, task="causal-lm", micro_batches=micro_batches)
     opt = torch.optim.AdamW(split.client_modules().parameters(), lr=1e-2)
-    ids, mask, labels = (t.to(CUDA) for t in batch_for("llama", batch=4, length=16))
+    ids, mask, labels = (t.to(CUDA) for t in batch_for("llama", batch=batch, length=16))
     losses = []
     for _ in range(8):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -75,6 +76,11 @@ def test_bf16_autocast_on_gpu_trains(trunk_server) -> None:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    return model, server, losses
+
+
+def test_bf16_autocast_on_gpu_trains(trunk_server) -> None:
+    model, _, losses = _train_bf16(trunk_server)
     assert losses[-1] < losses[0]
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
@@ -154,21 +160,6 @@ def test_pipelined_gpu_steps_over_grpc_equal_unsplit(arch: str, trunk_server) ->
 
 
 def test_pipelined_bf16_autocast_on_gpu_trains(trunk_server) -> None:
-    model = tiny_model("llama").train().to(CUDA)
-    split = split_model(model, (1, 3))
-    server = trunk_server(TrunkRuntime(split.trunk, torch.optim.AdamW(split.trunk.parameters(), lr=1e-2),
-                                       autocast_dtype=torch.bfloat16))
-    client = SplitModel(split.bottom, RemoteTrunk(server.address, insecure=True, wire_dtype="bf16", channels=2),
-                        split.top, task="causal-lm", micro_batches=4)
-    opt = torch.optim.AdamW(split.client_modules().parameters(), lr=1e-2)
-    ids, mask, labels = (t.to(CUDA) for t in batch_for("llama", batch=8, length=16))
-    losses = []
-    for _ in range(8):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = client(ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    _, server, losses = _train_bf16(trunk_server, micro_batches=4, channels=2, batch=8)
     assert losses[-1] < losses[0]
     assert server.runtime.version == 8

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,13 +27,7 @@ PAIRS = (["is the trunk remote", "who keeps the head", "where do labels live"],
 WORDS = sorted({w for text in TEXTS + PAIRS[0] + PAIRS[1] for w in text.split()})
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread (and do not oversubscribe a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest on one thread
 
 
 @pytest.fixture(scope="module")

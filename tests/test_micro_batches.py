@@ -18,13 +18,7 @@ PARTS = 4
 BATCH = 5  # uneven micro-batches (2, 1, 1, 1), each with its own count of padded tokens
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (and do not oversubscribe a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models run fastest on one thread
 
 
 def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
