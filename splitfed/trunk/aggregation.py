@@ -41,45 +41,30 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 
 import torch
 
 from splitfed.errors import ConfigError, TrunkStepError
-from splitfed.trunk.contributions import Contribution, Grads, Outcome, Result, weighted_mean
+from splitfed.trunk.contributions import (
+    Bucket,
+    Contribution,
+    Grads,
+    Offer,
+    Outcome,
+    Result,
+    weighted_mean,
+)
+from splitfed.trunk.requests import resolved
 
 __all__ = ["AsyncAggregator", "Contribution", "CopyOptimizer", "Grads", "Outcome", "QuorumAggregator", "Result",
            "SyncAggregator", "TrunkAggregator", "make_aggregator", "weighted_mean"]
 
 log = logging.getLogger(__name__)
 
-@dataclass
-class _Item:
-    contribution: Contribution
-    future: Future[Result]
-    offered: float
-
-
-@dataclass
-class _Bucket:
-    opened: float | None = None
-    items: list[_Item] = field(default_factory=list)
-
-    @property
-    def clients(self) -> set[str]:
-        return {client for i in self.items for client in i.contribution.clients}
-
-
 ApplyUpdate = Callable[[Grads], None]
 #: Builds the optimizer of one per-client trunk copy over its parameters.
 CopyOptimizer = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 GetVersion = Callable[[], int]
-
-
-def _resolved(result: Result) -> Future[Result]:
-    fut: Future[Result] = Future()
-    fut.set_result(result)
-    return fut
 
 
 class TrunkAggregator:
@@ -110,7 +95,7 @@ class TrunkAggregator:
         self.clock = clock
         self._lock = threading.RLock()
         self._members: dict[str, float] = {}  # client -> last sign of life
-        self._bucket = _Bucket()
+        self._bucket = Bucket()
         self._steps_applied = 0
         self._get_version: GetVersion = lambda: self._steps_applied
         self._apply: ApplyUpdate | None = None
@@ -212,8 +197,8 @@ class TrunkAggregator:
             staleness = max(self.version - c.version_seen, 0)
             self._observe("staleness", staleness)
             if c.grads is not None and staleness and self.staleness_weight(staleness) is None:
-                return _resolved(self._reject(c, staleness))  # it can only get staler
-            item = _Item(c, Future(), now)
+                return resolved(self._reject(c, staleness))  # it can only get staler
+            item = Offer(c, Future(), now)
             if self._bucket.opened is None:
                 self._bucket.opened = now
             self._bucket.items.append(item)
@@ -278,14 +263,14 @@ class TrunkAggregator:
         if bucket.items and self.ready(bucket.clients, set(self._members)):
             self._close(bucket)
 
-    def _close(self, bucket: _Bucket) -> None:
-        self._bucket = _Bucket()
+    def _close(self, bucket: Bucket) -> None:
+        self._bucket = Bucket()
         now, version = self.clock(), self.version
         for item in bucket.items:  # waiting for a step is a sign of life
             for client in item.contribution.clients:
                 if client in self._members:
                     self._members[client] = now
-        decided: list[tuple[_Item, Result | None]] = []
+        decided: list[tuple[Offer, Result | None]] = []
         applied: list[Contribution] = []
         for item in bucket.items:
             c = item.contribution

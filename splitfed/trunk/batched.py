@@ -13,11 +13,10 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.func import functional_call
 
 from splitfed.errors import DuplicateActivationError, TrunkStepError
 from splitfed.trunk.batching import ForwardGroup, batch_key, pack
-from splitfed.trunk.recompute import busy_on_oom, rng_devices, set_rng_state
+from splitfed.trunk.recompute import busy_on_oom, rerun
 from splitfed.trunk.store import DoneBackward, SavedForward
 
 if TYPE_CHECKING:
@@ -198,10 +197,7 @@ class Batcher:
             assert group.output is not None
             return group.output, rt._trainable
         rt.stats["recomputed"] += 1
-        with torch.random.fork_rng(devices=rng_devices(rt.device)), rt._autocast():
-            set_rng_state(rt.device, group.rng)
-            state = group.inputs.with_hidden(group.inputs.hidden.clone())
-            output = functional_call(rt.trunk, dict(zip(rt._names, group.frozen)), (state,)).hidden
+        output = rerun(rt.trunk, rt._names, group.inputs, group.rng, group.frozen, rt._autocast())
         return output, list(group.frozen)
 
     def finish(self, group: ForwardGroup) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
@@ -81,3 +82,25 @@ def weighted_mean(contributions: Sequence[Contribution]) -> Grads | None:
             acc = term if acc is None else acc.add_(term)
         out.append(acc)
     return out
+
+
+@dataclass
+class Offer:
+    """A contribution waiting in a step's bucket, with the future its client awaits."""
+
+    contribution: Contribution
+    future: Future[Result]
+    offered: float
+
+
+@dataclass
+class Bucket:
+    """The contributions collected for the next trunk step."""
+
+    opened: float | None = None
+    items: list[Offer] = field(default_factory=list)
+
+    @property
+    def clients(self) -> set[str]:
+        """Every client whose gradient is in the bucket (a batch counts all its members)."""
+        return {client for i in self.items for client in i.contribution.clients}

@@ -40,6 +40,7 @@ import torch
 from splitfed.errors import ConfigError, PermissionDeniedError, ResourceExhaustedError
 from splitfed.trunk.aggregation import CopyOptimizer, TrunkAggregator
 from splitfed.trunk.contributions import Contribution, Outcome, Result
+from splitfed.trunk.requests import resolved
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +72,6 @@ class TrainedCopy:
     state: dict[str, torch.Tensor]
     num_examples: int
     steps: int
-
-
-def _resolved(result: Result) -> Future[Result]:
-    fut: Future[Result] = Future()
-    fut.set_result(result)
-    return fut
 
 
 class PerClientAggregator(TrunkAggregator):
@@ -200,12 +195,12 @@ class PerClientAggregator(TrunkAggregator):
             version = self.version
             if c.grads is None:
                 self.stats[Outcome.REJECTED_GUARD.value] += 1
-                return _resolved(Result(Outcome.REJECTED_GUARD, version, 0, 0.0))
+                return resolved(Result(Outcome.REJECTED_GUARD, version, 0, 0.0))
             copy = self._copies.get(c.client_id)
             if copy is None:  # its round was merged while the gradient was on its way
                 self.stats[Outcome.REJECTED_STALE.value] += 1
                 log.warning("per-client: a gradient of %s came after its round's copies were merged", c.client_id)
-                return _resolved(Result(Outcome.REJECTED_STALE, version, 1, 0.0))
+                return resolved(Result(Outcome.REJECTED_STALE, version, 1, 0.0))
             try:
                 for p, g, w in zip(copy.params, c.grads, self._global):
                     if g is None:
@@ -219,7 +214,7 @@ class PerClientAggregator(TrunkAggregator):
             copy.steps += 1
             self.stats["steps"] += 1
             self.stats[Outcome.APPLIED.value] += 1
-            return _resolved(Result(Outcome.APPLIED, version, 0, 1.0))
+            return resolved(Result(Outcome.APPLIED, version, 0, 1.0))
 
     def describe(self) -> str:
         return (f"per-client (SplitFed V1: a trunk copy per client, merged each round; proximal-mu="

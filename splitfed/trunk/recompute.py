@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.func import functional_call
 
 from splitfed.errors import TrunkBusyError
+from splitfed.split.base import CutState
 
 
 class SavedBytes:
@@ -66,3 +68,16 @@ def set_rng_state(device: torch.device, state: Any) -> None:
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state(cuda, device)
+
+
+def rerun(trunk: torch.nn.Module, names: Sequence[str], inputs: CutState, rng: Any,
+          frozen: Sequence[torch.Tensor] | None, autocast: contextlib.AbstractContextManager[Any]) -> torch.Tensor:
+    """A training forward again, with its graph: ``trunk`` on ``inputs`` with the RNG state it first ran with,
+    on the ``frozen`` weights it saw (named ``names``), or on the live ones when None."""
+    device = inputs.hidden.device
+    with torch.random.fork_rng(devices=rng_devices(device)), autocast:
+        set_rng_state(device, rng)
+        state = inputs.with_hidden(inputs.hidden.clone())
+        if frozen is None:
+            return trunk(state).hidden
+        return functional_call(trunk, dict(zip(names, frozen)), (state,)).hidden

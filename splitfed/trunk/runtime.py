@@ -55,9 +55,8 @@ from splitfed.trunk.microsteps import MicroSteps, StepPart
 from splitfed.trunk.recompute import (
     SavedBytes,
     busy_on_oom,
-    rng_devices,
+    rerun,
     rng_state,
-    set_rng_state,
 )
 from splitfed.trunk.requests import (
     BackwardResult,
@@ -360,13 +359,8 @@ class TrunkRuntime(RuntimeUpkeep):
         else:  # rebased or checkpointed: recompute on the weights this forward saw, with its RNG state
             self.stats["recomputed"] += 1
             frozen = entry.frozen_params if entry.frozen_params is not None else entry.weights
-            with torch.random.fork_rng(devices=rng_devices(self.device)), self._autocast():
-                set_rng_state(self.device, entry.rng_state)
-                state = entry.inputs.with_hidden(entry.inputs.hidden.clone())
-                if frozen is None:  # checkpointed, and the trunk has not stepped since
-                    output = self.trunk(state).hidden
-                else:
-                    output = functional_call(self.trunk, dict(zip(self._names, frozen)), (state,)).hidden
+            # frozen None: checkpointed, and the trunk has not stepped since
+            output = rerun(self.trunk, self._names, entry.inputs, entry.rng_state, frozen, self._autocast())
             targets = inputs + (self._trainable if frozen is None else list(frozen))
         if not self.trains:
             targets = inputs
