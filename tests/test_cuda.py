@@ -24,6 +24,19 @@ def _deterministic():
     yield
 
 
+def _five_steps_side_by_side(client, opt, model, ref, ref_opt, batch) -> float:  # type: ignore[no-untyped-def]
+    """5 steps of the split model and of the unsplit reference on one batch; the largest weight difference."""
+    ids, mask, labels = batch
+    for _ in range(5):
+        client(ids, attention_mask=mask, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "gemma"])
 def test_split_forward_on_gpu_equals_unsplit(arch: str) -> None:
     model = tiny_model(arch).to(CUDA)
@@ -46,14 +59,7 @@ def test_five_gpu_steps_over_grpc_equal_unsplit(arch: str, trunk_server) -> None
     opt = torch.optim.AdamW(split.client_modules().parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     ids, mask, labels = (t.to(CUDA) for t in batch_for(arch, padded=True))
-    for _ in range(5):
-        client(ids, attention_mask=mask, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    diff = max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+    diff = _five_steps_side_by_side(client, opt, model, ref, ref_opt, (ids, mask, labels))
     assert diff <= 1e-5
     assert next(split.trunk.parameters()).is_cuda
 
@@ -140,14 +146,7 @@ def test_pipelined_gpu_steps_over_grpc_equal_unsplit(arch: str, trunk_server) ->
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     ids, mask, labels = (t.to(CUDA) for t in batch_for(arch, batch=5, padded=True))
     before = dict(transfer.COPIES)
-    for _ in range(5):
-        client(ids, attention_mask=mask, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    diff = max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+    diff = _five_steps_side_by_side(client, opt, model, ref, ref_opt, (ids, mask, labels))
     assert diff <= 1e-5
     assert server.runtime.version == 5 and remote.outcomes == {"APPLIED": 5}
     # Activations, masks and positions leave through the side stream; activations and gradients come back so
