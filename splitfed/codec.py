@@ -112,6 +112,16 @@ class Compressed:
 
 
 @dataclass(frozen=True)
+class RegionRef:
+    """Where a tensor's bytes lie in a shared-memory region (the proto's ``RegionSlice``): client and trunk on
+    one host (see :mod:`splitfed.channel.regions`)."""
+
+    region: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class EncodedTensor:
     """A tensor as it travels: dtype, shape and raw little-endian C-order bytes (compressed: see ``compressed``)."""
 
@@ -120,6 +130,8 @@ class EncodedTensor:
     shape: tuple[int, ...]
     data: bytes | memoryview
     compressed: Compressed | None = None
+    #: Set when the bytes lie in a shared-memory region instead of ``data`` (then empty).
+    region: RegionRef | None = None
 
     @property
     def nbytes(self) -> int:

@@ -46,6 +46,17 @@ class PermissionDeniedError(SplitFedError):
     """A client touched an activation or session that belongs to another client."""
 
 
+class RegionNotFoundError(SplitFedError, KeyError):
+    """A tensor names a shared-memory region the server does not hold (closed, or never opened)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class SharedMemoryUnavailableError(SplitFedError):
+    """Shared memory cannot carry tensors here (the server offers none, or it is not on this host)."""
+
+
 class AuthError(SplitFedError):
     """A token is missing, malformed, expired, replayed or signed with another key."""
 

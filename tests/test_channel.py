@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel.client import RemoteTrunk, TrunkClient
+from splitfed.channel.regions import SharedRegion
 from splitfed.channel.split_channel_pb2_grpc import SplitChannelStub
 from splitfed.channel.server import CLIENT_ID_KEY, SERVICE_NAME, ChannelLimits
 from splitfed.channel.wire import encode_state, to_proto
@@ -213,6 +214,69 @@ def _raw(channel_method: str, payload: bytes):
     return run
 
 
+def _region_tensor(call, t: torch.Tensor, client: str = "alice", name: str = "hidden", **slice_override: object
+                   ) -> pb.Tensor:
+    """``t`` written into a region ``client`` opened; the tensor message names it (fields overridable)."""
+    reply = call("OpenRegion", pb.OpenRegionRequest(nbytes=1 << 20), client=client)
+    data = t.contiguous().view(torch.uint8).reshape(-1)
+    mapping = SharedRegion.attach(reply.region, reply.nbytes)
+    mapping.view(0, data.numel()).copy_(data)
+    mapping.close()
+    ref = pb.RegionSlice(region=reply.region, offset=0, nbytes=data.numel())
+    for key, value in slice_override.items():
+        setattr(ref, key, value)
+    return pb.Tensor(name=name, dtype=pb.FLOAT32, shape=list(t.shape), region=ref)
+
+
+def _region_case(make: Callable[..., pb.Tensor]):
+    def run(call, stub):
+        call("Forward", _fwd(tensors=[make(call)]))
+    return run
+
+
+def _with(msg: pb.Tensor, **fields: object) -> pb.Tensor:
+    for key, value in fields.items():
+        if isinstance(value, pb.Compressed):
+            getattr(msg, key).CopyFrom(value)
+        else:
+            setattr(msg, key, value)
+    return msg
+
+
+def _reply_region(**fields: object):
+    def run(call, stub):
+        reply = call("OpenRegion", pb.OpenRegionRequest(nbytes=1 << 20))
+        req = _fwd()
+        req.reply_region.CopyFrom(pb.RegionSlice(region=reply.region, offset=0, nbytes=4096))
+        for key, value in fields.items():
+            setattr(req.reply_region, key, value)
+        call("Forward", req)
+    return run
+
+
+# Tensors in a shared-memory region (client and trunk on one host): the server checks the region's owner and
+# bounds and copies the bytes before checking them.
+REGION_CASES: list[Case] = [
+    ("region-unknown", C.NOT_FOUND, "is not open",
+     _region_case(lambda call: _region_tensor(call, _hidden(), region="splitfed-" + "0" * 32))),
+    ("region-of-another-client", C.PERMISSION_DENIED, "another client",
+     _region_case(lambda call: _region_tensor(call, _hidden(), client="bob"))),
+    ("region-slice-out-of-bounds", C.INVALID_ARGUMENT, "outside region",
+     _region_case(lambda call: _region_tensor(call, _hidden(), offset=(1 << 20) - 64))),
+    ("region-bytes-vs-shape", C.INVALID_ARGUMENT, "needs 1280 bytes",
+     _region_case(lambda call: _region_tensor(call, _hidden(), nbytes=1024))),
+    ("region-and-data", C.INVALID_ARGUMENT, "also carries",
+     _region_case(lambda call: _with(_region_tensor(call, _hidden()), data=b"\0" * 1280))),
+    ("region-and-compressed", C.INVALID_ARGUMENT, "also carries",
+     _region_case(lambda call: _with(_region_tensor(call, _hidden()), compressed=pb.Compressed(
+         method=pb.INT8_BLOCKWISE, dtype=pb.FLOAT32, block_size=64)))),
+    ("region-nan", C.INVALID_ARGUMENT, "NaN",
+     _region_case(lambda call: _region_tensor(call, _hidden().index_fill_(1, torch.tensor([2]), float("nan"))))),
+    ("reply-region-unknown", C.NOT_FOUND, "is not open", _reply_region(region="splitfed-" + "1" * 32)),
+    ("reply-region-out-of-bounds", C.INVALID_ARGUMENT, "outside region", _reply_region(offset=(1 << 20) - 100)),
+]
+
+
 CASES: list[Case] = [
     ("unknown-dtype", C.INVALID_ARGUMENT, "dtype",
      lambda call, stub: call("Forward", _fwd(tensors=[_tensor("hidden", _hidden(), dtype=42)]))),
@@ -293,6 +357,7 @@ CASES: list[Case] = [
      lambda call, stub: call("Forward", pb.ForwardRequest(activation_id=uuid.uuid4().hex, train=True, num_examples=2,
                                                           cut_start=3, cut_end=2,
                                                           tensors=[_tensor("hidden", _hidden())]))),
+    *REGION_CASES,
 ]
 
 

@@ -242,7 +242,8 @@ def _train_streamed(trunk_server, interceptors, steps: int = 3):
     limits = ChannelLimits(max_message_bytes=256 << 10, stream_threshold_bytes=64 << 10, chunk_bytes=16 << 10)
     server = trunk_server(split.trunk, optimizer="adamw", lr=0.01, limits=limits, interceptors=interceptors,
                           metrics_port=0)
-    remote = RemoteTrunk(server.address, insecure=True, limits=limits, retry=RetryPolicy(initial_backoff_s=0.05))
+    remote = RemoteTrunk(server.address, insecure=True, limits=limits, retry=RetryPolicy(initial_backoff_s=0.05),
+                         shared_memory="off")  # the socket's streams are under test
     client = SplitModel(split.bottom, remote, split.top, task="causal-lm")
     opt = torch.optim.AdamW(split.client_modules().parameters(), lr=0.01)
     ids, mask, labels = batch_for("gpt2", batch=10, length=64)  # 10 x 64 x 32 fp32 = 80 KiB: streamed both ways

@@ -21,11 +21,12 @@ def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
 
 
-def _train_pair(model, inputs, mask, labels, optimizer: str, trunk_server, lr: float = 0.05) -> tuple[float, float]:
+def _train_pair(model, inputs, mask, labels, optimizer: str, trunk_server, lr: float = 0.05,
+                shared_memory: str = "off") -> tuple[float, float]:
     ref = copy.deepcopy(model)
     split = split_model(model, cuts=(1, 3) if not isinstance(model, torch.nn.Sequential) else (3, 6))
     server = trunk_server(split.trunk, optimizer=optimizer, lr=lr)
-    remote = RemoteTrunk(server.address, insecure=True)
+    remote = RemoteTrunk(server.address, insecure=True, shared_memory=shared_memory)
     client = SplitModel(split.bottom, remote, split.top, task=split.task)
     client_opt = make_optimizer(optimizer, split.client_modules().parameters(), lr)
     ref_opt = make_optimizer(optimizer, ref.parameters(), lr)
@@ -43,7 +44,10 @@ def _train_pair(model, inputs, mask, labels, optimizer: str, trunk_server, lr: f
         ref_opt.step()
         ref_opt.zero_grad()
         losses.append((out.loss.item(), ref_loss.item()))
+    shared_calls = remote.client.shared.calls
     remote.close()
+    if shared_memory == "on":  # every Forward and Backward carried its tensor through the region
+        assert shared_calls == 2 * STEPS
     assert server.runtime.version == STEPS
     assert remote.outcomes == {"APPLIED": STEPS}
     return _max_diff(model, ref), abs(losses[-1][0] - losses[-1][1])
@@ -55,6 +59,25 @@ def test_five_steps_over_grpc_equal_unsplit(arch: str, optimizer: str, trunk_ser
     model = tiny_model(arch).train()
     ids, mask, labels = batch_for(arch, padded=True)
     weight_diff, loss_diff = _train_pair(model, ids, mask, labels, optimizer, trunk_server)
+    assert weight_diff <= 1e-6
+    assert loss_diff <= 1e-6
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "bert", "cnn"])
+def test_five_steps_through_shared_memory_equal_unsplit(arch: str, optimizer: str, trunk_server,
+                                                        monkeypatch) -> None:
+    from splitfed.channel import shared
+
+    monkeypatch.setattr(shared, "MIN_REGION_TENSOR_BYTES", 1)  # the tiny models' activations are small
+    if arch == "cnn":
+        model = tiny_cnn().train()
+        torch.manual_seed(3)
+        inputs, mask, labels = torch.randn(4, 1, 28, 28), None, torch.randint(0, 10, (4,))
+    else:
+        model = tiny_model(arch).train()
+        inputs, mask, labels = batch_for(arch, padded=True)
+    weight_diff, loss_diff = _train_pair(model, inputs, mask, labels, optimizer, trunk_server, shared_memory="on")
     assert weight_diff <= 1e-6
     assert loss_diff <= 1e-6
 

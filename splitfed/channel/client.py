@@ -27,6 +27,7 @@ from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel import split_channel_pb2_grpc as pb_grpc
 from splitfed.channel.lanes import Lane
 from splitfed.channel.limits import CLIENT_ID_KEY, ChannelLimits
+from splitfed.channel.shared import SharedLane
 from splitfed.channel.retry import RetryPolicy
 from splitfed.channel.wire import (
     assemble,
@@ -86,6 +87,11 @@ class TrunkClient:
             one lets calls in flight at once (micro-batches, :meth:`submit`) serialise on several
             cores of the server and the network stack.
         max_in_flight: calls :meth:`submit` runs at once.
+        shared_memory: ``auto`` (default): when the server's address is loopback, large tensors cross the
+            cut through a shared-memory region the server creates for this client, falling back to the
+            socket when it cannot be mapped; ``on``: try whatever the address; ``off``: always the socket
+            (see :mod:`splitfed.channel.regions`).
+        shared_memory_bytes: size of that region.
     """
 
     def __init__(self, address: str, *, client_id: str | None = None, insecure: bool = False,
@@ -94,7 +100,8 @@ class TrunkClient:
                  retry: RetryPolicy = RetryPolicy(), compression: grpc.Compression | None = None,
                  options: Sequence[tuple[str, Any]] = (),
                  wire_compression: WireCompression | str | None = None,
-                 cut: tuple[int, int] | None = None, channels: int = 1, max_in_flight: int = 4) -> None:
+                 cut: tuple[int, int] | None = None, channels: int = 1, max_in_flight: int = 4,
+                 shared_memory: str = "auto", shared_memory_bytes: int = 64 << 20) -> None:
         tune_malloc()
         self.cut = (0, 0) if cut is None else (int(cut[0]), int(cut[1]))
         if credentials is None and not insecure:
@@ -134,9 +141,11 @@ class TrunkClient:
             self._metadata.append(("authorization", f"Bearer {token}"))
         self._reply_needs_stream = False
         self._lock = threading.Lock()
+        #: Payload bytes of the tensors sent and received (over the socket or shared memory).
         self.bytes_sent = 0
         self.bytes_received = 0
         self.calls = 0
+        self.shared = SharedLane(self, shared_memory, shared_memory_bytes)
 
     # -- plumbing ------------------------------------------------------------------
     def set_token(self, token: str | None) -> None:
@@ -206,16 +215,24 @@ class TrunkClient:
         return self._invoke("Leave", self._stub.Leave, pb.LeaveRequest()).group_size
 
     def forward(self, state: CutState, *, activation_id: str | None = None, train: bool = True,
-                num_examples: int | None = None, session_id: str = "") -> tuple[torch.Tensor, int]:
-        """Send a cut state; returns the trunk's output hidden state and the trunk version it saw."""
+                num_examples: int | None = None, session_id: str = "", owned: bool = False
+                ) -> tuple[torch.Tensor, int]:
+        """Send a cut state; returns the trunk's output hidden state and the trunk version it saw.
+
+        The output is in host memory; it may view the reply's read-only bytes unless ``owned`` (then it is
+        memory of its own, pinned when ``state`` is on a GPU and the bytes came through shared memory).
+        """
         activation_id = activation_id or uuid.uuid4().hex
         act = self.wire_compression.activations
-        encs = encode_state(state, self.wire_dtype, act)
         n = int(num_examples if num_examples is not None else state.hidden.shape[0])
         req = pb.ForwardRequest(activation_id=activation_id, train=train, reply_dtype=int(self.wire_dtype),
                                 num_examples=n, session_id=session_id, reply_compression=spec_to_proto(act),
                                 cut_start=self.cut[0], cut_end=self.cut[1])
-        sent, lane = payload_bytes(encs), self._lane()
+        lane = self._lane()
+        if not act.active and (shared := self.shared.forward(lane, req, state)) is not None:
+            return shared[1], shared[0].trunk_version
+        encs = encode_state(state, self.wire_dtype, act)
+        sent = payload_bytes(encs)
         if sent <= self.limits.stream_threshold_bytes and not self._reply_needs_stream:
             try:
                 parsed = self._invoke("Forward", lane.forward, fastwire.Parsed(req, encs))
@@ -225,17 +242,18 @@ class TrunkClient:
                     raise
                 self._reply_needs_stream = True  # the trunk's output outgrows its input
                 return self.forward(state, activation_id=activation_id, train=train, num_examples=n,
-                                    session_id=session_id)
+                                    session_id=session_id, owned=owned)
         else:
             asm = self._stream_call("ForwardStream", lane.forward_stream, pb.Frame(forward_request=req),
                                     "forward_request", encs, "forward_reply")
             reply, out = asm.header, asm.tensors
         hidden = decode_single(out, "hidden", self.tensor_limits)
         self._account(sent, payload_bytes(out))
-        return hidden, reply.trunk_version
+        return (hidden.clone() if owned else hidden), reply.trunk_version
 
     def backward(self, activation_id: str, grad: torch.Tensor, *, input_numel: int | None = None,
-                 step_id: str = "", step_parts: int = 0, feedback_key: str = "grad") -> BackwardReply:
+                 step_id: str = "", step_parts: int = 0, feedback_key: str = "grad",
+                 owned: bool = False) -> BackwardReply:
         """Send the gradient of the loss w.r.t. a forward's output; returns the gradient w.r.t. its input.
 
         ``input_numel`` (elements of the forward's input) sizes the reply: the
@@ -253,13 +271,17 @@ class TrunkClient:
         at once, with outcome ``UPDATE_OUTCOME_UNSPECIFIED``.
         """
         spec, token = self.wire_compression.gradients, None
+        req = pb.BackwardRequest(activation_id=activation_id, reply_dtype=int(self.wire_dtype),
+                                 reply_compression=spec_to_proto(spec), step_id=step_id, step_parts=step_parts)
+        if not spec.active and (shared := self.shared.backward(self._lane(), req, grad, input_numel)) is not None:
+            reply, grad_in = shared
+            return BackwardReply(grad_in, _OUTCOME_NAMES.get(reply.outcome, "UNKNOWN"), reply.trunk_version,
+                                 reply.staleness)
         if spec.active and grad.is_floating_point():
             packed, token = self.feedback.compress(feedback_key, grad, spec, torch_dtype(self.wire_dtype))
             encs = [encode_packed("grad", packed)]
         else:
             encs = [encode("grad", grad, self.wire_dtype)]
-        req = pb.BackwardRequest(activation_id=activation_id, reply_dtype=int(self.wire_dtype),
-                                 reply_compression=spec_to_proto(spec), step_id=step_id, step_parts=step_parts)
         sent, lane = payload_bytes(encs), self._lane()
         reply_bytes = 0 if input_numel is None else input_numel * torch_dtype(self.wire_dtype).itemsize
         if max(sent, reply_bytes) <= self.limits.stream_threshold_bytes:
@@ -270,6 +292,8 @@ class TrunkClient:
                                     "backward_request", encs, "backward_reply")
             reply, out = asm.header, asm.tensors
         grad_in = decode_single(out, "grad", self.tensor_limits)
+        if owned:
+            grad_in = grad_in.clone()
         if token is not None:
             self.feedback.commit(token)
         self._account(sent, payload_bytes(out))
@@ -307,7 +331,8 @@ class TrunkClient:
         return self._lanes[next(self._turn) % len(self._lanes)]
 
     def close(self) -> None:
-        """Close the underlying gRPC channels (and the call threads)."""
+        """Close the underlying gRPC channels (and the call threads, and the shared-memory region)."""
+        self.shared.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         for channel in self._channels:
@@ -320,32 +345,56 @@ class TrunkClient:
         self.close()
 
 
-def _owned(t: torch.Tensor, like: torch.Tensor, device: torch.device | None = None,
-           dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``t`` on ``like``'s device and dtype, in memory of its own (decoded tensors share read-only bytes)."""
-    out = t.to(device=device or like.device, dtype=dtype or like.dtype)
-    return out.clone() if out.data_ptr() == t.data_ptr() else out
+def _to(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` (host memory of its own) on ``device`` in ``dtype``: copied to a GPU first, cast there."""
+    if device.type == "cpu":
+        return t if t.dtype == dtype else t.to(dtype)
+    return t.to(device, non_blocking=t.is_pinned()).to(dtype)
 
 
 class _RemoteTrunkFunction(torch.autograd.Function):
-    """Forward: send the activation. Backward: send its gradient, return the input's gradient."""
+    """Forward: send the activation. Backward: send its gradient, return the input's gradient.
+
+    The output is in host memory (on a GPU client, :class:`_ToDevice` brings it to the device), so that autograd
+    runs this node's backward on the thread that called ``backward()``, not on a GPU's autograd worker thread:
+    a trunk served from the same process needs that worker for its own backward. The input may be on the
+    device: it is copied from there straight to where it travels (a shared-memory region, or the socket).
+    """
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, anchor: torch.Tensor, remote: RemoteTrunk,
                 state: CutState) -> torch.Tensor:
         activation_id = uuid.uuid4().hex
         out, version = remote.client.forward(state.with_hidden(hidden.detach()), activation_id=activation_id,
-                                             train=True, num_examples=remote._num_examples(state))
+                                             train=True, num_examples=remote._num_examples(state), owned=True)
         ctx.remote, ctx.activation_id = remote, activation_id
         ctx.in_dtype, ctx.device, ctx.in_numel = hidden.dtype, hidden.device, hidden.numel()
         remote.last_version = version
-        return _owned(out, hidden)
+        return out if hidden.device.type != "cpu" else _to(out, hidden.device, hidden.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
-        reply = ctx.remote.client.backward(ctx.activation_id, grad_out.contiguous(), input_numel=ctx.in_numel)
+        reply = ctx.remote.client.backward(ctx.activation_id, grad_out.contiguous(), input_numel=ctx.in_numel,
+                                           owned=True)
         ctx.remote._record(reply)
-        return _owned(reply.grad, grad_out, ctx.device, ctx.in_dtype), None, None, None
+        return _to(reply.grad, ctx.device, ctx.in_dtype), None, None, None
+
+
+class _ToDevice(torch.autograd.Function):
+    """Host -> device for the trunk's output; the backward brings the gradient back to (pinned) host memory in
+    the dtype the output arrived in (cast on the device: fewer bytes to copy)."""
+
+    @staticmethod
+    def forward(ctx: Any, host: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        ctx.host_dtype = host.dtype
+        return _to(host, device, dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        g = grad.detach().to(ctx.host_dtype)
+        out = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
+        out.copy_(g)
+        return out, None, None
 
 
 class RemoteTrunk(nn.Module):
@@ -387,13 +436,10 @@ class RemoteTrunk(nn.Module):
             # The anchor makes the output require grad even when the bottom is frozen,
             # so the trunk and top still train.
             anchor = torch.empty(0, requires_grad=True)
-            # The remote call happens on host tensors (they are encoded from host memory anyway), so that
-            # autograd runs this node's backward on the calling thread, not on a GPU's autograd worker
-            # thread: a trunk served from the same process needs that worker for its own backward.
-            device = state.hidden.device
-            hidden = state.hidden if device.type == "cpu" else state.hidden.to("cpu")
+            hidden = state.hidden
             out = _RemoteTrunkFunction.apply(hidden, anchor, self, state)
-            return state.with_hidden(out if device.type == "cpu" else out.to(device))
+            return state.with_hidden(out if hidden.device.type == "cpu" else
+                                     _ToDevice.apply(out, hidden.device, hidden.dtype))
         out, version = self.client.forward(state.with_hidden(state.hidden.detach()), train=False)
         self.last_version = version
         return state.with_hidden(out.to(device=state.hidden.device, dtype=state.hidden.dtype))

@@ -26,7 +26,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from splitfed.channel import split_channel_pb2 as pb
-from splitfed.codec import Compressed, CompressionMethod, EncodedTensor, WireDType
+from splitfed.codec import Compressed, CompressionMethod, EncodedTensor, RegionRef, WireDType
 from splitfed.errors import CodecError
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
@@ -34,7 +34,7 @@ _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _TENSOR_FIELD = {pb.ForwardRequest: 3, pb.ForwardReply: 2, pb.BackwardRequest: 2, pb.BackwardReply: 2}
 _FRAME_CHUNK = 5
 _CHUNK_OFFSET, _CHUNK_DATA = 1, 2
-_T_NAME, _T_DTYPE, _T_SHAPE, _T_DATA, _T_COMPRESSED = 1, 2, 3, 4, 5
+_T_NAME, _T_DTYPE, _T_SHAPE, _T_DATA, _T_COMPRESSED, _T_REGION = 1, 2, 3, 4, 5, 6
 _C_METHOD, _C_DTYPE, _C_BLOCK, _C_COUNT, _C_SCALES, _C_INDICES = 1, 2, 3, 4, 5, 6
 
 
@@ -123,6 +123,7 @@ def _parse_compressed(buf: memoryview, pos: int, end: int) -> Compressed:
 def _parse_tensor(buf: memoryview, pos: int, end: int) -> EncodedTensor:
     name, dtype, shape, data = "", 0, [], buf[pos:pos]
     compressed: Compressed | None = None
+    region: RegionRef | None = None
     while pos < end:
         key, pos = _read_varint(buf, pos, end)
         field, wire_type = key >> 3, key & 7
@@ -152,7 +153,26 @@ def _parse_tensor(buf: memoryview, pos: int, end: int) -> EncodedTensor:
             data = buf[start:pos]
         elif field == _T_COMPRESSED and start >= 0:
             compressed = _parse_compressed(buf, start, pos)
-    return EncodedTensor(name, _enum(dtype, WireDType), tuple(shape), data, compressed)
+        elif field == _T_REGION and start >= 0:
+            region = region_ref(_parse_message(pb.RegionSlice, buf[start:pos]))
+    return EncodedTensor(name, _enum(dtype, WireDType), tuple(shape), data, compressed, region)
+
+
+def _parse_message(kind: type, data: memoryview) -> Any:
+    try:
+        return kind.FromString(bytes(data))
+    except Exception as exc:
+        raise CodecError(f"malformed {kind.__name__}: {exc}") from None
+
+
+def region_ref(msg: pb.RegionSlice) -> RegionRef:
+    """A :class:`RegionRef` from its message."""
+    return RegionRef(msg.region, int(msg.offset), int(msg.nbytes))
+
+
+def region_slice(ref: RegionRef) -> pb.RegionSlice:
+    """The ``RegionSlice`` message of ``ref``."""
+    return pb.RegionSlice(region=ref.region, offset=ref.offset, nbytes=ref.nbytes)
 
 
 @dataclass
@@ -191,9 +211,12 @@ def serialize(header: Message, tensors: Sequence[EncodedTensor]) -> bytes:
         meta = pb.Tensor(name=enc.name, dtype=int(enc.dtype), shape=list(enc.shape)).SerializeToString()
         data = memoryview(enc.data).cast("B") if not isinstance(enc.data, bytes) else enc.data
         size = _varint(len(data))
-        inner: list[Any] = [meta, data_key, size, data]
+        inner: list[Any] = [meta, data_key, size, data] if len(data) else [meta]
         if enc.compressed is not None:
             inner += _compressed_parts(enc.compressed)
+        if enc.region is not None:
+            ref = region_slice(enc.region).SerializeToString()
+            inner += [_key(_T_REGION, _LEN), _varint(len(ref)), ref]
         parts += [_key(field, _LEN), _varint(sum(len(p) for p in inner)), *inner]
     return b"".join(parts)
 

@@ -24,8 +24,10 @@ from splitfed.errors import (
     ConfigError,
     DuplicateActivationError,
     PermissionDeniedError,
+    RegionNotFoundError,
     ResourceExhaustedError,
     SessionNotFoundError,
+    SharedMemoryUnavailableError,
     SplitError,
     TrunkBusyError,
     TrunkStepError,
@@ -36,6 +38,8 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (ActivationNotFoundError, grpc.StatusCode.NOT_FOUND),
     (SessionNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (RegionNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (SharedMemoryUnavailableError, grpc.StatusCode.FAILED_PRECONDITION),
     (DuplicateActivationError, grpc.StatusCode.ALREADY_EXISTS),
     (ActivationStateError, grpc.StatusCode.FAILED_PRECONDITION),
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -91,7 +95,8 @@ def method_handlers(servicer: Any) -> grpc.GenericRpcHandler:
     (gRPC's generated registration would answer INTERNAL).
     """
     plain = {"Info": pb.InfoRequest, "Join": pb.JoinRequest, "Leave": pb.LeaveRequest,
-             "OpenSession": pb.OpenSessionRequest, "CloseSession": pb.CloseSessionRequest}
+             "OpenSession": pb.OpenSessionRequest, "CloseSession": pb.CloseSessionRequest,
+             "OpenRegion": pb.OpenRegionRequest, "CloseRegion": pb.CloseRegionRequest}
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for name, request in plain.items():
         reply = getattr(pb, request.__name__.replace("Request", "Reply"))

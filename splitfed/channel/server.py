@@ -23,6 +23,8 @@ from grpc_reflection.v1alpha import reflection
 from torch import nn
 
 from splitfed.channel.handlers import method_handlers, status_for
+from splitfed.channel.regions import RegionTable
+from splitfed.channel.regions import available as regions_available
 from splitfed.channel.limits import (
     CLIENT_ID_KEY,
     RETRY_KEYS,
@@ -68,6 +70,9 @@ class TrunkServer:
         interceptors: ``grpc.aio.ServerInterceptor`` instances.
         sessions: serves inference sessions (default: a :class:`SessionManager` with
             ``session_limits`` for trunks that can hold a KV cache).
+        shared_memory_bytes: bytes of shared memory each client on this host may map for its tensors
+            (:mod:`splitfed.channel.regions`; 0: none, every tensor travels over the socket).
+        shared_memory_total_bytes: bytes of shared memory all clients may map together.
     """
 
     def __init__(self, trunk: nn.Module | TrunkRuntime, *, host: str = "127.0.0.1", port: int = 0,
@@ -81,7 +86,8 @@ class TrunkServer:
                  authenticate: Callable[[dict[str, str]], str] | None = None, sessions: Any = None,
                  interceptors: list[Any] | None = None,
                  session_limits: SessionLimits = SessionLimits(), metrics_port: int | None = None,
-                 metrics_host: str = "127.0.0.1") -> None:
+                 metrics_host: str = "127.0.0.1", shared_memory_bytes: int = 256 << 20,
+                 shared_memory_total_bytes: int = 4 << 30) -> None:
         tune_malloc()
         if credentials is None and not insecure:
             raise ConfigError("the trunk server needs TLS credentials, or insecure=True to serve plaintext "
@@ -109,6 +115,9 @@ class TrunkServer:
                                         on_sweep=None if sessions is None else sessions.sweep)
         self.servicer = SplitChannelServicer(self.runtime, self.scheduler, limits, model_name=model_name, cuts=cuts,
                                              authenticate=authenticate, sessions=sessions)
+        if shared_memory_bytes > 0 and shared_memory_total_bytes > 0 and regions_available():
+            self.servicer.regions = RegionTable(shared_memory_bytes, shared_memory_total_bytes,
+                                                pin=self.runtime.device.type == "cuda")
         self._interceptors = list(interceptors or [])
         self._max_concurrent_rpcs = max_concurrent_rpcs
         self.metrics: Any = None
@@ -190,6 +199,8 @@ class TrunkServer:
         finally:
             self.scheduler.stop()
             self._shutdown_loop()
+            if self.servicer.regions is not None:
+                self.servicer.regions.close_all()
             if self.metrics is not None:
                 self.metrics.stop()
             self._stopped.set()

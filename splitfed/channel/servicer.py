@@ -19,9 +19,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+import torch
 
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
+from splitfed.channel.regions import RegionTable, host_copy
 from splitfed.channel.handlers import (
     Malformed,
     check_parsed,
@@ -38,11 +40,12 @@ from splitfed.channel.wire import (
     payload_bytes,
     reply_spec,
 )
-from splitfed.codec import TensorLimits, WireDType, torch_dtype
+from splitfed.codec import EncodedTensor, RegionRef, TensorLimits, WireDType, declared_nbytes, torch_dtype
 from splitfed.errors import (
     CodecError,
     ResourceExhaustedError,
     SessionNotFoundError,
+    SharedMemoryUnavailableError,
     SplitFedError,
 )
 from splitfed.split.base import part_range, with_client_cut
@@ -94,6 +97,8 @@ class SplitChannelServicer:
         self.sessions = sessions
         self.metrics: Any = None  # TrunkMetrics when the server exports metrics
         self.replies = ReplyCompression()  # reply compression and its error feedback per client
+        #: Shared-memory regions of clients on this host (None: tensors travel over the socket only).
+        self.regions: RegionTable | None = None
 
     # -- helpers ---------------------------------------------------------------
     def _identity(self, context: Any) -> tuple[str, bool]:
@@ -142,6 +147,60 @@ class SplitChannelServicer:
         if self.metrics is not None:
             self.metrics.tensors(direction, encs)
 
+    # -- shared memory -------------------------------------------------------------
+    def _table(self) -> RegionTable:
+        if self.regions is None:
+            raise SharedMemoryUnavailableError("this trunk server offers no shared memory; send tensor bytes "
+                                               "in the message")
+        return self.regions
+
+    def _resolve(self, client: str, tensors: list[EncodedTensor]) -> list[EncodedTensor]:
+        """The request's tensors with the bytes of those in ``client``'s region copied into memory of the server's
+        own, before anything checks them (the client may write its region at any time)."""
+        if all(enc.region is None for enc in tensors):
+            return tensors
+        table, out = self._table(), []
+        for enc in tensors:
+            ref = enc.region
+            if ref is None:
+                out.append(enc)
+                continue
+            if enc.compressed is not None or len(enc.data):
+                raise CodecError(f"tensor {enc.name!r} names a region and also carries bytes or compression; a "
+                                 "tensor in a region travels raw and only there")
+            need = declared_nbytes(enc.dtype, enc.shape)
+            if ref.nbytes != need:
+                raise CodecError(f"tensor {enc.name!r} of shape {list(enc.shape)} needs {need} bytes but names a "
+                                 f"slice of {ref.nbytes}")
+            if need > self.tensor_limits.max_bytes:
+                raise ResourceExhaustedError(f"tensor {enc.name!r} declares {need} bytes, above the limit of "
+                                             f"{self.tensor_limits.max_bytes}")
+            own = host_copy(table.slice(client, ref), pinned=table.pin)
+            out.append(EncodedTensor(enc.name, enc.dtype, enc.shape, memoryview(own.numpy())))
+        return out
+
+    def _reply_slot(self, client: str, request: Any) -> RegionRef | None:
+        """The slice a request offers for its reply, checked before the request touches the trunk."""
+        if not request.HasField("reply_region"):
+            return None
+        ref = fastwire.region_ref(request.reply_region)
+        self._table().slice(client, ref)
+        return ref
+
+    def _placed(self, client: str, slot: RegionRef | None, encs: list[EncodedTensor]) -> list[EncodedTensor]:
+        """The reply's tensor written into the slice the request offered, when it is raw and fits there."""
+        if slot is None or len(encs) != 1 or encs[0].compressed is not None or len(encs[0].data) > slot.nbytes:
+            return encs
+        enc = encs[0]
+        ref = RegionRef(slot.region, slot.offset, len(enc.data))
+        try:
+            dst = self._table().slice(client, ref)
+        except SplitFedError:  # closed meanwhile (the client left): the bytes travel in the reply
+            return encs
+        if ref.nbytes:
+            dst.copy_(torch.frombuffer(enc.data, dtype=torch.uint8))
+        return [EncodedTensor(enc.name, enc.dtype, enc.shape, b"", None, ref)]
+
     # -- the work ----------------------------------------------------------------
     async def _forward(self, identity: tuple[str, bool], req: pb.ForwardRequest, tensors: list, unary: bool
                        ) -> tuple[pb.ForwardReply, list]:
@@ -149,9 +208,11 @@ class SplitChannelServicer:
         if not req.activation_id:
             raise CodecError("activation_id is empty; send a unique id per forward")
         spec = reply_spec(req)
+        slot = self._reply_slot(client, req)
+        self._count("received", tensors)
+        tensors = self._resolve(client, tensors)
         state = with_client_cut(decode_state(tensors, self.tensor_limits), req.cut_start, req.cut_end,
                                 self.cuts or part_range(self.runtime.trunk), session=bool(req.session_id))
-        self._count("received", tensors)
         small = state.hidden.numel() <= INLINE_MAX_ELEMENTS
         if req.session_id:
             if self.sessions is None:
@@ -177,6 +238,7 @@ class SplitChannelServicer:
                 raise
         reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
         encs = [self.replies.encode(client, req.activation_id, "hidden", out, reply_dtype, spec, feedback=False)]
+        encs = self._placed(client, slot, encs)
         if unary and payload_bytes(encs) > self.limits.stream_threshold_bytes:
             if req.train and not req.session_id:
                 runtime = self.runtime
@@ -186,9 +248,12 @@ class SplitChannelServicer:
         self._count("sent", encs)
         return pb.ForwardReply(activation_id=req.activation_id, trunk_version=version), encs
 
-    def _reply_check(self, reply_dtype: WireDType | None, unary: bool) -> Callable[[tuple[int, ...]], None]:
+    def _reply_check(self, reply_dtype: WireDType | None, unary: bool, slot: RegionRef | None = None
+                     ) -> Callable[[tuple[int, ...]], None]:
         itemsize = torch_dtype(reply_dtype).itemsize if reply_dtype else self.runtime.dtype.itemsize
         limit = self.limits.stream_threshold_bytes if unary else self.limits.max_tensor_bytes
+        if slot is not None:  # a reply that fits the offered slice travels there
+            limit = max(limit, min(slot.nbytes, self.limits.max_tensor_bytes))
 
         def check(shape: tuple[int, ...]) -> None:
             nbytes = itemsize
@@ -206,10 +271,11 @@ class SplitChannelServicer:
         runtime = self.runtime
         try:
             spec = reply_spec(req)
-            grad = decode_single(tensors, "grad", self.tensor_limits)
+            slot = self._reply_slot(client, req)
             self._count("received", tensors)
+            grad = decode_single(self._resolve(client, tensors), "grad", self.tensor_limits)
             reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
-            check = self._reply_check(reply_dtype, unary)
+            check = self._reply_check(reply_dtype, unary, slot)
             step = StepPart.of(req.step_id, req.step_parts)
             pending = await self._on_device(lambda: runtime.start_backward(client, req.activation_id, grad,
                                                                            retry=retry, reply_check=check, step=step))
@@ -218,7 +284,8 @@ class SplitChannelServicer:
             raise
         grad_in = await asyncio.wrap_future(pending.grad_in)  # a batch's backward may wait for its members
         result = await asyncio.wrap_future(pending.result)  # the sync barrier or quorum: no thread held
-        encs = [self.replies.encode(client, req.activation_id, "grad", grad_in, reply_dtype, spec)]
+        encs = self._placed(client, slot, [self.replies.encode(client, req.activation_id, "grad", grad_in,
+                                                                reply_dtype, spec)])
         self._count("sent", encs)
         reply = pb.BackwardReply(activation_id=req.activation_id, trunk_version=result.version,
                                  outcome=_OUTCOME[result.outcome], staleness=result.staleness)
@@ -324,4 +391,19 @@ class SplitChannelServicer:
             sessions = self.sessions
             await self._on_device(lambda: sessions.close(client, request.session_id))
             return pb.CloseSessionReply()
+        return await self._call(context, run, request)
+
+    async def OpenRegion(self, request: pb.OpenRegionRequest, context: Any) -> pb.OpenRegionReply:
+        async def run() -> pb.OpenRegionReply:
+            client, _ = self._identity(context)
+            table = self._table()
+            region = await asyncio.get_running_loop().run_in_executor(None, table.open, client, request.nbytes)
+            return pb.OpenRegionReply(region=region.name, path=str(region.path), nbytes=region.nbytes)
+        return await self._call(context, run, request)
+
+    async def CloseRegion(self, request: pb.CloseRegionRequest, context: Any) -> pb.CloseRegionReply:
+        async def run() -> pb.CloseRegionReply:
+            client, _ = self._identity(context)
+            self._table().close(client, request.region)
+            return pb.CloseRegionReply()
         return await self._call(context, run, request)

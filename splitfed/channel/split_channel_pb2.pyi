@@ -80,22 +80,34 @@ class CompressionSpec(_message.Message):
     error_feedback: bool
     def __init__(self, method: _Optional[_Union[CompressionMethod, str]] = ..., topk_ratio: _Optional[float] = ..., block_size: _Optional[int] = ..., error_feedback: _Optional[bool] = ...) -> None: ...
 
+class RegionSlice(_message.Message):
+    __slots__ = ("region", "offset", "nbytes")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    offset: int
+    nbytes: int
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
 class Tensor(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "data", "compressed")
+    __slots__ = ("name", "dtype", "shape", "data", "compressed", "region")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     COMPRESSED_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     compressed: Compressed
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., compressed: _Optional[_Union[Compressed, _Mapping]] = ...) -> None: ...
+    region: RegionSlice
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., compressed: _Optional[_Union[Compressed, _Mapping]] = ..., region: _Optional[_Union[RegionSlice, _Mapping]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("activation_id", "train", "tensors", "reply_dtype", "num_examples", "session_id", "reply_compression", "cut_start", "cut_end")
+    __slots__ = ("activation_id", "train", "tensors", "reply_dtype", "num_examples", "session_id", "reply_compression", "cut_start", "cut_end", "reply_region")
     ACTIVATION_ID_FIELD_NUMBER: _ClassVar[int]
     TRAIN_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +117,7 @@ class ForwardRequest(_message.Message):
     REPLY_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     CUT_START_FIELD_NUMBER: _ClassVar[int]
     CUT_END_FIELD_NUMBER: _ClassVar[int]
+    REPLY_REGION_FIELD_NUMBER: _ClassVar[int]
     activation_id: str
     train: bool
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
@@ -114,7 +127,8 @@ class ForwardRequest(_message.Message):
     reply_compression: CompressionSpec
     cut_start: int
     cut_end: int
-    def __init__(self, activation_id: _Optional[str] = ..., train: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., num_examples: _Optional[int] = ..., session_id: _Optional[str] = ..., reply_compression: _Optional[_Union[CompressionSpec, _Mapping]] = ..., cut_start: _Optional[int] = ..., cut_end: _Optional[int] = ...) -> None: ...
+    reply_region: RegionSlice
+    def __init__(self, activation_id: _Optional[str] = ..., train: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., num_examples: _Optional[int] = ..., session_id: _Optional[str] = ..., reply_compression: _Optional[_Union[CompressionSpec, _Mapping]] = ..., cut_start: _Optional[int] = ..., cut_end: _Optional[int] = ..., reply_region: _Optional[_Union[RegionSlice, _Mapping]] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("activation_id", "tensors", "trunk_version")
@@ -127,20 +141,22 @@ class ForwardReply(_message.Message):
     def __init__(self, activation_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., trunk_version: _Optional[int] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
-    __slots__ = ("activation_id", "tensors", "reply_dtype", "reply_compression", "step_id", "step_parts")
+    __slots__ = ("activation_id", "tensors", "reply_dtype", "reply_compression", "step_id", "step_parts", "reply_region")
     ACTIVATION_ID_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     REPLY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     REPLY_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_PARTS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_REGION_FIELD_NUMBER: _ClassVar[int]
     activation_id: str
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     reply_dtype: DType
     reply_compression: CompressionSpec
     step_id: str
     step_parts: int
-    def __init__(self, activation_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., reply_compression: _Optional[_Union[CompressionSpec, _Mapping]] = ..., step_id: _Optional[str] = ..., step_parts: _Optional[int] = ...) -> None: ...
+    reply_region: RegionSlice
+    def __init__(self, activation_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., reply_compression: _Optional[_Union[CompressionSpec, _Mapping]] = ..., step_id: _Optional[str] = ..., step_parts: _Optional[int] = ..., reply_region: _Optional[_Union[RegionSlice, _Mapping]] = ...) -> None: ...
 
 class BackwardReply(_message.Message):
     __slots__ = ("activation_id", "tensors", "trunk_version", "outcome", "staleness")
@@ -247,5 +263,31 @@ class CloseSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class CloseSessionReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OpenRegionRequest(_message.Message):
+    __slots__ = ("nbytes",)
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    nbytes: int
+    def __init__(self, nbytes: _Optional[int] = ...) -> None: ...
+
+class OpenRegionReply(_message.Message):
+    __slots__ = ("region", "path", "nbytes")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    path: str
+    nbytes: int
+    def __init__(self, region: _Optional[str] = ..., path: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class CloseRegionRequest(_message.Message):
+    __slots__ = ("region",)
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    def __init__(self, region: _Optional[str] = ...) -> None: ...
+
+class CloseRegionReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

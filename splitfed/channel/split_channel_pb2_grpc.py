@@ -79,6 +79,16 @@ class SplitChannelStub:
                 request_serializer=splitfed_dot_channel_dot_split__channel__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=splitfed_dot_channel_dot_split__channel__pb2.CloseSessionReply.FromString,
                 _registered_method=True)
+        self.OpenRegion = channel.unary_unary(
+                '/splitfed.v1.SplitChannel/OpenRegion',
+                request_serializer=splitfed_dot_channel_dot_split__channel__pb2.OpenRegionRequest.SerializeToString,
+                response_deserializer=splitfed_dot_channel_dot_split__channel__pb2.OpenRegionReply.FromString,
+                _registered_method=True)
+        self.CloseRegion = channel.unary_unary(
+                '/splitfed.v1.SplitChannel/CloseRegion',
+                request_serializer=splitfed_dot_channel_dot_split__channel__pb2.CloseRegionRequest.SerializeToString,
+                response_deserializer=splitfed_dot_channel_dot_split__channel__pb2.CloseRegionReply.FromString,
+                _registered_method=True)
 
 
 class SplitChannelServicer:
@@ -138,6 +148,18 @@ class SplitChannelServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenRegion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseRegion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SplitChannelServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +207,16 @@ def add_SplitChannelServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=splitfed_dot_channel_dot_split__channel__pb2.CloseSessionRequest.FromString,
                     response_serializer=splitfed_dot_channel_dot_split__channel__pb2.CloseSessionReply.SerializeToString,
+            ),
+            'OpenRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenRegion,
+                    request_deserializer=splitfed_dot_channel_dot_split__channel__pb2.OpenRegionRequest.FromString,
+                    response_serializer=splitfed_dot_channel_dot_split__channel__pb2.OpenRegionReply.SerializeToString,
+            ),
+            'CloseRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseRegion,
+                    request_deserializer=splitfed_dot_channel_dot_split__channel__pb2.CloseRegionRequest.FromString,
+                    response_serializer=splitfed_dot_channel_dot_split__channel__pb2.CloseRegionReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +462,60 @@ class SplitChannel:
             '/splitfed.v1.SplitChannel/CloseSession',
             splitfed_dot_channel_dot_split__channel__pb2.CloseSessionRequest.SerializeToString,
             splitfed_dot_channel_dot_split__channel__pb2.CloseSessionReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitfed.v1.SplitChannel/OpenRegion',
+            splitfed_dot_channel_dot_split__channel__pb2.OpenRegionRequest.SerializeToString,
+            splitfed_dot_channel_dot_split__channel__pb2.OpenRegionReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitfed.v1.SplitChannel/CloseRegion',
+            splitfed_dot_channel_dot_split__channel__pb2.CloseRegionRequest.SerializeToString,
+            splitfed_dot_channel_dot_split__channel__pb2.CloseRegionReply.FromString,
             options,
             channel_credentials,
             insecure,

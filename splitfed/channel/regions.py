@@ -1,0 +1,363 @@
+"""Shared-memory regions: what crosses the cut skips the socket when client and trunk share a host.
+
+The trunk server creates a region per client on request (:class:`RegionTable`):
+a file under ``/dev/shm`` with a random name, opened ``O_EXCL`` and readable
+only by the server's user. The client maps it (:class:`ClientRegion`); being
+able to is the proof that both run on one host as one user. From then on a
+Forward or Backward carries, instead of a tensor's bytes, a
+:class:`~splitfed.codec.RegionRef` (offset and length in the client's region)
+and names a slice where the server may write its reply. The gRPC call still
+carries every request, so ordering, retries, deadlines, auth and errors stay
+the channel's.
+
+Safety: the server only reads and writes regions it created, each bound to the
+client that asked for it (another client's region is PERMISSION_DENIED), checks
+every slice against the region's bounds, and copies a request's bytes into
+memory of its own *before* checking them (NaN/Inf, shapes), so a client writing
+into its region during a call cannot change what was checked. The client never
+reuses a slice of a call that failed: a reply may still land there, so the
+region is dropped and a new one opened.
+
+On a CUDA device both sides register their mapping with CUDA
+(``cudaHostRegister``), so device <-> region copies run at pinned-memory speed.
+Pure torch and the standard library; knows nothing of gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from splitfed.codec import RegionRef
+from splitfed.errors import (
+    CodecError,
+    PermissionDeniedError,
+    RegionNotFoundError,
+    ResourceExhaustedError,
+    SharedMemoryUnavailableError,
+)
+
+log = logging.getLogger(__name__)
+
+#: Where regions live (a tmpfs on Linux).
+SHM_DIR = Path("/dev/shm")
+_NAME = re.compile(r"^splitfed-[0-9a-f]{32}$")
+#: Slices start on this boundary (any dtype can view them, copies stay aligned).
+ALIGN = 256
+#: Tensors smaller than this travel inline: a slice costs more than their bytes.
+MIN_REGION_TENSOR_BYTES = 64 << 10
+
+
+def available() -> bool:
+    """Whether this host can create shared-memory regions."""
+    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+
+
+class SharedRegion:
+    """One mapping of a region's file; :attr:`bytes` is a uint8 tensor over all of it."""
+
+    def __init__(self, name: str, path: Path, mapping: mmap.mmap, nbytes: int, owner: bool) -> None:
+        self.name = name
+        self.path = path
+        self.nbytes = nbytes
+        self.owner = owner
+        self._map = mapping
+        self.bytes = torch.frombuffer(mapping, dtype=torch.uint8)
+        self._registered = False
+        self._lock = threading.Lock()
+        #: When a slice of it was last used (``time.monotonic``).
+        self.used = time.monotonic()
+
+    @classmethod
+    def create(cls, nbytes: int) -> SharedRegion:
+        """A new region of ``nbytes`` (the server's side)."""
+        if not available():
+            raise SharedMemoryUnavailableError(f"{SHM_DIR} is not writable here; tensors travel over the socket")
+        name = f"splitfed-{secrets.token_hex(16)}"
+        path = SHM_DIR / name
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            mapping = mmap.mmap(fd, nbytes)
+        except OSError as exc:
+            path.unlink(missing_ok=True)
+            raise ResourceExhaustedError(f"could not create a shared-memory region of {nbytes} bytes: {exc}") from None
+        finally:
+            os.close(fd)
+        return cls(name, path, mapping, nbytes, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, nbytes: int) -> SharedRegion:
+        """Map the region a server created (the client's side); raises :class:`SharedMemoryUnavailableError`
+        when it cannot be opened (the server is on another host, or runs as another user)."""
+        if not _NAME.match(name):
+            raise SharedMemoryUnavailableError(f"the server named a region {name!r} that is not a splitfed region")
+        path = SHM_DIR / name
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise SharedMemoryUnavailableError(f"cannot open region {path} ({exc.strerror}): the trunk server runs "
+                                               "on another host or as another user") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != nbytes:
+                raise SharedMemoryUnavailableError(f"region {name} has {size} bytes, the server said {nbytes}")
+            mapping = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        return cls(name, path, mapping, nbytes, owner=False)
+
+    def pin(self) -> bool:
+        """Register the mapping with CUDA (once), so copies to and from a GPU run at pinned speed."""
+        with self._lock:
+            if self._registered or not torch.cuda.is_available():
+                return self._registered
+            err = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.nbytes, 0)
+            self._registered = int(err) == 0
+            if not self._registered:
+                log.info("cudaHostRegister of region %s failed (%s); copies run at pageable speed", self.name, err)
+            return self._registered
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """Bytes ``[offset, offset + nbytes)``; raises :class:`CodecError` past the region's end."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
+            raise CodecError(f"slice [{offset}, {offset + nbytes}) lies outside region {self.name} of "
+                             f"{self.nbytes} bytes")
+        self.used = time.monotonic()
+        return self.bytes[offset:offset + nbytes]
+
+    def close(self) -> None:
+        """Unmap (and, on the side that created it, delete the file)."""
+        with self._lock:
+            if self._registered:
+                torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
+                self._registered = False
+        self.bytes = torch.empty(0, dtype=torch.uint8)
+        try:
+            self._map.close()
+        except BufferError:  # a tensor still views it: the mapping goes with the last view
+            pass
+        if self.owner:
+            self.path.unlink(missing_ok=True)
+
+
+def host_copy(src: torch.Tensor, pinned: bool) -> torch.Tensor:
+    """``src`` (uint8 bytes) copied into host memory of its own; pinned (for a fast copy to a GPU) when asked."""
+    out = torch.empty(src.shape, dtype=torch.uint8, pin_memory=pinned)
+    out.copy_(src)
+    return out
+
+
+class RegionTable:
+    """The server's regions, each bound to the client that opened it.
+
+    Args:
+        max_client_bytes: bytes of regions one client may hold; a larger request gets this much, and a
+            client's new region closes its oldest ones to stay within it.
+        max_total_bytes: bytes of regions all clients may hold together (0: regions are off).
+        pin: register regions with CUDA (a trunk on a GPU).
+        idle_s: a region no call used for this long is closed when another is opened (its client is gone).
+    """
+
+    def __init__(self, max_client_bytes: int = 256 << 20, max_total_bytes: int = 4 << 30, pin: bool = False,
+                 idle_s: float = 600.0) -> None:
+        self.max_client_bytes = max_client_bytes
+        self.max_total_bytes = max_total_bytes
+        self.pin = pin
+        self.idle_s = idle_s
+        self._regions: OrderedDict[str, tuple[str, SharedRegion]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the server offers regions at all."""
+        return self.max_total_bytes > 0 and self.max_client_bytes > 0 and available()
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all open regions."""
+        with self._lock:
+            return sum(r.nbytes for _, r in self._regions.values())
+
+    def open(self, client: str, nbytes: int) -> SharedRegion:
+        """A new region of at most ``nbytes`` for ``client``."""
+        if not self.enabled:
+            raise SharedMemoryUnavailableError("this trunk server offers no shared memory (trunk-shared-memory-mib "
+                                               "= 0, or no /dev/shm); tensors travel over the socket")
+        nbytes = min(max(int(nbytes), ALIGN), self.max_client_bytes)
+        nbytes = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        with self._lock:
+            now = time.monotonic()
+            for name in [n for n, (_, r) in self._regions.items() if now - r.used > self.idle_s]:
+                self._regions.pop(name)[1].close()
+            own = [(name, r) for name, (owner, r) in self._regions.items() if owner == client]
+            held = sum(r.nbytes for _, r in own)
+            while own and held + nbytes > self.max_client_bytes:
+                name, region = own.pop(0)
+                held -= region.nbytes
+                del self._regions[name]
+                region.close()
+            total = sum(r.nbytes for _, r in self._regions.values())
+            if total + nbytes > self.max_total_bytes:
+                raise ResourceExhaustedError(f"shared-memory regions hold {total} bytes; {nbytes} more would pass "
+                                             f"the server's limit of {self.max_total_bytes}")
+            region = SharedRegion.create(nbytes)
+            self._regions[region.name] = (client, region)
+        if self.pin:
+            region.pin()
+        log.debug("opened region %s (%d bytes) for %s", region.name, nbytes, client)
+        return region
+
+    def region(self, client: str, name: str) -> SharedRegion:
+        """``client``'s region ``name``; NOT_FOUND for an unknown one, PERMISSION_DENIED for another client's."""
+        with self._lock:
+            entry = self._regions.get(name)
+        if entry is None:
+            raise RegionNotFoundError(f"region {name!r} is not open on this server (closed when its client left "
+                                      "or the server restarted); open a new one")
+        owner, region = entry
+        if owner != client:
+            raise PermissionDeniedError(f"region {name!r} belongs to another client")
+        return region
+
+    def slice(self, client: str, ref: RegionRef) -> torch.Tensor:
+        """The bytes ``ref`` names in ``client``'s region (checked)."""
+        return self.region(client, ref.region).view(ref.offset, ref.nbytes)
+
+    def close(self, client: str, name: str) -> None:
+        """Close one of ``client``'s regions (nothing when it is closed already)."""
+        with self._lock:
+            entry = self._regions.get(name)
+            if entry is None:
+                return
+            if entry[0] != client:
+                raise PermissionDeniedError(f"region {name!r} belongs to another client")
+            del self._regions[name]
+        entry[1].close()
+
+    def drop_client(self, client: str) -> None:
+        """Close every region of ``client``."""
+        with self._lock:
+            names = [name for name, (owner, _) in self._regions.items() if owner == client]
+            closing = [self._regions.pop(name)[1] for name in names]
+        for region in closing:
+            region.close()
+
+    def close_all(self) -> None:
+        """Close every region (the server stops)."""
+        with self._lock:
+            closing = [r for _, r in self._regions.values()]
+            self._regions.clear()
+        for region in closing:
+            region.close()
+
+
+@dataclass
+class _Slices:
+    """A first-fit allocator of aligned slices in ``[0, size)``."""
+
+    size: int
+    free: list[tuple[int, int]] = field(default_factory=list)  # (offset, length), sorted by offset
+
+    def __post_init__(self) -> None:
+        self.free = [(0, self.size)]
+
+    def take(self, nbytes: int) -> int | None:
+        need = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        for i, (offset, length) in enumerate(self.free):
+            if length >= need:
+                if length == need:
+                    del self.free[i]
+                else:
+                    self.free[i] = (offset + need, length - need)
+                return offset
+        return None
+
+    def give(self, offset: int, nbytes: int) -> None:
+        need = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        self.free.append((offset, need))
+        self.free.sort()
+        merged: list[tuple[int, int]] = []
+        for off, length in self.free:
+            if merged and merged[-1][0] + merged[-1][1] == off:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((off, length))
+        self.free = merged
+
+
+@dataclass
+class Slice:
+    """A slice of a client's region, taken for one call."""
+
+    region: ClientRegion
+    offset: int
+    nbytes: int
+
+    @property
+    def ref(self) -> RegionRef:
+        """How a message names it."""
+        return RegionRef(self.region.name, self.offset, self.nbytes)
+
+    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The slice's first bytes viewed as a C-contiguous tensor of ``dtype`` and ``shape``."""
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        return self.region.mapping.view(self.offset, nbytes).view(dtype).view(shape)
+
+
+class ClientRegion:
+    """A client's mapping of its region, with the slices its calls in flight hold."""
+
+    def __init__(self, mapping: SharedRegion) -> None:
+        self.mapping = mapping
+        self.name = mapping.name
+        self._slices = _Slices(mapping.nbytes)
+        self._lock = threading.Lock()
+        self.broken = False
+
+    def take(self, nbytes: int) -> Slice | None:
+        """A slice of ``nbytes``, or None when the region has no room (the tensor then travels inline)."""
+        with self._lock:
+            if self.broken:
+                return None
+            offset = self._slices.take(nbytes)
+        return None if offset is None else Slice(self, offset, nbytes)
+
+    def give(self, piece: Slice) -> None:
+        """Return a slice once its call succeeded (a failed call's slices are never reused: see :meth:`poison`)."""
+        with self._lock:
+            self._slices.give(piece.offset, piece.nbytes)
+
+    def poison(self) -> None:
+        """Stop using this region: a call failed, and the server may still write into its slices."""
+        with self._lock:
+            self.broken = True
+
+    def reply(self, ref: RegionRef, given: Slice, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The reply tensor the server wrote into ``given``; raises :class:`CodecError` if ``ref`` lies elsewhere."""
+        need = dtype.itemsize
+        for d in shape:
+            need *= d
+        if ref.region != self.name or ref.offset != given.offset or ref.nbytes > given.nbytes or ref.nbytes != need:
+            raise CodecError(f"the server's reply names slice {ref} but was given {given.ref} for {need} bytes")
+        return given.tensor(dtype, shape)
+
+    def pin(self) -> bool:
+        """Register the mapping with CUDA (see :meth:`SharedRegion.pin`)."""
+        return self.mapping.pin()
+
+    def close(self) -> None:
+        """Unmap the region."""
+        self.mapping.close()

@@ -1,0 +1,196 @@
+"""Tensors through a shared-memory region when client and trunk share a host: bound to their client, checked,
+copied before use, and the socket takes over whenever the region cannot serve.
+
+Exactness of training through regions (every architecture, SGD and AdamW) is in test_train_equivalence.py; the
+bad requests naming regions are in test_channel.py's catalogue.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import stat
+
+import pytest
+import torch
+from torch import nn
+
+from splitfed.channel import shared
+from splitfed.channel.client import TrunkClient
+from splitfed.channel.limits import ChannelLimits
+from splitfed.channel.regions import RegionTable, SharedRegion
+from splitfed.codec import RegionRef
+from splitfed.errors import (
+    ChannelError,
+    CodecError,
+    PermissionDeniedError,
+    RegionNotFoundError,
+    ResourceExhaustedError,
+    SharedMemoryUnavailableError,
+)
+from splitfed.split import CutState
+from splitfed.split.sequential import split_sequential
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def small_tensors_too(monkeypatch) -> None:
+    monkeypatch.setattr(shared, "MIN_REGION_TENSOR_BYTES", 1)
+
+
+def _mlp(width_out: int = 16) -> tuple[nn.Module, nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    return split_sequential(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, width_out), nn.Linear(width_out, 4)), 1, 2)
+
+
+def test_region_table_binds_regions_to_their_client_and_bounds_them() -> None:
+    table = RegionTable(max_client_bytes=2 * MiB, max_total_bytes=3 * MiB, idle_s=60)
+    a = table.open("alice", MiB)
+    mode = stat.S_IMODE(os.stat(a.path).st_mode)
+    assert mode == 0o600  # only the server's user may map it
+    assert table.slice("alice", RegionRef(a.name, 0, 64)).numel() == 64
+    with pytest.raises(PermissionDeniedError):
+        table.slice("bob", RegionRef(a.name, 0, 64))
+    with pytest.raises(CodecError, match="outside region"):
+        table.slice("alice", RegionRef(a.name, MiB - 8, 64))
+    with pytest.raises(RegionNotFoundError):
+        table.slice("alice", RegionRef("splitfed-" + "0" * 32, 0, 1))
+    b = table.open("alice", MiB)
+    c = table.open("alice", MiB)  # over alice's 2 MiB: her oldest region is closed
+    assert not a.path.exists() and b.path.exists() and c.path.exists()
+    with pytest.raises(RegionNotFoundError):
+        table.slice("alice", RegionRef(a.name, 0, 1))
+    table.open("bob", MiB)
+    with pytest.raises(ResourceExhaustedError, match="limit"):
+        table.open("carol", MiB)  # 3 MiB held in all
+    table.close("alice", b.name)
+    table.close("alice", b.name)  # closing twice is a no-op
+    assert not b.path.exists()
+    big = table.open("alice", 64 * MiB)  # capped to alice's 2 MiB, closing her older region
+    assert big.nbytes == 2 * MiB and not c.path.exists()
+    table.close_all()
+    assert table.total_bytes == 0 and not c.path.exists()
+
+
+def test_idle_regions_are_closed_when_another_is_opened() -> None:
+    table = RegionTable(idle_s=0.0)
+    gone = table.open("alice", MiB)
+    table.open("bob", MiB)
+    assert not gone.path.exists()
+    table.close_all()
+
+
+def test_a_client_maps_only_splitfed_regions() -> None:
+    with pytest.raises(SharedMemoryUnavailableError, match="not a splitfed region"):
+        SharedRegion.attach("../../etc/passwd", 10)
+    with pytest.raises(SharedMemoryUnavailableError, match="another host"):
+        SharedRegion.attach("splitfed-" + "0" * 32, 10)
+
+
+def test_auto_uses_shared_memory_on_loopback_only() -> None:
+    assert TrunkClient("127.0.0.1:1", insecure=True).shared.mode == "on"
+    assert TrunkClient("[::1]:1", insecure=True).shared.mode == "on"
+    assert TrunkClient("10.1.2.3:1", insecure=True).shared.mode == "off"
+    assert TrunkClient("10.1.2.3:1", insecure=True, shared_memory="on").shared.mode == "on"
+    assert TrunkClient("127.0.0.1:1", insecure=True, shared_memory="off").shared.mode == "off"
+
+
+def _forward_backward(client: TrunkClient, x: torch.Tensor, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+    out, _ = client.forward(CutState(x), activation_id=act)
+    return out, client.backward(act, torch.ones_like(out)).grad
+
+
+def test_tensors_go_through_the_region_and_equal_the_socket(trunk_server) -> None:
+    _, trunk, _ = _mlp()
+    server, other = trunk_server(copy.deepcopy(trunk)), trunk_server(copy.deepcopy(trunk))
+    x = torch.randn(5, 16)
+    with TrunkClient(server.address, insecure=True, shared_memory="on") as a, \
+            TrunkClient(other.address, insecure=True, shared_memory="off") as b:
+        out_a, grad_a = _forward_backward(a, x, "a")
+        out_b, grad_b = _forward_backward(b, x, "b")
+        assert a.shared.calls == 2 and b.shared.calls == 0
+        assert a.bytes_sent == b.bytes_sent and a.bytes_received == b.bytes_received  # payload, either way
+    assert torch.equal(out_a, out_b) and torch.equal(grad_a, grad_b)
+    for p, q in zip(server.runtime.trunk.parameters(), other.runtime.trunk.parameters()):
+        assert torch.equal(p, q)
+    assert server.servicer.regions.total_bytes == 0  # closed with the client
+
+
+def test_no_shared_memory_on_the_server_means_the_socket(trunk_server) -> None:
+    _, trunk, _ = _mlp()
+    server = trunk_server(trunk, shared_memory_bytes=0)
+    with TrunkClient(server.address, insecure=True, shared_memory="on") as client:
+        _forward_backward(client, torch.randn(5, 16), "a")
+        assert client.shared.mode == "off" and client.shared.calls == 0
+
+
+def test_a_client_on_another_host_falls_back_and_the_server_closes_its_region(trunk_server, monkeypatch) -> None:
+    _, trunk, _ = _mlp()
+    server = trunk_server(trunk)
+
+    def elsewhere(name: str, nbytes: int) -> SharedRegion:
+        raise SharedMemoryUnavailableError("cannot open region: the trunk server runs on another host")
+
+    monkeypatch.setattr(shared.SharedRegion, "attach", staticmethod(elsewhere))
+    with TrunkClient(server.address, insecure=True, shared_memory="on") as client:
+        _forward_backward(client, torch.randn(5, 16), "a")
+        assert client.shared.mode == "off" and client.shared.calls == 0
+        assert server.servicer.regions.total_bytes == 0
+
+
+def test_a_failed_call_retires_its_region(trunk_server) -> None:
+    _, trunk, _ = _mlp()
+    server = trunk_server(trunk)
+    with TrunkClient(server.address, insecure=True, shared_memory="on") as client:
+        client.forward(CutState(torch.randn(5, 16)), activation_id="a")
+        first = client.shared.region
+        with pytest.raises(ChannelError) as info:  # a reply may still land in its slices: never reuse them
+            client.backward("never-forwarded", torch.ones(5, 16))
+        assert info.value.code == "NOT_FOUND"
+        assert first.broken
+        _forward_backward(client, torch.randn(5, 16), "b")
+        assert client.shared.region is not first and client.shared.region.name != first.name
+        assert client.shared.calls == 3
+
+
+def test_a_region_closed_on_the_server_is_replaced_without_failing_the_call(trunk_server) -> None:
+    _, trunk, _ = _mlp()
+    server = trunk_server(trunk)
+    with TrunkClient(server.address, insecure=True, shared_memory="on") as client:
+        _forward_backward(client, torch.randn(5, 16), "a")
+        first = client.shared.region.name
+        server.servicer.regions.close_all()  # as after a restart, or an idle sweep
+        _forward_backward(client, torch.randn(5, 16), "b")  # this Forward went over the socket
+        _forward_backward(client, torch.randn(5, 16), "c")  # and then through a new region again
+        assert client.shared.region.name != first
+        assert client.shared.calls == 5
+
+
+def test_a_reply_larger_than_the_request_gets_a_larger_slice(trunk_server) -> None:
+    _, trunk, _ = _mlp(width_out=4096)  # the trunk's output is 256x its input
+    server = trunk_server(trunk, limits=ChannelLimits(stream_threshold_bytes=64 << 10))
+    with TrunkClient(server.address, insecure=True, shared_memory="on") as client:
+        for i in range(2):
+            out, grad = _forward_backward(client, torch.randn(5, 16), f"a{i}")
+            assert out.shape == (5, 4096) and grad.shape == (5, 16)
+        assert client.shared.calls == 4  # the first Forward was sent again with room for its reply
+    assert server.runtime.version == 2
+
+
+def test_the_server_copies_a_request_before_using_it(trunk_server) -> None:
+    # Overwriting the region after the Forward (as a client might, at any time) does not change what the trunk
+    # saved for the Backward: the update equals one computed over the socket.
+    _, trunk, _ = _mlp()
+    via_region = trunk_server(copy.deepcopy(trunk), lr=0.1)
+    via_socket = trunk_server(copy.deepcopy(trunk), lr=0.1)
+    x = torch.randn(5, 16)
+    with TrunkClient(via_region.address, insecure=True, shared_memory="on") as a, \
+            TrunkClient(via_socket.address, insecure=True, shared_memory="off") as b:
+        out, _ = a.forward(CutState(x), activation_id="a")
+        a.shared.region.mapping.bytes.fill_(255)  # NaN everywhere in the region
+        a.shared.mode = "off"
+        a.backward("a", torch.ones_like(out))
+        _forward_backward(b, x, "b")
+    for p, q in zip(via_region.runtime.trunk.parameters(), via_socket.runtime.trunk.parameters()):
+        assert torch.equal(p, q)
