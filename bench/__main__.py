@@ -36,6 +36,9 @@ def main() -> int:
     parser.add_argument("--wire-compression", default="none", choices=("none", "int8", "topk"),
                         help="split_step: what crosses the cut (int8: activations and gradients; topk: int8 "
                              "activations, top-k gradients)")
+    parser.add_argument("--transports", nargs="*", default=["auto", "socket"], choices=("auto", "socket"),
+                        help="split_step: auto (shared memory, client and trunk on one host) and/or socket "
+                             "(loopback TCP; keys with _socket)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     tune_malloc()  # as the trunk server and client do; applies to both sides of every comparison
@@ -55,6 +58,8 @@ def main() -> int:
             kwargs["micro_batches"] = tuple(args.micro_batches)
         if "wire_compression" in fn.__code__.co_varnames:
             kwargs["wire_compression"] = args.wire_compression
+        if "transports" in fn.__code__.co_varnames:
+            kwargs["transports"] = tuple(args.transports)
         results.update(fn(**kwargs))
     if "split_step" in (args.only or list(SUITES)):
         results["split_step_config"] = " ".join(f"{k}={v}" for k, v in core.SPLIT_STEP.items())

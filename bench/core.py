@@ -119,7 +119,8 @@ def _wire(name: str) -> Any:
 
 
 def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple[int, ...] = (1,),
-                     wire_compression: str = "none") -> dict[str, float]:
+                     wire_compression: str = "none", transports: tuple[str, ...] = ("auto", "socket")
+                     ) -> dict[str, float]:
     """Split step over loopback / unsplit step, tiny GPT-2; the trunk server in this process and in another.
 
     ``split_step_ratio`` serves the trunk from a thread of this process (the
@@ -130,6 +131,9 @@ def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple
     (over min(k, 4) gRPC channels): ``split_step_ratio_mb{k}`` and
     ``split_step_ratio_process_mb{k}``, each timed interleaved with the unsplit step. ``wire_compression``
     (none, int8, topk) is what crosses the cut in every split run (reported as ``split_step_wire_compression``).
+    ``transports``: ``auto`` (the client's default: through a shared-memory region, client and trunk being on
+    one host) and ``socket`` (every byte over loopback TCP: what another host would pay before the network
+    itself), the latter reported with ``_socket`` in the key.
     """
     from splitfed.channel.client import RemoteTrunk
     from splitfed.split import SplitModel, split_model
@@ -164,13 +168,14 @@ def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple
             opt_ref.zero_grad()
             sync()
 
-        runs = [(f"{where}{'' if k == 1 else f'_mb{k}'}", address, k) for where, address in addresses.items()
-                for k in micro_batches]
-        for suffix, address, k in runs:
+        runs = [(f"{where}{'' if transport == 'auto' else '_socket'}{'' if k == 1 else f'_mb{k}'}", address, k,
+                 transport) for where, address in addresses.items() for transport in transports for k in micro_batches]
+        for suffix, address, k, transport in runs:
             parts = split_model(_gpt2().to(device), cuts)
             remote = RemoteTrunk(address, insecure=True, wire_dtype="bf16" if bf16 else "fp32",
                                  channels=min(k, 4), max_in_flight=2 * k,
-                                 wire_compression=_wire(wire_compression))
+                                 wire_compression=_wire(wire_compression),
+                                 shared_memory="off" if transport == "socket" else "auto")
             model = SplitModel(parts.bottom, remote, parts.top, task="causal-lm", micro_batches=k)
             opt_split = torch.optim.SGD(parts.client_modules().parameters(), lr=1e-3)
 
@@ -186,8 +191,11 @@ def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple
             out[f"split_step_ratio{suffix}"] = t_split / t_ref
             out[f"split_step{suffix}_s"] = t_split
             out[f"unsplit_step{suffix}_s"] = t_ref
-            if k == 1:
+            if k == 1 and transport == "socket":
                 out["split_bytes_per_call"] = remote.client.bytes_sent / max(remote.client.calls, 1)
+            if transport == "auto":
+                out[f"split_step_shared_fraction{suffix}"] = remote.client.shared.bytes / max(
+                    remote.client.bytes_sent + remote.client.bytes_received, 1)
             remote.client.leave()  # the next client must not wait for this one in the trunk's sync step
             remote.close()
         return out

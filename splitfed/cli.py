@@ -54,7 +54,8 @@ def _build_server(rank: int, args: argparse.Namespace) -> Any:
     return TrunkServer(trunk, host=args.host, port=args.port + rank if args.port else 0, insecure=args.insecure,
                        credentials=credentials, optimizer=args.optimizer, lr=args.lr, aggregator=aggregator,
                        model_name=args.model, cuts=cuts, batch_window_ms=args.batch_window_ms,
-                       max_batch_tokens=args.max_batch_tokens, checkpointing=args.checkpointing)
+                       max_batch_tokens=args.max_batch_tokens, checkpointing=args.checkpointing,
+                       shared_memory_bytes=args.shared_memory_mib << 20)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -187,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--trunk-timeout", type=float, default=60.0)
     serve.add_argument("--batch-window-ms", type=float, default=0.0,
                        help="batch concurrent clients' trunk forwards arriving within this window (0: off)")
+    serve.add_argument("--shared-memory-mib", type=int, default=256,
+                       help="shared memory each client on this host may map for its tensors (0: none; every "
+                            "tensor then travels over the socket)")
     serve.add_argument("--checkpointing", action="store_true",
                        help="activation checkpointing: keep only each forward's input, recompute in the backward")
     serve.add_argument("--max-batch-tokens", type=int, default=65536,

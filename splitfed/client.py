@@ -82,7 +82,8 @@ def connect_trunk(cfg: RunConfig, address: str, token: str | None, client_id: st
                            cfg.wire_compression, act=cfg.wire_compression_act, grad=cfg.wire_compression_grad,
                            topk_ratio=cfg.topk_ratio, error_feedback=cfg.wire_error_feedback),
                        retry=RetryPolicy(timeout_s=_call_timeout(cfg)),
-                       cut=cfg.cuts if cfg.client_cuts else None, channels=lanes, max_in_flight=2 * lanes)
+                       cut=cfg.cuts if cfg.client_cuts else None, channels=lanes, max_in_flight=2 * lanes,
+                       shared_memory=cfg.shared_memory)
 
 
 def _call_timeout(cfg: RunConfig) -> float:

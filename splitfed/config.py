@@ -76,6 +76,8 @@ class RunConfig:
     trunk_replicas: int = 1  # trunk processes over torch.distributed (one per GPU when there are GPUs)
     client_cuts: str = ""  # heterogeneous cuts "a,b a,b ...", assigned by partition id (round robin)
     micro_batches: str = "1"  # pipelined split step: micro-batches per client batch, or "auto"
+    shared_memory: str = "auto"  # tensors through shared memory when client and trunk share a host: auto, on, off
+    trunk_shared_memory_mib: int = 256  # shared memory each client on the trunk's host may map (0: none)
     # Data.
     dataset: str = ""  # empty: the model's embedded data; else a hub dataset (needs a network)
     partitioner: str = "iid"
@@ -169,6 +171,7 @@ class RunConfig:
         _choice("optimizer", self.optimizer, _OPTIMIZERS)
         _choice("wire-dtype", self.wire_dtype, _WIRE)
         _choice("wire-compression", self.wire_compression, ("none", "int8", "topk"))
+        _choice("shared-memory", self.shared_memory, ("auto", "on", "off"))
         _choice("wire-compression-act", self.wire_compression_act, ("", "none", "int8"))
         _choice("wire-compression-grad", self.wire_compression_grad, ("", "none", "int8", "topk"))
         if not 0.0 < self.topk_ratio <= 1.0:
@@ -184,7 +187,8 @@ class RunConfig:
                                                                           self.classes_per_partition, 1),
                                 ("trunk-max-batch-tokens", self.trunk_max_batch_tokens, 1),
                                 ("trunk-max-concurrent-rpcs", self.trunk_max_concurrent_rpcs, 1),
-                                ("trunk-replicas", self.trunk_replicas, 1)]:
+                                ("trunk-replicas", self.trunk_replicas, 1),
+                                ("trunk-shared-memory-mib", self.trunk_shared_memory_mib, 0)]:
             if value < low:
                 raise ConfigError(f"{key} must be >= {low}, got {value}")
         if self.trunk_replicas > 1 and self.trunk_mode not in ("sync", "async", "quorum"):

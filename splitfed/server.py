@@ -109,7 +109,8 @@ class ServerRunner:
                                   metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port,
                                   metrics_host=cfg.trunk_bind, batch_window_ms=cfg.trunk_batch_window_ms,
                                   max_batch_tokens=cfg.trunk_max_batch_tokens,
-                                  max_concurrent_rpcs=cfg.trunk_max_concurrent_rpcs)
+                                  max_concurrent_rpcs=cfg.trunk_max_concurrent_rpcs,
+                                  shared_memory_bytes=cfg.trunk_shared_memory_mib << 20)
         self._round_started = time.monotonic()
 
     # -- lifecycle --------------------------------------------------------------------------

@@ -36,6 +36,7 @@ class Report:
     seconds: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    bytes_shared: int = 0  # of those sent and received, the bytes that crossed through shared memory
     outcomes: dict[str, int] = field(default_factory=dict)
     trunk_version: int = 0
 
@@ -44,7 +45,7 @@ class Report:
         out: dict[str, float | int] = {
             f"{prefix}loss": self.loss, f"{prefix}accuracy": self.accuracy, "num-examples": self.num_examples,
             f"{prefix}seconds": self.seconds, f"{prefix}bytes-sent": self.bytes_sent,
-            f"{prefix}bytes-received": self.bytes_received,
+            f"{prefix}bytes-received": self.bytes_received, f"{prefix}bytes-shared": self.bytes_shared,
         }
         if training:
             out[f"{prefix}steps"] = self.steps
@@ -76,9 +77,12 @@ def _progress(total: int, desc: str) -> Any:
     return tqdm(total=total, desc=desc, leave=False, unit="step")
 
 
-def _channel_counters(trunk: torch.nn.Module) -> tuple[int, int]:
+def _channel_counters(trunk: torch.nn.Module) -> tuple[int, int, int]:
     client = getattr(trunk, "client", None)
-    return (client.bytes_sent, client.bytes_received) if client is not None else (0, 0)
+    if client is None:
+        return 0, 0, 0
+    shared = getattr(client, "shared", None)
+    return client.bytes_sent, client.bytes_received, 0 if shared is None else shared.bytes
 
 
 def train(model: SplitModel, optimizer: torch.optim.Optimizer, data: Iterable[Batch], steps: int, *,
@@ -92,7 +96,7 @@ def train(model: SplitModel, optimizer: torch.optim.Optimizer, data: Iterable[Ba
     """
     model.train()
     trunk = model.trunk
-    sent0, received0 = _channel_counters(trunk)
+    sent0, received0, shared0 = _channel_counters(trunk)
     join = getattr(getattr(trunk, "client", None), "join", None)
     report = Report()
     loss_sum = correct = counted = 0.0
@@ -139,8 +143,9 @@ def train(model: SplitModel, optimizer: torch.optim.Optimizer, data: Iterable[Ba
     report.seconds = time.perf_counter() - start
     report.loss = loss_sum / max(report.num_examples, 1)
     report.accuracy = correct / counted if counted else 0.0
-    sent1, received1 = _channel_counters(trunk)
+    sent1, received1, shared1 = _channel_counters(trunk)
     report.bytes_sent, report.bytes_received = sent1 - sent0, received1 - received0
+    report.bytes_shared = shared1 - shared0
     report.outcomes = dict(getattr(trunk, "outcomes", {}))
     report.trunk_version = int(getattr(trunk, "last_version", 0))
     return report
@@ -151,7 +156,7 @@ def evaluate(model: SplitModel, data: Iterable[Batch], *, max_batches: int = 0,
              device: torch.device | str = "cpu") -> Report:
     """Forward-only evaluation (the trunk saves nothing); loss, accuracy (or next-token accuracy)."""
     model.eval()
-    sent0, received0 = _channel_counters(model.trunk)
+    sent0, received0, shared0 = _channel_counters(model.trunk)
     report = Report()
     loss_sum = correct = counted = 0.0
     start = time.perf_counter()
@@ -169,8 +174,9 @@ def evaluate(model: SplitModel, data: Iterable[Batch], *, max_batches: int = 0,
     report.seconds = time.perf_counter() - start
     report.loss = loss_sum / max(report.num_examples, 1)
     report.accuracy = correct / counted if counted else 0.0
-    sent1, received1 = _channel_counters(model.trunk)
+    sent1, received1, shared1 = _channel_counters(model.trunk)
     report.bytes_sent, report.bytes_received = sent1 - sent0, received1 - received0
+    report.bytes_shared = shared1 - shared0
     return report
 
 

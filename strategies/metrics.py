@@ -5,7 +5,7 @@ from __future__ import annotations
 from flwr.app import MetricRecord, RecordDict
 
 #: Metric-name endings that add up across clients (bytes, steps, trunk outcomes).
-SUMMED = ("bytes-sent", "bytes-received", "steps", "trunk-applied", "trunk-downweighted",
+SUMMED = ("bytes-sent", "bytes-received", "bytes-shared", "steps", "trunk-applied", "trunk-downweighted",
           "trunk-rejected-stale", "trunk-rejected-guard")
 #: Metric-name endings where the slowest or latest client counts.
 MAXED = ("seconds", "trunk-version", "epsilon")

@@ -194,3 +194,17 @@ def test_the_server_copies_a_request_before_using_it(trunk_server) -> None:
         _forward_backward(b, x, "b")
     for p, q in zip(via_region.runtime.trunk.parameters(), via_socket.runtime.trunk.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_the_apps_on_one_host_carry_the_cut_through_shared_memory(tmp_path, mode: str) -> None:
+    import json
+
+    from flower_harness import run_apps
+
+    _, out = run_apps(tmp_path, num_nodes=2, concurrency=2, num_server_rounds=1, local_steps=4,
+                      shared_memory=mode)
+    train = json.loads((out / "history.json").read_text())["rounds"][0]["train"]
+    sent, received, moved = (train[f"train-bytes-{k}"] for k in ("sent", "received", "shared"))
+    assert sent > 0 and received > 0
+    assert moved == (sent + received if mode == "auto" else 0)  # the CNN's activations and gradients, all of them
