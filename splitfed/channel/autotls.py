@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from splitfed.channel.hosts import LOOPBACK_NAMES, WILDCARD_HOSTS, is_loopback, normalize_host
 log = logging.getLogger(__name__)
 
 #: How long an issued certificate stays valid (see the module docstring for why this is long).
@@ -34,8 +35,6 @@ DEFAULT_VALIDITY = datetime.timedelta(days=365)
 #: Accepted clock skew: certificates are valid from this long before they are issued.
 CLOCK_SKEW = datetime.timedelta(hours=1)
 #: Binds that listen on every interface; they name no host a certificate could cover.
-WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
 @dataclass(frozen=True)
@@ -59,11 +58,6 @@ class IssuedTLS:
         return ":".join(f"{b:02X}" for b in digest)
 
 
-def normalize_host(host: str) -> str:
-    """``host`` without IPv6 brackets and surrounding blanks, lower-cased."""
-    return host.strip().strip("[]").lower()
-
-
 def san_hosts(advertised: str, bound: str, extra: Iterable[str] = ()) -> tuple[str, ...]:
     """The names a trunk certificate must cover: the advertised host, the bound host and ``extra``.
 
@@ -85,17 +79,6 @@ def san_hosts(advertised: str, bound: str, extra: Iterable[str] = ()) -> tuple[s
         if host and host not in WILDCARD_HOSTS and host not in names:
             names.append(host)
     return tuple(names)
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses; wildcard binds and other names are not loopback."""
-    host = normalize_host(host)
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _general_name(host: str) -> x509.GeneralName:
@@ -172,4 +155,5 @@ def issue(hosts: Iterable[str], *, validity: datetime.timedelta = DEFAULT_VALIDI
     return issued
 
 
-__all__ = ["CLOCK_SKEW", "DEFAULT_VALIDITY", "IssuedTLS", "is_loopback", "issue", "normalize_host", "san_hosts"]
+__all__ = ["CLOCK_SKEW", "DEFAULT_VALIDITY", "LOOPBACK_NAMES", "WILDCARD_HOSTS", "IssuedTLS", "is_loopback", "issue",
+           "normalize_host", "san_hosts"]

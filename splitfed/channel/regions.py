@@ -74,6 +74,8 @@ class SharedRegion:
         self._map = mapping
         self.bytes = torch.frombuffer(mapping, dtype=torch.uint8)
         self._registered = False
+        #: Why registering with CUDA failed (None: it did not, or was not tried).
+        self.pin_error: str | None = None
         self._lock = threading.Lock()
         #: When a slice of it was last used (``time.monotonic``).
         self.used = time.monotonic()
@@ -120,11 +122,12 @@ class SharedRegion:
     def pin(self) -> bool:
         """Register the mapping with CUDA (once), so copies to and from a GPU run at pinned speed."""
         with self._lock:
-            if self._registered or not torch.cuda.is_available():
+            if self._registered or self.pin_error is not None or not torch.cuda.is_available():
                 return self._registered
             err = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.nbytes, 0)
             self._registered = int(err) == 0
             if not self._registered:
+                self.pin_error = str(err)
                 log.info("cudaHostRegister of region %s failed (%s); copies run at pageable speed", self.name, err)
             return self._registered
 

@@ -25,8 +25,7 @@ import torch
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel.regions import MIN_REGION_TENSOR_BYTES, ClientRegion, SharedRegion, Slice
-from splitfed.channel.transport import host_of
-from splitfed.channel.autotls import is_loopback
+from splitfed.channel.hosts import host_of, is_loopback
 from splitfed.codec import EncodedTensor, WireDType, encode, torch_dtype
 from splitfed.errors import ChannelError, CodecError, ConfigError, SharedMemoryUnavailableError, TensorValueError
 from splitfed.split.base import CutState

@@ -32,6 +32,7 @@ from splitfed.channel.autotls import (
     normalize_host,
     san_hosts,
 )
+from splitfed.channel.hosts import host_of
 from splitfed.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -49,16 +50,6 @@ class TransportMode(str, enum.Enum):
     PLAINTEXT = "plaintext"
     TLS = "tls"  # the operator's own certificate
     AUTO_TLS = "auto-tls"  # an ephemeral CA issued at start, pinned by clients
-
-
-def host_of(address: str) -> str:
-    """The host of ``host:port`` (``[v6]:port`` too), without brackets and lower-cased."""
-    address = address.strip()
-    if address.startswith("["):
-        return normalize_host(address[1:address.find("]")] if "]" in address else address)
-    if address.count(":") == 1:
-        return normalize_host(address.rsplit(":", 1)[0])
-    return normalize_host(address)  # a bare host, or a bare IPv6 address
 
 
 def advertised_host(bind: str, advertise: str = "") -> str:
