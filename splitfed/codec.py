@@ -119,6 +119,8 @@ class RegionRef:
     region: str
     offset: int
     nbytes: int
+    #: 1-based index of the region's CUDA event recorded after the bytes' copy was queued (0: none).
+    event: int = 0
 
 
 @dataclass(frozen=True)

@@ -162,3 +162,77 @@ def test_pipelined_bf16_autocast_on_gpu_trains(trunk_server) -> None:
     _, server, losses = _train_bf16(trunk_server, micro_batches=4, channels=2, batch=8)
     assert losses[-1] < losses[0]
     assert server.runtime.version == 8
+
+
+def _serve_llama_trunk(port_queue, stop) -> None:  # type: ignore[no-untyped-def]
+    """A tiny Llama's trunk on the GPU, served from its own process (IPC events order the region's copies)."""
+    from splitfed.channel.server import TrunkServer
+
+    split = split_model(tiny_model("llama").train().to(CUDA), (1, 3))
+    server = TrunkServer(TrunkRuntime(split.trunk, torch.optim.AdamW(split.trunk.parameters(), lr=1e-2)),
+                         insecure=True).start()
+    port_queue.put(server.port)
+    stop.wait()
+    server.stop(grace=0)
+
+
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_five_gpu_steps_through_gpu_ordered_shared_memory_equal_unsplit(where: str, trunk_server,
+                                                                        monkeypatch) -> None:
+    import multiprocessing as mp
+
+    from splitfed.channel import shared
+
+    monkeypatch.setattr(shared, "MIN_REGION_TENSOR_BYTES", 1)  # the tiny model's activations are small
+    model = tiny_model("llama").train().to(CUDA)
+    ref = copy.deepcopy(model)
+    split = split_model(model, (1, 3))
+    proc = stop = None
+    if where == "thread":
+        address = trunk_server(TrunkRuntime(split.trunk, torch.optim.AdamW(split.trunk.parameters(), lr=1e-2))
+                               ).address
+    else:
+        ctx = mp.get_context("spawn")
+        ports, stop = ctx.Queue(), ctx.Event()
+        proc = ctx.Process(target=_serve_llama_trunk, args=(ports, stop), daemon=True)
+        proc.start()
+        address = f"127.0.0.1:{ports.get(timeout=120)}"
+    try:
+        remote = RemoteTrunk(address, insecure=True)
+        client = SplitModel(split.bottom, remote, split.top, task="causal-lm")
+        opt = torch.optim.AdamW(split.client_modules().parameters(), lr=1e-2)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        trunk_ids = {id(p) for p in split.trunk.parameters()}
+        batch = tuple(t.to(CUDA) for t in batch_for("llama", padded=True))
+        _five_steps_side_by_side(client, opt, model, ref, ref_opt, batch)
+        assert remote.client.shared.region.events is not None  # copies ordered on the GPU, not by the host
+        assert remote.client.shared.calls == 10
+        ref_params = dict(ref.named_parameters())
+        diff = max((p - ref_params[n]).abs().max().item() for n, p in model.named_parameters()
+                   if id(p) not in trunk_ids)  # the client's parts (in a process of its own, the trunk is there)
+        assert diff <= 1e-5
+        remote.close()
+    finally:
+        if proc is not None:
+            stop.set()
+            proc.join(30)
+
+
+def test_nan_through_gpu_ordered_shared_memory_is_refused_at_the_backward(trunk_server, monkeypatch) -> None:
+    from splitfed.channel import shared
+    from splitfed.errors import ChannelError
+    from splitfed.split import CutState
+
+    monkeypatch.setattr(shared, "MIN_REGION_TENSOR_BYTES", 1)
+    trunk = torch.nn.Linear(16, 16).to(CUDA)
+    before = copy.deepcopy(trunk.state_dict())
+    server = trunk_server(trunk, lr=0.1)
+    with TrunkClient(server.address, insecure=True) as client:
+        x = torch.randn(4, 16, device=CUDA)
+        x[1, 3] = float("nan")
+        out, _ = client.forward(CutState(x), activation_id="a", on_device=True)  # not checked on the host here
+        assert out.is_cuda and client.shared.region.events is not None
+        with pytest.raises(ChannelError, match="NaN or Inf") as info:
+            client.backward("a", torch.ones_like(out), on_device=True)
+        assert info.value.code == "INVALID_ARGUMENT"
+    assert all(torch.equal(before[k], v) for k, v in server.runtime.trunk.state_dict().items())

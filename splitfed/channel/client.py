@@ -215,12 +215,14 @@ class TrunkClient:
         return self._invoke("Leave", self._stub.Leave, pb.LeaveRequest()).group_size
 
     def forward(self, state: CutState, *, activation_id: str | None = None, train: bool = True,
-                num_examples: int | None = None, session_id: str = "", owned: bool = False
-                ) -> tuple[torch.Tensor, int]:
+                num_examples: int | None = None, session_id: str = "", owned: bool = False,
+                on_device: bool = False) -> tuple[torch.Tensor, int]:
         """Send a cut state; returns the trunk's output hidden state and the trunk version it saw.
 
         The output is in host memory; it may view the reply's read-only bytes unless ``owned`` (then it is
         memory of its own, pinned when ``state`` is on a GPU and the bytes came through shared memory).
+        ``on_device``: the output may stay on ``state``'s GPU (when a shared-memory region with CUDA events
+        carries it: no host waits for the GPU).
         """
         activation_id = activation_id or uuid.uuid4().hex
         act = self.wire_compression.activations
@@ -229,7 +231,7 @@ class TrunkClient:
                                 num_examples=n, session_id=session_id, reply_compression=spec_to_proto(act),
                                 cut_start=self.cut[0], cut_end=self.cut[1])
         lane = self._lane()
-        if not act.active and (shared := self.shared.forward(lane, req, state)) is not None:
+        if not act.active and (shared := self.shared.forward(lane, req, state, on_device)) is not None:
             return shared[1], shared[0].trunk_version
         encs = encode_state(state, self.wire_dtype, act)
         sent = payload_bytes(encs)
@@ -253,7 +255,7 @@ class TrunkClient:
 
     def backward(self, activation_id: str, grad: torch.Tensor, *, input_numel: int | None = None,
                  step_id: str = "", step_parts: int = 0, feedback_key: str = "grad",
-                 owned: bool = False) -> BackwardReply:
+                 owned: bool = False, on_device: bool = False) -> BackwardReply:
         """Send the gradient of the loss w.r.t. a forward's output; returns the gradient w.r.t. its input.
 
         ``input_numel`` (elements of the forward's input) sizes the reply: the
@@ -268,12 +270,13 @@ class TrunkClient:
         ``step_id``/``step_parts``: this gradient is one of the ``step_parts``
         micro-batches of one client step, which the trunk takes as one
         contribution; the reply of a part that does not complete the step comes
-        at once, with outcome ``UPDATE_OUTCOME_UNSPECIFIED``.
+        at once, with outcome ``UPDATE_OUTCOME_UNSPECIFIED``. ``owned``, ``on_device``: as for :meth:`forward`.
         """
         spec, token = self.wire_compression.gradients, None
         req = pb.BackwardRequest(activation_id=activation_id, reply_dtype=int(self.wire_dtype),
                                  reply_compression=spec_to_proto(spec), step_id=step_id, step_parts=step_parts)
-        if not spec.active and (shared := self.shared.backward(self._lane(), req, grad, input_numel)) is not None:
+        if not spec.active and (shared := self.shared.backward(self._lane(), req, grad, input_numel,
+                                                               on_device)) is not None:
             reply, grad_in = shared
             return BackwardReply(grad_in, _OUTCOME_NAMES.get(reply.outcome, "UNKNOWN"), reply.trunk_version,
                                  reply.staleness)
@@ -435,8 +438,14 @@ class RemoteTrunk(nn.Module):
         if self.training and torch.is_grad_enabled():
             # The anchor makes the output require grad even when the bottom is frozen,
             # so the trunk and top still train.
-            anchor = torch.empty(0, requires_grad=True)
             hidden = state.hidden
+            if hidden.is_cuda and self.client.shared.gpu_ordered(hidden):
+                # Client and trunk share a GPU's host: the cut's copies are ordered by CUDA events, and the
+                # pipeline's autograd nodes keep the output on the device without a thread waiting on it.
+                pipe = self.pipeline(1, train=True)
+                pipe.send(0, state)
+                return pipe.receive(0)
+            anchor = torch.empty(0, requires_grad=True)
             out = _RemoteTrunkFunction.apply(hidden, anchor, self, state)
             return state.with_hidden(out if hidden.device.type == "cpu" else
                                      _ToDevice.apply(out, hidden.device, hidden.dtype))

@@ -167,12 +167,12 @@ def _parse_message(kind: type, data: memoryview) -> Any:
 
 def region_ref(msg: pb.RegionSlice) -> RegionRef:
     """A :class:`RegionRef` from its message."""
-    return RegionRef(msg.region, int(msg.offset), int(msg.nbytes))
+    return RegionRef(msg.region, int(msg.offset), int(msg.nbytes), int(msg.event))
 
 
 def region_slice(ref: RegionRef) -> pb.RegionSlice:
     """The ``RegionSlice`` message of ``ref``."""
-    return pb.RegionSlice(region=ref.region, offset=ref.offset, nbytes=ref.nbytes)
+    return pb.RegionSlice(region=ref.region, offset=ref.offset, nbytes=ref.nbytes, event=ref.event)
 
 
 @dataclass

@@ -33,7 +33,6 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -73,6 +72,8 @@ class SharedRegion:
         self.owner = owner
         self._map = mapping
         self.bytes = torch.frombuffer(mapping, dtype=torch.uint8)
+        #: CUDA events ordering copies of its slices (None: copies complete before a call is sent).
+        self.events: RegionEvents | None = None
         self._registered = False
         #: Why registering with CUDA failed (None: it did not, or was not tried).
         self.pin_error: str | None = None
@@ -152,6 +153,56 @@ class SharedRegion:
             pass
         if self.owner:
             self.path.unlink(missing_ok=True)
+            _LOCAL_EVENTS.pop(self.name, None)
+
+
+#: CUDA events per region: slices of calls in flight at once name one each.
+EVENTS_PER_REGION = 64
+_LOCAL_EVENTS: dict[str, RegionEvents] = {}  # by region name: a client in the server's process uses them as they are
+
+
+class RegionEvents:
+    """Interprocess CUDA events that order the copies into and out of a region without the host waiting.
+
+    The writer of a slice queues its copy, records an event on its stream and sends the call; the reader's
+    stream waits for that event before its own copy. Indices on the wire are 1-based.
+    """
+
+    def __init__(self, events: list[torch.cuda.Event], device: int) -> None:
+        self.events = events
+        self.device = device
+
+    @classmethod
+    def create(cls, device: int, count: int = EVENTS_PER_REGION) -> RegionEvents:
+        """New events on ``device`` (the server's side)."""
+        with torch.cuda.device(device):
+            return cls([torch.cuda.Event(interprocess=True) for _ in range(count)], device)
+
+    @classmethod
+    def open(cls, device: int, handles: list[bytes]) -> RegionEvents:
+        """The server's events, from their IPC handles (a client in another process)."""
+        try:
+            return cls([torch.cuda.Event.from_ipc_handle(device, h) for h in handles], device)
+        except RuntimeError as exc:
+            raise SharedMemoryUnavailableError(f"cannot open the trunk server's CUDA events: {exc}") from None
+
+    def handles(self) -> list[bytes]:
+        """The events' IPC handles."""
+        return [bytes(e.ipc_handle()) for e in self.events]
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __getitem__(self, index: int) -> torch.cuda.Event:
+        """Event ``index`` (1-based); raises :class:`CodecError` for one the region does not have."""
+        if not 1 <= index <= len(self.events):
+            raise CodecError(f"event {index} is not one of the region's {len(self.events)} events")
+        return self.events[index - 1]
+
+
+def local_events(name: str) -> RegionEvents | None:
+    """The events of region ``name`` when its server runs in this process."""
+    return _LOCAL_EVENTS.get(name)
 
 
 def host_copy(src: torch.Tensor, pinned: bool) -> torch.Tensor:
@@ -192,8 +243,9 @@ class RegionTable:
         with self._lock:
             return sum(r.nbytes for _, r in self._regions.values())
 
-    def open(self, client: str, nbytes: int) -> SharedRegion:
-        """A new region of at most ``nbytes`` for ``client``."""
+    def open(self, client: str, nbytes: int, events_on: int | None = None) -> SharedRegion:
+        """A new region of at most ``nbytes`` for ``client``; with CUDA events on device ``events_on`` when given
+        (the trunk computes there, and so does the client)."""
         if not self.enabled:
             raise SharedMemoryUnavailableError("this trunk server offers no shared memory (trunk-shared-memory-mib "
                                                "= 0, or no /dev/shm); tensors travel over the socket")
@@ -218,6 +270,9 @@ class RegionTable:
             self._regions[region.name] = (client, region)
         if self.pin:
             region.pin()
+        if events_on is not None:
+            region.events = RegionEvents.create(events_on)
+            _LOCAL_EVENTS[region.name] = region.events
         log.debug("opened region %s (%d bytes) for %s", region.name, nbytes, client)
         return region
 
@@ -263,104 +318,3 @@ class RegionTable:
             self._regions.clear()
         for region in closing:
             region.close()
-
-
-@dataclass
-class _Slices:
-    """A first-fit allocator of aligned slices in ``[0, size)``."""
-
-    size: int
-    free: list[tuple[int, int]] = field(default_factory=list)  # (offset, length), sorted by offset
-
-    def __post_init__(self) -> None:
-        self.free = [(0, self.size)]
-
-    def take(self, nbytes: int) -> int | None:
-        need = -(-max(nbytes, 1) // ALIGN) * ALIGN
-        for i, (offset, length) in enumerate(self.free):
-            if length >= need:
-                if length == need:
-                    del self.free[i]
-                else:
-                    self.free[i] = (offset + need, length - need)
-                return offset
-        return None
-
-    def give(self, offset: int, nbytes: int) -> None:
-        need = -(-max(nbytes, 1) // ALIGN) * ALIGN
-        self.free.append((offset, need))
-        self.free.sort()
-        merged: list[tuple[int, int]] = []
-        for off, length in self.free:
-            if merged and merged[-1][0] + merged[-1][1] == off:
-                merged[-1] = (merged[-1][0], merged[-1][1] + length)
-            else:
-                merged.append((off, length))
-        self.free = merged
-
-
-@dataclass
-class Slice:
-    """A slice of a client's region, taken for one call."""
-
-    region: ClientRegion
-    offset: int
-    nbytes: int
-
-    @property
-    def ref(self) -> RegionRef:
-        """How a message names it."""
-        return RegionRef(self.region.name, self.offset, self.nbytes)
-
-    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """The slice's first bytes viewed as a C-contiguous tensor of ``dtype`` and ``shape``."""
-        nbytes = dtype.itemsize
-        for d in shape:
-            nbytes *= d
-        return self.region.mapping.view(self.offset, nbytes).view(dtype).view(shape)
-
-
-class ClientRegion:
-    """A client's mapping of its region, with the slices its calls in flight hold."""
-
-    def __init__(self, mapping: SharedRegion) -> None:
-        self.mapping = mapping
-        self.name = mapping.name
-        self._slices = _Slices(mapping.nbytes)
-        self._lock = threading.Lock()
-        self.broken = False
-
-    def take(self, nbytes: int) -> Slice | None:
-        """A slice of ``nbytes``, or None when the region has no room (the tensor then travels inline)."""
-        with self._lock:
-            if self.broken:
-                return None
-            offset = self._slices.take(nbytes)
-        return None if offset is None else Slice(self, offset, nbytes)
-
-    def give(self, piece: Slice) -> None:
-        """Return a slice once its call succeeded (a failed call's slices are never reused: see :meth:`poison`)."""
-        with self._lock:
-            self._slices.give(piece.offset, piece.nbytes)
-
-    def poison(self) -> None:
-        """Stop using this region: a call failed, and the server may still write into its slices."""
-        with self._lock:
-            self.broken = True
-
-    def reply(self, ref: RegionRef, given: Slice, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """The reply tensor the server wrote into ``given``; raises :class:`CodecError` if ``ref`` lies elsewhere."""
-        need = dtype.itemsize
-        for d in shape:
-            need *= d
-        if ref.region != self.name or ref.offset != given.offset or ref.nbytes > given.nbytes or ref.nbytes != need:
-            raise CodecError(f"the server's reply names slice {ref} but was given {given.ref} for {need} bytes")
-        return given.tensor(dtype, shape)
-
-    def pin(self) -> bool:
-        """Register the mapping with CUDA (see :meth:`SharedRegion.pin`)."""
-        return self.mapping.pin()
-
-    def close(self) -> None:
-        """Unmap the region."""
-        self.mapping.close()

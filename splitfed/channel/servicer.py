@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -23,7 +24,8 @@ import torch
 
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.regions import RegionTable, host_copy
+from splitfed.channel.regionio import RegionIO
+from splitfed.channel.regions import RegionTable
 from splitfed.channel.handlers import (
     Malformed,
     check_parsed,
@@ -40,7 +42,7 @@ from splitfed.channel.wire import (
     payload_bytes,
     reply_spec,
 )
-from splitfed.codec import EncodedTensor, RegionRef, TensorLimits, WireDType, declared_nbytes, torch_dtype
+from splitfed.codec import EncodedTensor, RegionRef, TensorLimits, WireDType, torch_dtype
 from splitfed.errors import (
     CodecError,
     ResourceExhaustedError,
@@ -97,8 +99,7 @@ class SplitChannelServicer:
         self.sessions = sessions
         self.metrics: Any = None  # TrunkMetrics when the server exports metrics
         self.replies = ReplyCompression()  # reply compression and its error feedback per client
-        #: Shared-memory regions of clients on this host (None: tensors travel over the socket only).
-        self.regions: RegionTable | None = None
+        self._io: RegionIO | None = None  # shared-memory regions of clients on this host (see :attr:`regions`)
 
     # -- helpers ---------------------------------------------------------------
     def _identity(self, context: Any) -> tuple[str, bool]:
@@ -148,58 +149,40 @@ class SplitChannelServicer:
             self.metrics.tensors(direction, encs)
 
     # -- shared memory -------------------------------------------------------------
-    def _table(self) -> RegionTable:
-        if self.regions is None:
+    @property
+    def regions(self) -> RegionTable | None:
+        """Shared-memory regions of clients on this host (None: tensors travel over the socket only)."""
+        return None if self._io is None else self._io.table
+
+    @regions.setter
+    def regions(self, table: RegionTable | None) -> None:
+        self._io = None if table is None else RegionIO(table, self.runtime.device, self.tensor_limits.max_bytes)
+
+    def _region_io(self) -> RegionIO:
+        if self._io is None:
             raise SharedMemoryUnavailableError("this trunk server offers no shared memory; send tensor bytes "
                                                "in the message")
-        return self.regions
+        return self._io
 
-    def _resolve(self, client: str, tensors: list[EncodedTensor]) -> list[EncodedTensor]:
-        """The request's tensors with the bytes of those in ``client``'s region copied into memory of the server's
-        own, before anything checks them (the client may write its region at any time)."""
+    def _resolve(self, client: str, tensors: list[EncodedTensor]
+                 ) -> tuple[list[EncodedTensor], dict[str, torch.Tensor], list[torch.Tensor]]:
         if all(enc.region is None for enc in tensors):
-            return tensors
-        table, out = self._table(), []
-        for enc in tensors:
-            ref = enc.region
-            if ref is None:
-                out.append(enc)
-                continue
-            if enc.compressed is not None or len(enc.data):
-                raise CodecError(f"tensor {enc.name!r} names a region and also carries bytes or compression; a "
-                                 "tensor in a region travels raw and only there")
-            need = declared_nbytes(enc.dtype, enc.shape)
-            if ref.nbytes != need:
-                raise CodecError(f"tensor {enc.name!r} of shape {list(enc.shape)} needs {need} bytes but names a "
-                                 f"slice of {ref.nbytes}")
-            if need > self.tensor_limits.max_bytes:
-                raise ResourceExhaustedError(f"tensor {enc.name!r} declares {need} bytes, above the limit of "
-                                             f"{self.tensor_limits.max_bytes}")
-            own = host_copy(table.slice(client, ref), pinned=table.pin)
-            out.append(EncodedTensor(enc.name, enc.dtype, enc.shape, memoryview(own.numpy())))
-        return out
+            return tensors, {}, []
+        return self._region_io().resolve(client, tensors)
 
     def _reply_slot(self, client: str, request: Any) -> RegionRef | None:
-        """The slice a request offers for its reply, checked before the request touches the trunk."""
-        if not request.HasField("reply_region"):
-            return None
-        ref = fastwire.region_ref(request.reply_region)
-        self._table().slice(client, ref)
-        return ref
+        return self._region_io().reply_slot(client, request) if request.HasField("reply_region") else None
 
-    def _placed(self, client: str, slot: RegionRef | None, encs: list[EncodedTensor]) -> list[EncodedTensor]:
-        """The reply's tensor written into the slice the request offered, when it is raw and fits there."""
-        if slot is None or len(encs) != 1 or encs[0].compressed is not None or len(encs[0].data) > slot.nbytes:
-            return encs
-        enc = encs[0]
-        ref = RegionRef(slot.region, slot.offset, len(enc.data))
-        try:
-            dst = self._table().slice(client, ref)
-        except SplitFedError:  # closed meanwhile (the client left): the bytes travel in the reply
-            return encs
-        if ref.nbytes:
-            dst.copy_(torch.frombuffer(enc.data, dtype=torch.uint8))
-        return [EncodedTensor(enc.name, enc.dtype, enc.shape, b"", None, ref)]
+    def _reply(self, client: str, activation_id: str, name: str, out: torch.Tensor, reply_dtype: WireDType | None,
+               spec: Any, slot: RegionRef | None, feedback: bool = True) -> list[EncodedTensor]:
+        """The reply's tensor: into the offered slice when it is raw and fits there, else as bytes."""
+        if slot is not None and spec is None and out.is_floating_point():
+            placed = self._region_io().place(client, slot, name, out, reply_dtype)
+            if placed is not None:
+                return [placed]
+        if out.device.type != "cpu":  # a device output that could not take its slice
+            out = out.cpu()
+        return [self.replies.encode(client, activation_id, name, out, reply_dtype, spec, feedback=feedback)]
 
     # -- the work ----------------------------------------------------------------
     async def _forward(self, identity: tuple[str, bool], req: pb.ForwardRequest, tensors: list, unary: bool
@@ -210,8 +193,8 @@ class SplitChannelServicer:
         spec = reply_spec(req)
         slot = self._reply_slot(client, req)
         self._count("received", tensors)
-        tensors = self._resolve(client, tensors)
-        state = with_client_cut(decode_state(tensors, self.tensor_limits), req.cut_start, req.cut_end,
+        tensors, ready, flags = self._resolve(client, tensors)
+        state = with_client_cut(decode_state(tensors, self.tensor_limits, ready), req.cut_start, req.cut_end,
                                 self.cuts or part_range(self.runtime.trunk), session=bool(req.session_id))
         small = state.hidden.numel() <= INLINE_MAX_ELEMENTS
         if req.session_id:
@@ -229,7 +212,8 @@ class SplitChannelServicer:
         else:
             if req.train:
                 await self._turn(client)
-            request = ForwardRequest(client, req.activation_id, state, req.train, req.num_examples, retry)
+            request = ForwardRequest(client, req.activation_id, state, req.train, req.num_examples, retry,
+                                     device_out=bool(ready) and slot is not None and slot.event > 0)
             try:
                 out, version = await _outcome(self.scheduler.forward(request, small=small))
             except SplitFedError:  # a refused forward: the step must not wait for this client
@@ -237,8 +221,9 @@ class SplitChannelServicer:
                     await self._refused(client)
                 raise
         reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
-        encs = [self.replies.encode(client, req.activation_id, "hidden", out, reply_dtype, spec, feedback=False)]
-        encs = self._placed(client, slot, encs)
+        encs = self._reply(client, req.activation_id, "hidden", out, reply_dtype, spec, slot, feedback=False)
+        if req.train and flags and not req.session_id:
+            self._region_io().keep(client, req.activation_id, flags)
         if unary and payload_bytes(encs) > self.limits.stream_threshold_bytes:
             if req.train and not req.session_id:
                 runtime = self.runtime
@@ -273,19 +258,23 @@ class SplitChannelServicer:
             spec = reply_spec(req)
             slot = self._reply_slot(client, req)
             self._count("received", tensors)
-            grad = decode_single(self._resolve(client, tensors), "grad", self.tensor_limits)
+            tensors, ready, flags = self._resolve(client, tensors)
+            grad = decode_single(tensors, "grad", self.tensor_limits, ready)
             reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
             check = self._reply_check(reply_dtype, unary, slot)
             step = StepPart.of(req.step_id, req.step_parts)
+            device_out = bool(ready) and slot is not None and slot.event > 0
             pending = await self._on_device(lambda: runtime.start_backward(client, req.activation_id, grad,
-                                                                           retry=retry, reply_check=check, step=step))
+                                                                           retry=retry, reply_check=check, step=step,
+                                                                           device_out=device_out))
         except SplitFedError:  # a refused gradient: the step must not wait for this client
             await self._refused(client)
             raise
         grad_in = await asyncio.wrap_future(pending.grad_in)  # a batch's backward may wait for its members
         result = await asyncio.wrap_future(pending.result)  # the sync barrier or quorum: no thread held
-        encs = self._placed(client, slot, [self.replies.encode(client, req.activation_id, "grad", grad_in,
-                                                                reply_dtype, spec)])
+        if self._io is not None:
+            self._io.verdict(client, req.activation_id, flags)
+        encs = self._reply(client, req.activation_id, "grad", grad_in, reply_dtype, spec, slot)
         self._count("sent", encs)
         reply = pb.BackwardReply(activation_id=req.activation_id, trunk_version=result.version,
                                  outcome=_OUTCOME[result.outcome], staleness=result.staleness)
@@ -396,14 +385,19 @@ class SplitChannelServicer:
     async def OpenRegion(self, request: pb.OpenRegionRequest, context: Any) -> pb.OpenRegionReply:
         async def run() -> pb.OpenRegionReply:
             client, _ = self._identity(context)
-            table = self._table()
-            region = await asyncio.get_running_loop().run_in_executor(None, table.open, client, request.nbytes)
-            return pb.OpenRegionReply(region=region.name, path=str(region.path), nbytes=region.nbytes)
+            table = self._region_io().table
+            device = self.runtime.device
+            events = device.index if device.index is not None else 0
+            on = events if request.cuda_events and table.pin and device.type == "cuda" else None
+            region = await asyncio.get_running_loop().run_in_executor(None, table.open, client, request.nbytes, on)
+            return pb.OpenRegionReply(region=region.name, path=str(region.path), nbytes=region.nbytes,
+                                      event_handles=[] if region.events is None else region.events.handles(),
+                                      server_pid=os.getpid(), device=events)
         return await self._call(context, run, request)
 
     async def CloseRegion(self, request: pb.CloseRegionRequest, context: Any) -> pb.CloseRegionReply:
         async def run() -> pb.CloseRegionReply:
             client, _ = self._identity(context)
-            self._table().close(client, request.region)
+            self._region_io().table.close(client, request.region)
             return pb.CloseRegionReply()
         return await self._call(context, run, request)

@@ -14,9 +14,11 @@ take this lane (compression is for the socket). See :mod:`splitfed.channel.regio
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -24,9 +26,10 @@ import torch
 
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.regions import MIN_REGION_TENSOR_BYTES, ClientRegion, SharedRegion, Slice
+from splitfed.channel.regions import MIN_REGION_TENSOR_BYTES, RegionEvents, SharedRegion, local_events
+from splitfed.channel.slices import ClientRegion, Slice
 from splitfed.channel.hosts import host_of, is_loopback
-from splitfed.codec import EncodedTensor, WireDType, encode, torch_dtype
+from splitfed.codec import EncodedTensor, WireDType, encode, torch_dtype, wire_dtype
 from splitfed.errors import ChannelError, CodecError, ConfigError, SharedMemoryUnavailableError, TensorValueError
 from splitfed.split.base import CutState
 
@@ -64,8 +67,14 @@ class SharedLane:
         """Whether a region is mapped and in use."""
         return self.region is not None and not self.region.broken
 
+    def gpu_ordered(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (on a GPU) would cross through a region whose copies CUDA events order: then a
+        call's result may stay on the device (``on_device``) and no host waits for a GPU."""
+        plan = self._plan(tensor)
+        return plan is not None and tensor.is_cuda and plan[0].events is not None
+
     # -- the region ------------------------------------------------------------------------
-    def _region(self) -> ClientRegion | None:
+    def _region(self, cuda: bool = False) -> ClientRegion | None:
         if self.mode == "off":
             return None
         region = self.region
@@ -80,7 +89,7 @@ class SharedLane:
                 self._drop(region)
             try:
                 reply = self.client._invoke("OpenRegion", self.client._stub.OpenRegion,
-                                            pb.OpenRegionRequest(nbytes=self.nbytes))
+                                            pb.OpenRegionRequest(nbytes=self.nbytes, cuda_events=cuda))
             except ChannelError as exc:
                 log.info("tensors travel over the socket: the trunk server at %s offers no shared memory (%s)",
                          self.client.address, exc.code)
@@ -88,12 +97,16 @@ class SharedLane:
                 return None
             try:
                 mapping = SharedRegion.attach(reply.region, reply.nbytes)
+                events = None
+                if reply.event_handles:
+                    events = local_events(reply.region) if reply.server_pid == os.getpid() else \
+                        RegionEvents.open(reply.device, list(reply.event_handles))
             except SharedMemoryUnavailableError as exc:
                 log.info("tensors travel over the socket: %s", exc)
                 self.mode = "off"
                 self._close_remote(reply.region)
                 return None
-            self.region = ClientRegion(mapping)
+            self.region = ClientRegion(mapping, events)
             log.debug("tensors cross the cut through shared-memory region %s (%d bytes)", mapping.name,
                       mapping.nbytes)
             return self.region
@@ -125,62 +138,73 @@ class SharedLane:
         nbytes = tensor.numel() * torch_dtype(wdt).itemsize
         if nbytes < MIN_REGION_TENSOR_BYTES:
             return None
-        region = self._region()
+        region = self._region(cuda=tensor.is_cuda)
         return None if region is None else (region, wdt, nbytes)
 
-    def forward(self, lane: Any, req: pb.ForwardRequest, state: CutState) -> tuple[Any, torch.Tensor] | None:
+    def forward(self, lane: Any, req: pb.ForwardRequest, state: CutState, on_device: bool = False
+                ) -> tuple[Any, torch.Tensor] | None:
         """A Forward whose hidden state goes through the region: ``(reply header, output hidden)``, or None
-        when it must travel over the socket."""
+        when it must travel over the socket. ``on_device``: a hidden state on a GPU gets its output there (a
+        copy the GPU orders; the host does not wait), else the output is in host memory of its own."""
         plan = self._plan(state.hidden)
         if plan is None:
             return None
         region, wdt, nbytes = plan
-        small = [encode(name, t) for name, t in state.tensors().items() if name != "hidden"]
-        return self._call("Forward", lane.forward, req, region, ("hidden", state.hidden, wdt, nbytes), small,
-                          self._reply_bytes.get("forward", nbytes))
+        others = {name: t for name, t in state.tensors().items() if name != "hidden"}
+        return self._call("Forward", lane.forward, req, region, ("hidden", state.hidden, wdt), others,
+                          self._reply_bytes.get("forward", nbytes), on_device)
 
-    def backward(self, lane: Any, req: pb.BackwardRequest, grad: torch.Tensor, input_numel: int | None
-                 ) -> tuple[Any, torch.Tensor] | None:
-        """A Backward whose gradients go through the region: ``(reply header, input gradient)``, or None."""
+    def backward(self, lane: Any, req: pb.BackwardRequest, grad: torch.Tensor, input_numel: int | None,
+                 on_device: bool = False) -> tuple[Any, torch.Tensor] | None:
+        """A Backward whose gradients go through the region: ``(reply header, input gradient)``, or None.
+        ``on_device``: as for :meth:`forward`."""
         plan = self._plan(grad)
         if plan is None:
             return None
         region, wdt, nbytes = plan
         guess = input_numel * torch_dtype(wdt).itemsize if input_numel else self._reply_bytes.get("backward", nbytes)
-        return self._call("Backward", lane.backward, req, region, ("grad", grad, wdt, nbytes), [], guess)
+        return self._call("Backward", lane.backward, req, region, ("grad", grad, wdt), {}, guess, on_device)
 
     def _call(self, name: str, fn: Callable[..., Any], req: Any, region: ClientRegion,
-              big: tuple[str, torch.Tensor, WireDType, int], small: Sequence[EncodedTensor], reply_guess: int
-              ) -> tuple[Any, torch.Tensor] | None:
-        tname, tensor, wdt, nbytes = big
-        src = region.take(nbytes)
-        dst = region.take(max(reply_guess, MIN_REGION_TENSOR_BYTES)) if src is not None else None
-        if src is None or dst is None:  # no room now: this call goes over the socket
-            if src is not None:
-                region.give(src)
+              main: tuple[str, torch.Tensor, WireDType], others: dict[str, torch.Tensor], reply_guess: int,
+              on_device: bool = False) -> tuple[Any, torch.Tensor] | None:
+        """One call with ``main`` in the region; ``others`` (masks, positions) inline, or in the region too when
+        CUDA events order the copies (reading a GPU tensor on the host would wait for the GPU)."""
+        tensor = main[1]
+        events = region.take_events() if tensor.is_cuda and region.events is not None else None
+        sends = [(main[0], tensor.detach(), main[2])]
+        small: list[EncodedTensor] = []
+        for other, t in others.items():
+            if events is not None and t.is_cuda:
+                sends.append((other, t.detach(), wire_dtype(t.dtype)))
+            else:
+                small.append(encode(other, t))
+        slices: list[Slice] = []
+        for _, t, wdt in sends:
+            piece = region.take(t.numel() * torch_dtype(wdt).itemsize)
+            if piece is None:
+                break
+            slices.append(piece)
+        dst = region.take(max(reply_guess, MIN_REGION_TENSOR_BYTES)) if len(slices) == len(sends) else None
+        if dst is None:  # no room now: this call goes over the socket
+            self._give(region, slices, events)
             return None
+        slices.append(dst)
         try:
-            dtype = torch_dtype(wdt)
-            t = tensor.detach()
-            if t.device.type == "cuda":
-                region.pin()
-                if t.dtype != dtype:
-                    t = t.to(dtype)  # cast on the device: fewer bytes to copy
-            src.tensor(dtype, tuple(t.shape)).copy_(t)
-            req.reply_region.CopyFrom(fastwire.region_slice(dst.ref))
-            encs = [EncodedTensor(tname, wdt, tuple(t.shape), b"", None, src.ref), *small]
-            parsed = self.client._invoke(name, fn, fastwire.Parsed(req, encs))
-            out, received = self._reply(name, parsed.tensors, region, dst, pinned=tensor.device.type == "cuda")
+            encs, reply = self._write(region, sends, slices, events)
+            req.reply_region.CopyFrom(fastwire.region_slice(reply))
+            parsed = self.client._invoke(name, fn, fastwire.Parsed(req, [*encs, *small]))
+            out, received = self._reply(name, parsed.tensors, region, dst,
+                                        tensor.device if tensor.is_cuda else None, on_device)
         except ChannelError as exc:
             needed = _needed_bytes(exc)
             if needed is not None and needed <= region.mapping.nbytes // 2 and needed > reply_guess:
                 # The reply outgrew the slice offered (the trunk's output is larger than its input); the server
                 # dropped the forward and wrote nothing: offer enough and send again.
-                region.give(src)
-                region.give(dst)
+                self._give(region, slices, events)
                 with self._lock:
                     self._reply_bytes[name.lower()] = needed
-                return self._call(name, fn, req, region, big, small, needed)
+                return self._call(name, fn, req, region, main, others, needed, on_device)
             region.poison()
             if exc.code == "NOT_FOUND" and "region" in str(exc):  # the server closed it (restarted, or idle):
                 log.info("shared-memory region %s is gone on the server; opening another", region.name)
@@ -190,18 +214,48 @@ class SharedLane:
         except BaseException:
             region.poison()
             raise
-        region.give(src)
-        region.give(dst)
-        sent = nbytes + sum(e.wire_nbytes for e in small)
-        self.client._account(sent, received)
+        self._give(region, slices, events)
+        moved = sum(e.region.nbytes for e in encs if e.region is not None)
+        self.client._account(moved + sum(e.wire_nbytes for e in small), received)
         with self._lock:
-            self.bytes += nbytes + (received if parsed.tensors[0].region is not None else 0)
+            self.bytes += moved + (received if parsed.tensors[0].region is not None else 0)
             self.calls += 1
         return parsed.header, out
 
-    def _reply(self, call: str, encs: list[EncodedTensor], region: ClientRegion, dst: Slice, pinned: bool
-               ) -> tuple[torch.Tensor, int]:
-        """The reply's one tensor in memory of its own (pinned when the caller computes on a GPU), and its bytes."""
+    @staticmethod
+    def _write(region: ClientRegion, sends: list[tuple[str, torch.Tensor, WireDType]], slices: list[Slice],
+               events: tuple[int, int] | None) -> tuple[list[EncodedTensor], Any]:
+        """Copy each tensor into its slice (on the device's stream, the request event recorded after, when
+        events order the copies); returns their messages and the reply slice's reference."""
+        encs = []
+        for (tname, t, wdt), piece in zip(sends, slices):
+            dtype = torch_dtype(wdt)
+            if t.is_cuda:
+                region.pin()
+                if t.dtype != dtype:
+                    t = t.to(dtype)  # cast on the device: fewer bytes to copy
+            piece.tensor(dtype, tuple(t.shape)).copy_(t, non_blocking=events is not None and t.is_cuda)
+            ref = piece.ref if events is None or not t.is_cuda else replace(piece.ref, event=events[0])
+            encs.append(EncodedTensor(tname, wdt, tuple(t.shape), b"", None, ref))
+        reply = slices[-1].ref
+        if events is not None:  # the server's stream waits for these copies; this host does not
+            assert region.events is not None
+            region.events[events[0]].record(torch.cuda.current_stream(sends[0][1].device))
+            reply = replace(reply, event=events[1])
+        return encs, reply
+
+    @staticmethod
+    def _give(region: ClientRegion, slices: list[Slice], events: tuple[int, int] | None) -> None:
+        for piece in slices:
+            region.give(piece)
+        if events is not None:
+            region.give_events(events)
+
+    def _reply(self, call: str, encs: list[EncodedTensor], region: ClientRegion, dst: Slice,
+               device: torch.device | None, on_device: bool) -> tuple[torch.Tensor, int]:
+        """The reply's one tensor in memory of its own, and its bytes: on ``device`` when ``on_device`` and its
+        copy is ordered by an event (the host does not wait), else in host memory (pinned when the caller
+        computes on a GPU)."""
         name = "hidden" if call == "Forward" else "grad"
         if len(encs) != 1 or encs[0].name != name:
             raise CodecError(f"expected exactly one tensor named {name!r}, got {[e.name for e in encs]}")
@@ -217,7 +271,18 @@ class SharedLane:
         if not dtype.is_floating_point:
             raise TensorValueError(f"{name} must be a floating tensor, got {dtype}")
         view = region.reply(enc.region, dst, dtype, tuple(enc.shape))
-        out = torch.empty(view.shape, dtype=dtype, pin_memory=pinned and torch.cuda.is_available())
+        if enc.region.event:
+            if device is None or region.events is None:
+                raise CodecError(f"the server's reply names CUDA event {enc.region.event}, which this call did not "
+                                 "offer")
+            event = region.events[enc.region.event]
+            if on_device:  # the copy waits for the server's, on the GPU
+                torch.cuda.current_stream(device).wait_event(event)
+                out = torch.empty(view.shape, dtype=dtype, device=device)
+                out.copy_(view, non_blocking=True)
+                return out, enc.region.nbytes
+            event.synchronize()
+        out = torch.empty(view.shape, dtype=dtype, pin_memory=device is not None)
         out.copy_(view)
         return out, enc.region.nbytes
 

@@ -81,14 +81,16 @@ class CompressionSpec(_message.Message):
     def __init__(self, method: _Optional[_Union[CompressionMethod, str]] = ..., topk_ratio: _Optional[float] = ..., block_size: _Optional[int] = ..., error_feedback: _Optional[bool] = ...) -> None: ...
 
 class RegionSlice(_message.Message):
-    __slots__ = ("region", "offset", "nbytes")
+    __slots__ = ("region", "offset", "nbytes", "event")
     REGION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
     region: str
     offset: int
     nbytes: int
-    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    event: int
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., event: _Optional[int] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data", "compressed", "region")
@@ -267,20 +269,28 @@ class CloseSessionReply(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenRegionRequest(_message.Message):
-    __slots__ = ("nbytes",)
+    __slots__ = ("nbytes", "cuda_events")
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CUDA_EVENTS_FIELD_NUMBER: _ClassVar[int]
     nbytes: int
-    def __init__(self, nbytes: _Optional[int] = ...) -> None: ...
+    cuda_events: bool
+    def __init__(self, nbytes: _Optional[int] = ..., cuda_events: _Optional[bool] = ...) -> None: ...
 
 class OpenRegionReply(_message.Message):
-    __slots__ = ("region", "path", "nbytes")
+    __slots__ = ("region", "path", "nbytes", "event_handles", "server_pid", "device")
     REGION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    SERVER_PID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     region: str
     path: str
     nbytes: int
-    def __init__(self, region: _Optional[str] = ..., path: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    event_handles: _containers.RepeatedScalarFieldContainer[bytes]
+    server_pid: int
+    device: int
+    def __init__(self, region: _Optional[str] = ..., path: _Optional[str] = ..., nbytes: _Optional[int] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., server_pid: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
 
 class CloseRegionRequest(_message.Message):
     __slots__ = ("region",)

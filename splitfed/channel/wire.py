@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,18 +171,31 @@ class ReplyCompression:
         self.store.drop(client)
 
 
-def decode_state(encs: Sequence[EncodedTensor], limits: TensorLimits) -> CutState:
-    """Decode and check a forward's tensors: ``hidden`` (floating) plus optional int mask and positions."""
+def decode_state(encs: Sequence[EncodedTensor], limits: TensorLimits,
+                 ready: Mapping[str, torch.Tensor] | None = None) -> CutState:
+    """Decode and check a forward's tensors: ``hidden`` (floating) plus optional int mask and positions.
+
+    ``ready``: tensors already on the trunk's device by name (from a shared-memory region; checked for
+    NaN/Inf elsewhere), checked here like the others.
+    """
     seen: dict[str, torch.Tensor] = {}
-    for enc in encs:
-        if enc.name not in CUT_FIELDS:
-            raise TensorValueError(f"unexpected tensor {enc.name!r}; a forward carries {list(CUT_FIELDS)}")
-        if enc.name in seen:
-            raise TensorValueError(f"tensor {enc.name!r} appears twice")
-        tensor = decode(enc, limits)
-        if enc.name in _INT_FIELDS and tensor.is_floating_point():
-            raise TensorValueError(f"{enc.name} must be an integer or bool tensor, got {tensor.dtype}")
-        seen[enc.name] = tensor
+    named = [(name, None, tensor) for name, tensor in (ready or {}).items()] + [(e.name, e, None) for e in encs]
+    for name, enc, tensor in named:
+        if name not in CUT_FIELDS:
+            raise TensorValueError(f"unexpected tensor {name!r}; a forward carries {list(CUT_FIELDS)}")
+        if name in seen:
+            raise TensorValueError(f"tensor {name!r} appears twice")
+        if tensor is None:
+            assert enc is not None
+            tensor = decode(enc, limits)
+        if name in _INT_FIELDS and tensor.is_floating_point():
+            raise TensorValueError(f"{name} must be an integer or bool tensor, got {tensor.dtype}")
+        seen[name] = tensor
+    _check_state(seen)
+    return CutState(seen["hidden"], seen.get("attention_mask"), seen.get("position_ids"))
+
+
+def _check_state(seen: Mapping[str, torch.Tensor]) -> None:
     if "hidden" not in seen:
         raise TensorValueError("forward carries no 'hidden' tensor")
     hidden = seen["hidden"]
@@ -198,14 +211,16 @@ def decode_state(encs: Sequence[EncodedTensor], limits: TensorLimits) -> CutStat
                                                                          (1, hidden.shape[1])}):
         raise TensorValueError(f"position_ids shape {list(pos.shape)} does not fit hidden {list(hidden.shape)}: "
                                "expected (batch, length)")
-    return CutState(hidden, mask, pos)
 
 
-def decode_single(encs: Sequence[EncodedTensor], name: str, limits: TensorLimits) -> torch.Tensor:
-    """Decode a message that must carry exactly one tensor called ``name``."""
-    if len(encs) != 1 or encs[0].name != name:
-        raise TensorValueError(f"expected exactly one tensor named {name!r}, got {[e.name for e in encs]}")
-    return decode(encs[0], limits)
+def decode_single(encs: Sequence[EncodedTensor], name: str, limits: TensorLimits,
+                  ready: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """Decode a message that must carry exactly one tensor called ``name`` (maybe already ``ready``, see
+    :func:`decode_state`)."""
+    names = [*(ready or {}), *(e.name for e in encs)]
+    if names != [name]:
+        raise TensorValueError(f"expected exactly one tensor named {name!r}, got {names}")
+    return ready[name] if ready else decode(encs[0], limits)
 
 
 # -- framing ------------------------------------------------------------------

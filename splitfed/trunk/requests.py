@@ -50,6 +50,8 @@ class ForwardRequest:
     train: bool
     num_examples: int = 1
     retry: bool = False
+    #: Hand the output back on the trunk's device (the reply is copied from there, ordered by a CUDA event).
+    device_out: bool = False
 
     @property
     def tokens(self) -> int:

@@ -111,6 +111,7 @@ class TrunkRuntime(RuntimeUpkeep):
         self._trainable = [p for p in trunk.parameters() if p.requires_grad]
         self.checkpointing = checkpointing
         self.host_outputs = host_outputs
+        self._device_out = False  # set while serving a request whose output stays on the device
         self._lock = threading.RLock()
         self._version = 0
         self._batches = Batcher(self)
@@ -152,7 +153,7 @@ class TrunkRuntime(RuntimeUpkeep):
     def handed(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as handed to the caller: in host memory when ``host_outputs`` (copied here, on the thread that
         computed it, into pinned memory: a copy to pageable memory runs several times slower), else as it is."""
-        if not self.host_outputs or t.device.type == "cpu":
+        if not self.host_outputs or self._device_out or t.device.type == "cpu":
             return t
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         out.copy_(t)
@@ -253,8 +254,12 @@ class TrunkRuntime(RuntimeUpkeep):
     def forward_request(self, request: ForwardRequest) -> tuple[torch.Tensor, int]:
         """:meth:`forward` of a queued :class:`ForwardRequest`."""
         r = request
-        return self.forward(r.client_id, r.activation_id, r.state, train=r.train, num_examples=r.num_examples,
-                            retry=r.retry)
+        self._device_out = r.device_out
+        try:
+            return self.forward(r.client_id, r.activation_id, r.state, train=r.train, num_examples=r.num_examples,
+                                retry=r.retry)
+        finally:
+            self._device_out = False
 
     def can_batch(self, request: ForwardRequest) -> bool:
         """Whether ``request`` may share a trunk call with other clients' forwards.
@@ -274,7 +279,8 @@ class TrunkRuntime(RuntimeUpkeep):
 
     # -- backward ------------------------------------------------------------
     def start_backward(self, client_id: str, activation_id: str, grad: torch.Tensor, *, retry: bool = False,
-                       reply_check: ReplyCheck | None = None, step: StepPart | None = None) -> PendingBackward:
+                       reply_check: ReplyCheck | None = None, step: StepPart | None = None,
+                       device_out: bool = False) -> PendingBackward:
         """Gradient of the loss w.r.t. the forward's input now; the trunk's gradient goes to the aggregator.
 
         Never waits for other clients. ``reply_check`` sees the input's shape
@@ -282,7 +288,8 @@ class TrunkRuntime(RuntimeUpkeep):
         refused with the saved forward still in place. A retried request
         (``retry``) for a Backward already computed gets the same answer and the
         same outcome, never a second contribution. ``step``: this backward is one
-        micro-batch of a client step (see :mod:`splitfed.trunk.microsteps`).
+        micro-batch of a client step (see :mod:`splitfed.trunk.microsteps`). ``device_out``: hand the input
+        gradient back on the trunk's device.
         """
         with self._lock:
             if retry:
@@ -323,7 +330,7 @@ class TrunkRuntime(RuntimeUpkeep):
         result = self._submit(client_id, entry.version, trunk_grads, entry.num_examples) if step is None else \
             self.micro.offer(client_id, step, activation_id, entry.version, trunk_grads, entry.num_examples,
                              self._submit)
-        pending = PendingBackward(resolved(self.handed(grad_in)), result)
+        pending = PendingBackward(resolved(grad_in if device_out else self.handed(grad_in)), result)
         with self._lock:
             self.store.remember(activation_id, DoneBackward(client_id, pending.grad_in, result,
                                                             grad_in.numel() * grad_in.element_size()))

@@ -1,0 +1,158 @@
+"""The trunk server's reads and writes of its clients' shared-memory regions (see :mod:`splitfed.channel.regions`).
+
+A request's tensor in a region is copied into memory of the server's own before
+anything looks at it. Without a CUDA event the client's bytes are complete when
+the call arrives: they are copied into host memory and decoded like bytes from
+the socket. With one (client and trunk both on a GPU), the trunk's stream
+waits for the client's copy and copies the bytes straight to the device; the
+host never waits, so neither side's GPU idles while the other launches work.
+Such tensors are checked for NaN/Inf on the device and the verdict is read
+once the Backward's step is done (:meth:`RegionIO.verdict`): the host would
+otherwise stall the GPU pipeline for it. A non-finite trunk gradient is never
+applied either way (the gradient guard).
+
+Replies go into the slice the request offered when they are raw and fit,
+from the device or from host memory, with the request's reply event recorded
+after the copy.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from splitfed.channel import fastwire
+from splitfed.channel.regions import RegionTable, SharedRegion, host_copy
+from splitfed.codec import EncodedTensor, RegionRef, WireDType, declared_nbytes, torch_dtype, wire_dtype
+from splitfed.errors import CodecError, ResourceExhaustedError, SplitFedError, TensorValueError
+
+#: Verdicts kept for training forwards whose Backward has not come yet.
+MAX_PENDING_VERDICTS = 4096
+
+
+class RegionIO:
+    """One servicer's access to the regions of ``table``.
+
+    Args:
+        table: the server's regions.
+        device: the trunk's device (CUDA: tensors with an event go straight there).
+        max_bytes: the largest tensor a request may name.
+    """
+
+    def __init__(self, table: RegionTable, device: torch.device, max_bytes: int) -> None:
+        self.table = table
+        self.device = device
+        self.max_bytes = max_bytes
+        self._verdicts: OrderedDict[tuple[str, str], list[torch.Tensor]] = OrderedDict()
+
+    # -- requests ----------------------------------------------------------------------------
+    def resolve(self, client: str, tensors: list[EncodedTensor]
+                ) -> tuple[list[EncodedTensor], dict[str, torch.Tensor], list[torch.Tensor]]:
+        """The request's tensors: those in ``client``'s region copied out (host bytes, or device tensors when an
+        event orders the copy), and the device tensors' finiteness flags (read later, see :meth:`verdict`)."""
+        out: list[EncodedTensor] = []
+        ready: dict[str, torch.Tensor] = {}
+        flags: list[torch.Tensor] = []
+        for enc in tensors:
+            ref = enc.region
+            if ref is None:
+                out.append(enc)
+                continue
+            if enc.compressed is not None or len(enc.data):
+                raise CodecError(f"tensor {enc.name!r} names a region and also carries bytes or compression; a "
+                                 "tensor in a region travels raw and only there")
+            need = declared_nbytes(enc.dtype, enc.shape)
+            if ref.nbytes != need:
+                raise CodecError(f"tensor {enc.name!r} of shape {list(enc.shape)} needs {need} bytes but names a "
+                                 f"slice of {ref.nbytes}")
+            if need > self.max_bytes:
+                raise ResourceExhaustedError(f"tensor {enc.name!r} declares {need} bytes, above the limit of "
+                                             f"{self.max_bytes}")
+            region = self.table.region(client, ref.region)
+            src = region.view(ref.offset, ref.nbytes)
+            if not ref.event:
+                own = host_copy(src, pinned=self.table.pin)
+                out.append(EncodedTensor(enc.name, enc.dtype, enc.shape, memoryview(own.numpy())))
+                continue
+            tensor = self._to_device(enc, region, ref, src)
+            if tensor.is_floating_point():
+                flags.append(torch.isfinite(tensor).all())
+            ready[enc.name] = tensor
+        return out, ready, flags
+
+    def _to_device(self, enc: EncodedTensor, region: SharedRegion, ref: RegionRef, src: torch.Tensor
+                   ) -> torch.Tensor:
+        event = self._event(region, ref)
+        dtype = torch_dtype(enc.dtype)
+        if not src.numel():
+            raise TensorValueError(f"tensor {enc.name!r} is empty (shape {list(enc.shape)}); send at least one "
+                                   "element")
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(event)  # the client's copy into the region comes first, on the GPU's time
+        own = torch.empty(src.shape, dtype=torch.uint8, device=self.device)
+        own.copy_(src, non_blocking=True)
+        return own.view(dtype).view(enc.shape)
+
+    def _event(self, region: SharedRegion, ref: RegionRef) -> torch.cuda.Event:
+        if region.events is None or self.device.type != "cuda":
+            raise CodecError(f"slice names CUDA event {ref.event} but region {ref.region} has no events (the trunk "
+                             "or the client is not on a GPU)")
+        return region.events[ref.event]
+
+    def reply_slot(self, client: str, request: Any) -> RegionRef | None:
+        """The slice a request offers for its reply, checked before the request touches the trunk."""
+        if not request.HasField("reply_region"):
+            return None
+        ref = fastwire.region_ref(request.reply_region)
+        region = self.table.region(client, ref.region)
+        region.view(ref.offset, ref.nbytes)
+        if ref.event:
+            self._event(region, ref)
+        return ref
+
+    # -- replies ------------------------------------------------------------------------------
+    def place(self, client: str, slot: RegionRef, name: str, out: torch.Tensor, reply_dtype: WireDType | None
+              ) -> EncodedTensor | None:
+        """``out`` written into ``slot`` in ``reply_dtype`` (the slot's event recorded after the copy); None
+        when it does not fit there or the region is gone (the bytes then travel in the reply)."""
+        wdt = reply_dtype or wire_dtype(out.dtype)
+        t = out.detach().to(torch_dtype(wdt))
+        nbytes = t.numel() * t.element_size()
+        if nbytes > slot.nbytes:
+            return None
+        try:
+            region = self.table.region(client, slot.region)
+            dst = region.view(slot.offset, nbytes)
+        except SplitFedError:  # closed meanwhile (an idle sweep)
+            return None
+        if nbytes:
+            dst.copy_(t.contiguous().reshape(-1).view(torch.uint8), non_blocking=t.is_cuda)
+        if slot.event:
+            self._event(region, slot).record(torch.cuda.current_stream(self.device))
+        return EncodedTensor(name, wdt, tuple(t.shape), b"", None,
+                             RegionRef(slot.region, slot.offset, nbytes, slot.event))
+
+    # -- deferred checks ----------------------------------------------------------------------
+    def keep(self, client: str, activation_id: str, flags: list[torch.Tensor]) -> None:
+        """Keep a training forward's flags for its Backward's verdict."""
+        if flags:
+            self._verdicts[(client, activation_id)] = flags
+            while len(self._verdicts) > MAX_PENDING_VERDICTS:
+                self._verdicts.popitem(last=False)
+
+    def verdict(self, client: str, activation_id: str, flags: list[torch.Tensor]) -> None:
+        """Raise :class:`TensorValueError` if the forward's input or the gradient held NaN or Inf.
+
+        Called once the Backward's step is done, when reading the flags no longer stalls the GPU.
+        """
+        flags = self._verdicts.pop((client, activation_id), []) + flags
+        if flags and not bool(torch.stack(flags).all()):
+            raise TensorValueError(f"the forward's input or the gradient of {activation_id} held NaN or Inf "
+                                   "(tensors through a GPU-ordered region are checked once the step is done; a "
+                                   "non-finite trunk gradient is never applied)")
+
+    def forget(self, client: str, activation_id: str) -> None:
+        """Drop a forward's flags (its Backward will not come)."""
+        self._verdicts.pop((client, activation_id), None)

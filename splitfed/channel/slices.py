@@ -1,0 +1,131 @@
+"""A client's view of its shared-memory region: the slices and CUDA events its calls in flight hold.
+
+Pure torch and the standard library (see :mod:`splitfed.channel.regions` for the regions themselves).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from splitfed.channel.regions import ALIGN, RegionEvents, SharedRegion
+from splitfed.codec import RegionRef
+from splitfed.errors import CodecError
+
+
+@dataclass
+class _Slices:
+    """A first-fit allocator of aligned slices in ``[0, size)``."""
+
+    size: int
+    free: list[tuple[int, int]] = field(default_factory=list)  # (offset, length), sorted by offset
+
+    def __post_init__(self) -> None:
+        self.free = [(0, self.size)]
+
+    def take(self, nbytes: int) -> int | None:
+        need = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        for i, (offset, length) in enumerate(self.free):
+            if length >= need:
+                if length == need:
+                    del self.free[i]
+                else:
+                    self.free[i] = (offset + need, length - need)
+                return offset
+        return None
+
+    def give(self, offset: int, nbytes: int) -> None:
+        need = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        self.free.append((offset, need))
+        self.free.sort()
+        merged: list[tuple[int, int]] = []
+        for off, length in self.free:
+            if merged and merged[-1][0] + merged[-1][1] == off:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((off, length))
+        self.free = merged
+
+
+@dataclass
+class Slice:
+    """A slice of a client's region, taken for one call."""
+
+    region: ClientRegion
+    offset: int
+    nbytes: int
+
+    @property
+    def ref(self) -> RegionRef:
+        """How a message names it."""
+        return RegionRef(self.region.name, self.offset, self.nbytes)
+
+    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The slice's first bytes viewed as a C-contiguous tensor of ``dtype`` and ``shape``."""
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        return self.region.mapping.view(self.offset, nbytes).view(dtype).view(shape)
+
+
+class ClientRegion:
+    """A client's mapping of its region, with the slices its calls in flight hold."""
+
+    def __init__(self, mapping: SharedRegion, events: RegionEvents | None = None) -> None:
+        self.mapping = mapping
+        self.name = mapping.name
+        #: The server's CUDA events for this region (None: copies complete before a call is sent).
+        self.events = events
+        self._slices = _Slices(mapping.nbytes)
+        self._free_events = list(range(len(events), 0, -1)) if events is not None else []
+        self._lock = threading.Lock()
+        self.broken = False
+
+    def take(self, nbytes: int) -> Slice | None:
+        """A slice of ``nbytes``, or None when the region has no room (the tensor then travels inline)."""
+        with self._lock:
+            if self.broken:
+                return None
+            offset = self._slices.take(nbytes)
+        return None if offset is None else Slice(self, offset, nbytes)
+
+    def give(self, piece: Slice) -> None:
+        """Return a slice once its call succeeded (a failed call's slices are never reused: see :meth:`poison`)."""
+        with self._lock:
+            self._slices.give(piece.offset, piece.nbytes)
+
+    def take_events(self) -> tuple[int, int] | None:
+        """Two event indices (request, reply) for one call, or None when all are in use."""
+        with self._lock:
+            if len(self._free_events) < 2 or self.broken:
+                return None
+            return self._free_events.pop(), self._free_events.pop()
+
+    def give_events(self, pair: tuple[int, int]) -> None:
+        """Return a call's events (only once the call succeeded, like slices)."""
+        with self._lock:
+            self._free_events.extend(pair)
+
+    def poison(self) -> None:
+        """Stop using this region: a call failed, and the server may still write into its slices."""
+        with self._lock:
+            self.broken = True
+
+    def reply(self, ref: RegionRef, given: Slice, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The reply tensor the server wrote into ``given``; raises :class:`CodecError` if ``ref`` lies elsewhere."""
+        need = dtype.itemsize
+        for d in shape:
+            need *= d
+        if ref.region != self.name or ref.offset != given.offset or ref.nbytes > given.nbytes or ref.nbytes != need:
+            raise CodecError(f"the server's reply names slice {ref} but was given {given.ref} for {need} bytes")
+        return given.tensor(dtype, shape)
+
+    def pin(self) -> bool:
+        """Register the mapping with CUDA (see :meth:`SharedRegion.pin`)."""
+        return self.mapping.pin()
+
+    def close(self) -> None:
+        """Unmap the region."""
+        self.mapping.close()
