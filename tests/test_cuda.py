@@ -223,8 +223,11 @@ def test_nan_through_gpu_ordered_shared_memory_is_refused_at_the_backward(trunk_
     from splitfed.errors import ChannelError
     from splitfed.split import CutState
 
+    from splitfed.split.sequential import split_sequential
+
     monkeypatch.setattr(shared, "MIN_REGION_TENSOR_BYTES", 1)
-    trunk = torch.nn.Linear(16, 16).to(CUDA)
+    _, trunk, _ = split_sequential(torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3))), 1, 2)
+    trunk = trunk.to(CUDA)
     before = copy.deepcopy(trunk.state_dict())
     server = trunk_server(trunk, lr=0.1)
     with TrunkClient(server.address, insecure=True) as client:
