@@ -18,15 +18,24 @@ after the copy.
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from splitfed.channel import fastwire
+from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel.regions import RegionTable, SharedRegion, host_copy
 from splitfed.codec import EncodedTensor, RegionRef, WireDType, declared_nbytes, torch_dtype, wire_dtype
-from splitfed.errors import CodecError, ResourceExhaustedError, SplitFedError, TensorValueError
+from splitfed.errors import (
+    CodecError,
+    ResourceExhaustedError,
+    SharedMemoryUnavailableError,
+    SplitFedError,
+    TensorValueError,
+)
 
 #: Verdicts kept for training forwards whose Backward has not come yet.
 MAX_PENDING_VERDICTS = 4096
@@ -156,3 +165,72 @@ class RegionIO:
     def forget(self, client: str, activation_id: str) -> None:
         """Drop a forward's flags (its Backward will not come)."""
         self._verdicts.pop((client, activation_id), None)
+
+
+class RegionService:
+    """The servicer's shared-memory part (a mixin of :class:`~splitfed.channel.servicer.SplitChannelServicer`):
+    the OpenRegion and CloseRegion calls, and a request's tensors in and its reply out of a region."""
+
+    runtime: Any
+    replies: Any
+    tensor_limits: Any
+    _io: RegionIO | None
+    _call: Any
+    _identity: Any
+
+    @property
+    def regions(self) -> RegionTable | None:
+        """Shared-memory regions of clients on this host (None: tensors travel over the socket only)."""
+        return None if self._io is None else self._io.table
+
+    @regions.setter
+    def regions(self, table: RegionTable | None) -> None:
+        self._io = None if table is None else RegionIO(table, self.runtime.device, self.tensor_limits.max_bytes)
+
+    def _region_io(self) -> RegionIO:
+        if self._io is None:
+            raise SharedMemoryUnavailableError("this trunk server offers no shared memory; send tensor bytes "
+                                               "in the message")
+        return self._io
+
+    def _resolve(self, client: str, tensors: list[EncodedTensor]
+                 ) -> tuple[list[EncodedTensor], dict[str, torch.Tensor], list[torch.Tensor]]:
+        if all(enc.region is None for enc in tensors):
+            return tensors, {}, []
+        return self._region_io().resolve(client, tensors)
+
+    def _reply_slot(self, client: str, request: Any) -> RegionRef | None:
+        return self._region_io().reply_slot(client, request) if request.HasField("reply_region") else None
+
+    def _reply(self, client: str, activation_id: str, name: str, out: torch.Tensor, reply_dtype: WireDType | None,
+               spec: Any, slot: RegionRef | None, feedback: bool = True) -> list[EncodedTensor]:
+        """The reply's tensor: into the offered slice when it is raw and fits there, else as bytes."""
+        if slot is not None and spec is None and out.is_floating_point():
+            placed = self._region_io().place(client, slot, name, out, reply_dtype)
+            if placed is not None:
+                return [placed]
+        if out.device.type != "cpu":  # a device output that could not take its slice
+            out = out.cpu()
+        return [self.replies.encode(client, activation_id, name, out, reply_dtype, spec, feedback=feedback)]
+
+
+    # -- calls -------------------------------------------------------------------------------------
+    async def OpenRegion(self, request: pb.OpenRegionRequest, context: Any) -> pb.OpenRegionReply:
+        async def run() -> pb.OpenRegionReply:
+            client, _ = self._identity(context)
+            table = self._region_io().table
+            device = self.runtime.device
+            events = device.index if device.index is not None else 0
+            on = events if request.cuda_events and table.pin and device.type == "cuda" else None
+            region = await asyncio.get_running_loop().run_in_executor(None, table.open, client, request.nbytes, on)
+            return pb.OpenRegionReply(region=region.name, path=str(region.path), nbytes=region.nbytes,
+                                      event_handles=[] if region.events is None else region.events.handles(),
+                                      server_pid=os.getpid(), device=events)
+        return await self._call(context, run, request)
+
+    async def CloseRegion(self, request: pb.CloseRegionRequest, context: Any) -> pb.CloseRegionReply:
+        async def run() -> pb.CloseRegionReply:
+            client, _ = self._identity(context)
+            self._region_io().table.close(client, request.region)
+            return pb.CloseRegionReply()
+        return await self._call(context, run, request)

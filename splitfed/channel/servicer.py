@@ -15,17 +15,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-import torch
 
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.regionio import RegionIO
-from splitfed.channel.regions import RegionTable
+from splitfed.channel.regionio import RegionIO, RegionService
 from splitfed.channel.handlers import (
     Malformed,
     check_parsed,
@@ -42,12 +39,11 @@ from splitfed.channel.wire import (
     payload_bytes,
     reply_spec,
 )
-from splitfed.codec import EncodedTensor, RegionRef, TensorLimits, WireDType, torch_dtype
+from splitfed.codec import RegionRef, TensorLimits, WireDType, torch_dtype
 from splitfed.errors import (
     CodecError,
     ResourceExhaustedError,
     SessionNotFoundError,
-    SharedMemoryUnavailableError,
     SplitFedError,
 )
 from splitfed.split.base import part_range, with_client_cut
@@ -83,7 +79,7 @@ async def _outcome(future: concurrent.futures.Future[T]) -> T:
     return await asyncio.wrap_future(future)
 
 
-class SplitChannelServicer:
+class SplitChannelServicer(RegionService):
     """Decodes, schedules trunk work, awaits it, encodes; every error becomes a precise status."""
 
     def __init__(self, runtime: TrunkRuntime, scheduler: TrunkScheduler, limits: ChannelLimits, *,
@@ -147,42 +143,6 @@ class SplitChannelServicer:
     def _count(self, direction: str, encs: list) -> None:
         if self.metrics is not None:
             self.metrics.tensors(direction, encs)
-
-    # -- shared memory -------------------------------------------------------------
-    @property
-    def regions(self) -> RegionTable | None:
-        """Shared-memory regions of clients on this host (None: tensors travel over the socket only)."""
-        return None if self._io is None else self._io.table
-
-    @regions.setter
-    def regions(self, table: RegionTable | None) -> None:
-        self._io = None if table is None else RegionIO(table, self.runtime.device, self.tensor_limits.max_bytes)
-
-    def _region_io(self) -> RegionIO:
-        if self._io is None:
-            raise SharedMemoryUnavailableError("this trunk server offers no shared memory; send tensor bytes "
-                                               "in the message")
-        return self._io
-
-    def _resolve(self, client: str, tensors: list[EncodedTensor]
-                 ) -> tuple[list[EncodedTensor], dict[str, torch.Tensor], list[torch.Tensor]]:
-        if all(enc.region is None for enc in tensors):
-            return tensors, {}, []
-        return self._region_io().resolve(client, tensors)
-
-    def _reply_slot(self, client: str, request: Any) -> RegionRef | None:
-        return self._region_io().reply_slot(client, request) if request.HasField("reply_region") else None
-
-    def _reply(self, client: str, activation_id: str, name: str, out: torch.Tensor, reply_dtype: WireDType | None,
-               spec: Any, slot: RegionRef | None, feedback: bool = True) -> list[EncodedTensor]:
-        """The reply's tensor: into the offered slice when it is raw and fits there, else as bytes."""
-        if slot is not None and spec is None and out.is_floating_point():
-            placed = self._region_io().place(client, slot, name, out, reply_dtype)
-            if placed is not None:
-                return [placed]
-        if out.device.type != "cpu":  # a device output that could not take its slice
-            out = out.cpu()
-        return [self.replies.encode(client, activation_id, name, out, reply_dtype, spec, feedback=feedback)]
 
     # -- the work ----------------------------------------------------------------
     async def _forward(self, identity: tuple[str, bool], req: pb.ForwardRequest, tensors: list, unary: bool
@@ -380,24 +340,4 @@ class SplitChannelServicer:
             sessions = self.sessions
             await self._on_device(lambda: sessions.close(client, request.session_id))
             return pb.CloseSessionReply()
-        return await self._call(context, run, request)
-
-    async def OpenRegion(self, request: pb.OpenRegionRequest, context: Any) -> pb.OpenRegionReply:
-        async def run() -> pb.OpenRegionReply:
-            client, _ = self._identity(context)
-            table = self._region_io().table
-            device = self.runtime.device
-            events = device.index if device.index is not None else 0
-            on = events if request.cuda_events and table.pin and device.type == "cuda" else None
-            region = await asyncio.get_running_loop().run_in_executor(None, table.open, client, request.nbytes, on)
-            return pb.OpenRegionReply(region=region.name, path=str(region.path), nbytes=region.nbytes,
-                                      event_handles=[] if region.events is None else region.events.handles(),
-                                      server_pid=os.getpid(), device=events)
-        return await self._call(context, run, request)
-
-    async def CloseRegion(self, request: pb.CloseRegionRequest, context: Any) -> pb.CloseRegionReply:
-        async def run() -> pb.CloseRegionReply:
-            client, _ = self._identity(context)
-            self._region_io().table.close(client, request.region)
-            return pb.CloseRegionReply()
         return await self._call(context, run, request)

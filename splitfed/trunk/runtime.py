@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -59,7 +58,6 @@ from splitfed.trunk.recompute import (
     rng_state,
 )
 from splitfed.trunk.requests import (
-    BackwardResult,
     ForwardRequest,
     PendingBackward,
     ReplyCheck,
@@ -335,32 +333,6 @@ class TrunkRuntime(RuntimeUpkeep):
             self.store.remember(activation_id, DoneBackward(client_id, pending.grad_in, result,
                                                             grad_in.numel() * grad_in.element_size()))
         return pending
-
-    def backward(self, client_id: str, activation_id: str, grad: torch.Tensor, *,
-                 retry: bool = False, step: StepPart | None = None) -> BackwardResult:
-        """Blocking :meth:`start_backward`: waits for the input gradient and the step's outcome (firing
-        timeouts itself)."""
-        pending = self.start_backward(client_id, activation_id, grad, retry=retry, step=step)
-        grad_in = self.wait(pending.grad_in)
-        return BackwardResult(grad_in, self.wait(pending.result))
-
-    def wait(self, result: Future[T]) -> T:
-        """Wait for a future of this runtime, polling at each deadline (for callers without a scheduler)."""
-        while True:
-            deadline = self.deadline()
-            remaining = self.aggregator.timeout if deadline is None else max(deadline - time.monotonic(), 0.0)
-            try:
-                return result.result(timeout=remaining + 0.001)
-            except TimeoutError:
-                self.poll()
-
-    def refused(self, client_id: str) -> None:
-        """A training request of this client was refused: the step stops waiting for it.
-
-        It leaves the step group (its saved forwards wait for their TTL); a
-        later gradient or training forward brings it back.
-        """
-        self.aggregator.leave(client_id)
 
     def _gradients(self, entry: SavedForward, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         inputs = [entry.inputs.hidden]

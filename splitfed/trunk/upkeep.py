@@ -8,16 +8,22 @@ backward paths.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 
 from splitfed.trunk.aggregation import TrunkAggregator
+from splitfed.trunk.microsteps import StepPart
+from splitfed.trunk.requests import BackwardResult
 from splitfed.trunk.store import ForwardStore
 
 if TYPE_CHECKING:
     from splitfed.trunk.batched import Batcher
+
+T = TypeVar("T")
 
 
 class RuntimeUpkeep:
@@ -30,6 +36,7 @@ class RuntimeUpkeep:
     _lock: threading.RLock
     _version: int
     _batches: Batcher
+    start_backward: Any  # TrunkRuntime.start_backward
 
     def forget(self, client_id: str, activation_id: str) -> None:
         """Drop a saved forward whose reply could not be delivered (the client resends it)."""
@@ -80,4 +87,29 @@ class RuntimeUpkeep:
         self.aggregator.poll()
         self._batches.poll()
 
+    # -- without a scheduler ------------------------------------------------------------
+    def backward(self, client_id: str, activation_id: str, grad: torch.Tensor, *,
+                 retry: bool = False, step: StepPart | None = None) -> BackwardResult:
+        """Blocking :meth:`start_backward`: waits for the input gradient and the step's outcome (firing
+        timeouts itself)."""
+        pending = self.start_backward(client_id, activation_id, grad, retry=retry, step=step)
+        grad_in = self.wait(pending.grad_in)
+        return BackwardResult(grad_in, self.wait(pending.result))
 
+    def wait(self, result: Future[T]) -> T:
+        """Wait for a future of this runtime, polling at each deadline (for callers without a scheduler)."""
+        while True:
+            deadline = self.deadline()
+            remaining = self.aggregator.timeout if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                return result.result(timeout=remaining + 0.001)
+            except TimeoutError:
+                self.poll()
+
+    def refused(self, client_id: str) -> None:
+        """A training request of this client was refused: the step stops waiting for it.
+
+        It leaves the step group (its saved forwards wait for their TTL); a
+        later gradient or training forward brings it back.
+        """
+        self.aggregator.leave(client_id)
