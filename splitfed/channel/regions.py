@@ -90,7 +90,9 @@ class SharedRegion:
         path = SHM_DIR / name
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
+            # Reserve the pages now: a tmpfs that runs out of room later (a container's small /dev/shm) would
+            # kill the process that touches the missing page instead of failing here.
+            os.posix_fallocate(fd, 0, nbytes)
             mapping = mmap.mmap(fd, nbytes)
         except OSError as exc:
             path.unlink(missing_ok=True)

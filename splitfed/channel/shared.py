@@ -74,7 +74,9 @@ class SharedLane:
         return plan is not None and tensor.is_cuda and plan[0].events is not None
 
     # -- the region ------------------------------------------------------------------------
-    def _region(self, cuda: bool = False) -> ClientRegion | None:
+    def _region(self, cuda: bool = False, need: int = 0) -> ClientRegion | None:
+        """The mapped region (opened on first use, sized for a few calls of ``need`` bytes in flight, at most
+        ``nbytes``), or None when tensors travel over the socket."""
         if self.mode == "off":
             return None
         region = self.region
@@ -89,7 +91,8 @@ class SharedLane:
                 self._drop(region)
             try:
                 reply = self.client._invoke("OpenRegion", self.client._stub.OpenRegion,
-                                            pb.OpenRegionRequest(nbytes=self.nbytes, cuda_events=cuda))
+                                            pb.OpenRegionRequest(nbytes=min(self.nbytes, max(8 * need, 4 << 20)),
+                                                                 cuda_events=cuda))
             except ChannelError as exc:
                 log.info("tensors travel over the socket: the trunk server at %s offers no shared memory (%s)",
                          self.client.address, exc.code)
@@ -138,7 +141,7 @@ class SharedLane:
         nbytes = tensor.numel() * torch_dtype(wdt).itemsize
         if nbytes < MIN_REGION_TENSOR_BYTES:
             return None
-        region = self._region(cuda=tensor.is_cuda)
+        region = self._region(cuda=tensor.is_cuda, need=nbytes)
         return None if region is None else (region, wdt, nbytes)
 
     def forward(self, lane: Any, req: pb.ForwardRequest, state: CutState, on_device: bool = False
