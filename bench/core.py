@@ -244,6 +244,10 @@ def channel_vs_grpc(sizes: tuple[int, ...] = (4 << 10, 1 << 20, 16 << 20), repea
     The channel's server decodes and checks the tensor (NaN/Inf), runs an
     identity trunk and encodes the reply; the echo server returns the request
     bytes. Both servers run in one process, the clients in another.
+    ``channel_vs_grpc_ratio_*`` sends the bytes over the socket as the echo does
+    (``shared_memory="off"``); ``channel_shared_vs_grpc_ratio_*`` (sizes of 64 KiB
+    and more) lets them go through a shared-memory region, as a client on the
+    trunk's host does by default.
     """
     import grpc
 
@@ -261,18 +265,26 @@ def channel_vs_grpc(sizes: tuple[int, ...] = (4 << 10, 1 << 20, 16 << 20), repea
         echo_port, trunk_port = port_queue.get(timeout=120)
         echo_channel = grpc.insecure_channel(f"127.0.0.1:{echo_port}", options=limits.grpc_options())
         echo = echo_channel.unary_unary("/bench.Echo/Echo")
-        client = TrunkClient(f"127.0.0.1:{trunk_port}", insecure=True, limits=limits)
+        address = f"127.0.0.1:{trunk_port}"
+        client = TrunkClient(address, insecure=True, limits=limits, shared_memory="off")
+        shared = TrunkClient(address, insecure=True, limits=limits, shared_memory="on")
         for size in sizes:
             name = _SIZE_NAMES.get(size, f"{size}B")
             hidden = torch.randn(size // 4 // 256, 256)
             payload = hidden.numpy().tobytes()
             state = CutState(hidden)
-            t_channel, t_echo = interleaved(lambda: client.forward(state, train=False), lambda: echo(payload),
-                                            repeat * (10 if size < MiB else 1), warmup=3)
+            n = repeat * (10 if size < MiB else 1)
+            t_channel, t_echo = interleaved(lambda: client.forward(state, train=False), lambda: echo(payload), n,
+                                            warmup=3)
             out[f"channel_vs_grpc_ratio_{name}"] = t_channel / t_echo
             out[f"channel_rtt_{name}_ms"] = t_channel * 1e3
             out[f"grpc_echo_rtt_{name}_ms"] = t_echo * 1e3
+            if size >= 64 << 10:
+                t_shared, t_echo = interleaved(lambda: shared.forward(state, train=False), lambda: echo(payload), n,
+                                               warmup=3)
+                out[f"channel_shared_vs_grpc_ratio_{name}"] = t_shared / t_echo
         client.close()
+        shared.close()
         echo_channel.close()
     finally:
         stop.set()

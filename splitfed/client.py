@@ -37,15 +37,19 @@ class ClientResult:
     privacy_state: dict[str, Any] = field(default_factory=dict)  # the DP accountant, kept across rounds
 
 
-def micro_batches(cfg: RunConfig, split: SplitModel) -> int:
+def micro_batches(cfg: RunConfig, split: SplitModel, trunk: nn.Module | None = None) -> int:
     """The run's ``micro-batches`` for this model: the number, or for ``auto`` the rule of
     :func:`~splitfed.split.microbatch.resolve_micro_batches` with the cut's bytes per example (hidden size x
-    ``max-seq-len`` x the wire dtype's size for transformers; other models: 1). With differential privacy: 1
-    (opacus needs one forward per batch)."""
+    ``max-seq-len`` x the wire dtype's size for transformers; other models: 1). ``auto`` is 1 where the cut goes
+    through shared memory (``trunk``'s client shares the trunk's host): there pipelining costs more per-call work
+    than it saves. With differential privacy: 1 (opacus needs one forward per batch)."""
     if PrivacyConfig.from_mapping(cfg.to_mapping()).enabled:
         if cfg.micro_batches != "1":
             log.info("micro-batches = %s ignored: differentially private training runs whole batches",
                      cfg.micro_batches)
+        return 1
+    shared = getattr(getattr(trunk, "client", None), "shared", None)
+    if cfg.micro_batches == "auto" and shared is not None and shared.mode == "on":
         return 1
     hidden = getattr(split.config, "hidden_size", None)
     per_example = 0 if hidden is None else int(hidden) * cfg.max_seq_len * torch_dtype(wire_dtype(cfg.wire_dtype)
@@ -57,7 +61,7 @@ def _client_model(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.M
     split = build_parts(cfg, CLIENT_ROLES)
     load_client_state(split, state, full_keys=bool(cfg.client_cuts))
     return SplitModel(split.bottom, trunk, split.top, task=split.task, config=split.config,
-                      micro_batches=micro_batches(cfg, split))
+                      micro_batches=micro_batches(cfg, split, trunk))
 
 
 def connect_trunk(cfg: RunConfig, address: str, token: str | None, client_id: str,

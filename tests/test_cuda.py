@@ -238,4 +238,6 @@ def test_nan_through_gpu_ordered_shared_memory_is_refused_at_the_backward(trunk_
         with pytest.raises(ChannelError, match="NaN or Inf") as info:
             client.backward("a", torch.ones_like(out), on_device=True)
         assert info.value.code == "INVALID_ARGUMENT"
+        with pytest.raises(ChannelError, match="NaN or Inf"):  # no Backward will come: checked at once
+            client.forward(CutState(x), train=False, on_device=True)
     assert all(torch.equal(before[k], v) for k, v in server.runtime.trunk.state_dict().items())

@@ -209,6 +209,12 @@ def test_run_config_micro_batches_reach_the_client_model() -> None:
     big = {"micro-batches": "auto", "batch-size": 16, "max-seq-len": 2 * (1 << 20) // (4 * hidden)}
     assert micro_batches(RunConfig.from_mapping(big), split) == 4  # 2 MiB per example, 16 examples
     assert micro_batches(RunConfig.from_mapping({"micro-batches": "auto", "batch-size": 2}), split) == 1
+    from splitfed.channel.client import RemoteTrunk
+
+    on_host, remote = RemoteTrunk("127.0.0.1:1", insecure=True), RemoteTrunk("10.0.0.1:1", insecure=True)
+    assert micro_batches(RunConfig.from_mapping(big), split, on_host) == 1  # the cut goes through shared memory
+    assert micro_batches(RunConfig.from_mapping(big), split, remote) == 4
+    assert micro_batches(RunConfig.from_mapping({**big, "micro-batches": "4"}), split, on_host) == 4  # as asked
     dp = {"micro-batches": "4", "dp-noise-multiplier": 1.0}
     assert micro_batches(RunConfig.from_mapping(dp), split) == 1  # DP-SGD runs whole batches
     with pytest.raises(ConfigError, match="trunk-batch-window-ms"):

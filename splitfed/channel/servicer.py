@@ -154,6 +154,8 @@ class SplitChannelServicer(RegionService):
         slot = self._reply_slot(client, req)
         self._count("received", tensors)
         tensors, ready, flags = self._resolve(client, tensors)
+        if flags and (not req.train or req.session_id) and self._io is not None:
+            self._io.verdict(client, "", flags)  # no Backward will come: check now (the host waits for the copy)
         state = with_client_cut(decode_state(tensors, self.tensor_limits, ready), req.cut_start, req.cut_end,
                                 self.cuts or part_range(self.runtime.trunk), session=bool(req.session_id))
         small = state.hidden.numel() <= INLINE_MAX_ELEMENTS
