@@ -27,7 +27,7 @@ import torch
 
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.regions import RegionTable, SharedRegion, host_copy
+from splitfed.channel.regions import RegionTable, SharedRegion, copy_into, host_copy
 from splitfed.codec import EncodedTensor, RegionRef, WireDType, declared_nbytes, torch_dtype, wire_dtype
 from splitfed.errors import (
     CodecError,
@@ -137,7 +137,7 @@ class RegionIO:
         except SplitFedError:  # closed meanwhile (an idle sweep)
             return None
         if nbytes:
-            dst.copy_(t.contiguous().reshape(-1).view(torch.uint8), non_blocking=t.is_cuda)
+            copy_into(dst, t.contiguous().reshape(-1).view(torch.uint8), non_blocking=t.is_cuda)
         if slot.event:
             self._event(region, slot).record(torch.cuda.current_stream(self.device))
         return EncodedTensor(name, wdt, tuple(t.shape), b"", None,

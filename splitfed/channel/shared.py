@@ -26,7 +26,7 @@ import torch
 
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.regions import MIN_REGION_TENSOR_BYTES, RegionEvents, SharedRegion, local_events
+from splitfed.channel.regions import MIN_REGION_TENSOR_BYTES, RegionEvents, SharedRegion, copy_into, local_events
 from splitfed.channel.slices import ClientRegion, Slice
 from splitfed.channel.hosts import host_of, is_loopback
 from splitfed.codec import EncodedTensor, WireDType, encode, torch_dtype, wire_dtype
@@ -237,7 +237,7 @@ class SharedLane:
                 region.pin()
                 if t.dtype != dtype:
                     t = t.to(dtype)  # cast on the device: fewer bytes to copy
-            piece.tensor(dtype, tuple(t.shape)).copy_(t, non_blocking=events is not None and t.is_cuda)
+            copy_into(piece.tensor(dtype, tuple(t.shape)), t, non_blocking=events is not None and t.is_cuda)
             ref = piece.ref if events is None or not t.is_cuda else replace(piece.ref, event=events[0])
             encs.append(EncodedTensor(tname, wdt, tuple(t.shape), b"", None, ref))
         reply = slices[-1].ref
@@ -286,7 +286,7 @@ class SharedLane:
                 return out, enc.region.nbytes
             event.synchronize()
         out = torch.empty(view.shape, dtype=dtype, pin_memory=device is not None)
-        out.copy_(view)
+        copy_into(out, view)
         return out, enc.region.nbytes
 
 
