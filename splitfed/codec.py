@@ -157,15 +157,26 @@ class TensorLimits:
     require_finite: bool = True
 
 
+#: Bytes per element of each wire dtype, by number.
+_ITEMSIZE: dict[int, int] = {int(w): t.itemsize for w, t in _TO_TORCH.items()}
+
+
 def declared_nbytes(dtype: WireDType | int, shape: tuple[int, ...] | list[int]) -> int:
     """Bytes a tensor of this dtype and shape occupies; raise :class:`CodecError` for bad shapes."""
-    tdtype = torch_dtype(dtype)
+    itemsize = _ITEMSIZE.get(dtype) if isinstance(dtype, int) else None
+    if itemsize is None:
+        itemsize = torch_dtype(dtype).itemsize  # raises for unknown dtypes
     if len(shape) > MAX_NDIM:
         raise CodecError(f"tensor has {len(shape)} dimensions; at most {MAX_NDIM} are accepted")
-    if any(int(d) < 0 for d in shape):
+    dims = [int(d) for d in shape]
+    if dims and min(dims) < 0:
         raise CodecError(f"tensor shape {tuple(shape)} has a negative dimension")
-    itemsize = torch.empty((), dtype=tdtype).element_size()
-    return math.prod(int(d) for d in shape) * itemsize
+    return math.prod(dims) * itemsize
+
+
+#: Torch dtypes numpy can view directly (bfloat16 cannot: it goes through a uint8 view).
+_NUMPY_DTYPES = frozenset({torch.float32, torch.float16, torch.int64, torch.int32, torch.bool, torch.uint8,
+                           torch.int8})
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -174,6 +185,9 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     The view keeps the tensor's memory alive; do not modify the tensor in place
     until the bytes have been sent.
     """
+    if tensor.is_cpu and tensor.dtype in _NUMPY_DTYPES and tensor.dim() and tensor.is_contiguous() \
+            and tensor.numel():
+        return memoryview(tensor.detach().numpy()).cast("B").toreadonly()
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -197,7 +211,8 @@ def encode(name: str, tensor: torch.Tensor, dtype: WireDType | str | None = None
     if wdt is WireDType.UNSPECIFIED:
         wdt = wire_dtype(tensor.dtype)
     if tensor.dtype.is_floating_point and wdt in FLOAT_WIRE_DTYPES:
-        tensor = tensor.to(_TO_TORCH[wdt])
+        if tensor.dtype is not _TO_TORCH[wdt]:
+            tensor = tensor.to(_TO_TORCH[wdt])
     elif wdt != wire_dtype(tensor.dtype):
         raise CodecError(f"tensor {name!r} of dtype {tensor.dtype} cannot travel as {wdt.name}")
     return EncodedTensor(name, wdt, tuple(tensor.shape), tensor_bytes(tensor))
@@ -291,7 +306,7 @@ def _decode_compressed(enc: EncodedTensor, limits: TensorLimits) -> torch.Tensor
         if not value_dtype.is_floating_point:
             raise CodecError(f"tensor {enc.name!r}: top-k values must be FLOAT32, FLOAT16 or BFLOAT16, not "
                              f"{WireDType(enc.dtype).name}")
-        itemsize = torch.empty((), dtype=value_dtype).element_size()
+        itemsize = value_dtype.itemsize
         if not 0 <= info.count <= numel:
             raise CodecError(f"tensor {enc.name!r}: top-k keeps {info.count} of {numel} elements")
         if len(enc.data) != info.count * itemsize or len(info.indices) != 4 * info.count:
@@ -360,12 +375,12 @@ def decode(enc: EncodedTensor, limits: TensorLimits = TensorLimits()) -> torch.T
     if enc.compressed is not None:
         return _decode_compressed(enc, limits)
     tdtype = torch_dtype(enc.dtype)
-    dtype_name = WireDType(enc.dtype).name
     nbytes = declared_nbytes(enc.dtype, enc.shape)
     if nbytes > limits.max_bytes:
         raise CodecError(f"tensor {enc.name!r} declares {nbytes} bytes, above the limit of "
                          f"{limits.max_bytes}; send smaller batches or raise the server's limit")
     if len(enc.data) != nbytes:
+        dtype_name = WireDType(enc.dtype).name
         raise CodecError(f"tensor {enc.name!r} declares shape {list(enc.shape)} of {dtype_name} "
                          f"({nbytes} bytes) but carries {len(enc.data)} bytes")
     if nbytes == 0:

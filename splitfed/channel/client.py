@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -223,7 +224,7 @@ class TrunkClient:
         ``on_device``: the output may stay on ``state``'s GPU (when a shared-memory region with CUDA events
         carries it: no host waits for the GPU).
         """
-        activation_id = activation_id or uuid.uuid4().hex
+        activation_id = activation_id or os.urandom(16).hex()
         act = self.wire_compression.activations
         n = int(num_examples if num_examples is not None else state.hidden.shape[0])
         req = pb.ForwardRequest(activation_id=activation_id, train=train, reply_dtype=int(self.wire_dtype),

@@ -52,7 +52,7 @@ from splitfed.trunk.decoding import SessionStep
 from splitfed.trunk.microsteps import StepPart
 from splitfed.trunk.requests import ForwardRequest
 from splitfed.trunk.runtime import TrunkRuntime
-from splitfed.trunk.scheduler import TrunkScheduler
+from splitfed.trunk.scheduler import MISS, TrunkScheduler
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,10 @@ class SplitChannelServicer(RegionService):
             request = ForwardRequest(client, req.activation_id, state, req.train, req.num_examples, retry,
                                      device_out=bool(ready) and slot is not None and slot.event > 0)
             try:
-                out, version = await _outcome(self.scheduler.forward(request, small=small))
+                done = self.scheduler.forward_inline(request, small=small)
+                if done is MISS:
+                    done = await _outcome(self.scheduler.forward(request, small=small))
+                out, version = done
             except SplitFedError:  # a refused forward: the step must not wait for this client
                 if req.train:
                     await self._refused(client)

@@ -21,7 +21,9 @@ queued, :meth:`TrunkScheduler.now_or_queued` runs a small task on the caller's
 thread at once (still one task at a time: the device thread and such callers
 hold the same execution lock). Two thread switches cost more than a forward on
 a few kilobytes, and small messages (decode steps, small batches) are where
-that shows.
+that shows. :meth:`TrunkScheduler.inline` and :meth:`TrunkScheduler.forward_inline`
+do the same without a future: the result, or :data:`MISS` when the caller must
+submit the task instead.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 from splitfed.errors import TrunkBusyError
 from splitfed.trunk.requests import ForwardRequest
@@ -42,6 +44,9 @@ from splitfed.trunk.runtime import TrunkRuntime
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: What :meth:`TrunkScheduler.inline` and :meth:`TrunkScheduler.forward_inline` return when the task did not run.
+MISS: Final[Any] = object()
 
 
 class BatchRunner(Protocol):
@@ -147,6 +152,24 @@ class TrunkScheduler:
             finally:
                 self._exec.release()
         return self.call(fn)
+
+    def inline(self, fn: Callable[[], T], *, small: bool) -> T | Any:
+        """``fn()`` run on the calling thread when ``small`` and the device thread is idle with nothing queued;
+        else :data:`MISS` (``fn`` did not run). Its exceptions reach the caller; no future is made."""
+        if small and not self._stopping and not self._queue and self._exec.acquire(blocking=False):
+            try:
+                self.stats["inline"] += 1
+                return fn()
+            finally:
+                self._exec.release()
+        return MISS
+
+    def forward_inline(self, request: ForwardRequest, *, small: bool) -> tuple[Any, int] | Any:
+        """A ``small`` forward that would not batch, run at once on the calling thread when the trunk is idle;
+        else :data:`MISS` (submit it with :meth:`forward`)."""
+        if not small or (self.batch_window_s > 0 and self.runtime.can_batch(request)):
+            return MISS
+        return self.inline(lambda: self.runtime.forward_request(request), small=True)
 
     def forward(self, request: ForwardRequest, *, small: bool = False) -> Future[tuple[Any, int]]:
         """A forward, batched with others within the window when the runtime can.
