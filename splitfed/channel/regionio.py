@@ -27,7 +27,7 @@ import torch
 
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.regions import RegionTable, SharedRegion, copy_into, host_copy
+from splitfed.channel.regions import RegionTable, SharedRegion, copy_into, device_uuid, host_copy
 from splitfed.codec import EncodedTensor, RegionRef, WireDType, declared_nbytes, torch_dtype, wire_dtype
 from splitfed.errors import (
     CodecError,
@@ -225,7 +225,8 @@ class RegionService:
             region = await asyncio.get_running_loop().run_in_executor(None, table.open, client, request.nbytes, on)
             return pb.OpenRegionReply(region=region.name, path=str(region.path), nbytes=region.nbytes,
                                       event_handles=[] if region.events is None else region.events.handles(),
-                                      server_pid=os.getpid(), device=events)
+                                      server_pid=os.getpid(), device=events,
+                                      device_uuid=device_uuid(events) if region.events is not None else "")
         return await self._call(context, run, request)
 
     async def CloseRegion(self, request: pb.CloseRegionRequest, context: Any) -> pb.CloseRegionReply:

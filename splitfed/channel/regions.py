@@ -203,6 +203,15 @@ class RegionEvents:
         return self.events[index - 1]
 
 
+def device_uuid(device: torch.device | int) -> str:
+    """The UUID of a CUDA device ("" when it cannot be told): the same GPU has the same UUID in every process,
+    whatever the device numbering there."""
+    try:
+        return str(torch.cuda.get_device_properties(device).uuid)
+    except (AttributeError, RuntimeError, AssertionError):
+        return ""
+
+
 def local_events(name: str) -> RegionEvents | None:
     """The events of region ``name`` when its server runs in this process."""
     return _LOCAL_EVENTS.get(name)

@@ -26,7 +26,14 @@ import torch
 
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.regions import MIN_REGION_TENSOR_BYTES, RegionEvents, SharedRegion, copy_into, local_events
+from splitfed.channel.regions import (
+    MIN_REGION_TENSOR_BYTES,
+    RegionEvents,
+    SharedRegion,
+    copy_into,
+    device_uuid,
+    local_events,
+)
 from splitfed.channel.slices import ClientRegion, Slice
 from splitfed.channel.hosts import host_of, is_loopback
 from splitfed.codec import EncodedTensor, WireDType, encode, torch_dtype, wire_dtype
@@ -58,9 +65,11 @@ class SharedLane:
         self.region: ClientRegion | None = None
         self._lock = threading.Lock()
         self._reply_bytes: dict[str, int] = {}
-        #: Payload bytes that crossed the cut through the region, and the calls whose tensor did.
+        #: Payload bytes that crossed the cut through the region, the calls whose tensor did, and how many of
+        #: those had their copies ordered by CUDA events.
         self.bytes = 0
         self.calls = 0
+        self.ordered = 0
 
     @property
     def active(self) -> bool:
@@ -71,7 +80,7 @@ class SharedLane:
         """Whether ``tensor`` (on a GPU) would cross through a region whose copies CUDA events order: then a
         call's result may stay on the device (``on_device``) and no host waits for a GPU."""
         plan = self._plan(tensor)
-        return plan is not None and tensor.is_cuda and plan[0].events is not None
+        return plan is not None and plan[0].orders(tensor.device)
 
     # -- the region ------------------------------------------------------------------------
     def _region(self, cuda: bool = False, need: int = 0) -> ClientRegion | None:
@@ -102,14 +111,16 @@ class SharedLane:
                 mapping = SharedRegion.attach(reply.region, reply.nbytes)
                 events = None
                 if reply.event_handles:
-                    events = local_events(reply.region) if reply.server_pid == os.getpid() else \
-                        RegionEvents.open(reply.device, list(reply.event_handles))
+                    if reply.server_pid == os.getpid():
+                        events = local_events(reply.region)
+                    elif (index := _device_with_uuid(reply.device_uuid)) is not None:
+                        events = RegionEvents.open(index, list(reply.event_handles))
             except SharedMemoryUnavailableError as exc:
                 log.info("tensors travel over the socket: %s", exc)
                 self.mode = "off"
                 self._close_remote(reply.region)
                 return None
-            self.region = ClientRegion(mapping, events)
+            self.region = ClientRegion(mapping, events, reply.device_uuid)
             log.debug("tensors cross the cut through shared-memory region %s (%d bytes)", mapping.name,
                       mapping.nbytes)
             return self.region
@@ -174,7 +185,7 @@ class SharedLane:
         """One call with ``main`` in the region; ``others`` (masks, positions) inline, or in the region too when
         CUDA events order the copies (reading a GPU tensor on the host would wait for the GPU)."""
         tensor = main[1]
-        events = region.take_events() if tensor.is_cuda and region.events is not None else None
+        events = region.take_events() if region.orders(tensor.device) else None
         sends = [(main[0], tensor.detach(), main[2])]
         small: list[EncodedTensor] = []
         for other, t in others.items():
@@ -223,6 +234,7 @@ class SharedLane:
         with self._lock:
             self.bytes += moved + (received if parsed.tensors[0].region is not None else 0)
             self.calls += 1
+            self.ordered += events is not None
         return parsed.header, out
 
     @staticmethod
@@ -297,3 +309,10 @@ def _needed_bytes(exc: ChannelError) -> int | None:
         return None
     found = re.search(r"reply of (\d+) bytes is above the unary threshold", str(exc))
     return int(found.group(1)) if found else None
+
+
+def _device_with_uuid(uuid: str) -> int | None:
+    """This process's index of the GPU with ``uuid`` (None: not visible here)."""
+    if not uuid or not torch.cuda.is_available():
+        return None
+    return next((i for i in range(torch.cuda.device_count()) if device_uuid(i) == uuid), None)

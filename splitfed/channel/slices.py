@@ -73,11 +73,14 @@ class Slice:
 class ClientRegion:
     """A client's mapping of its region, with the slices its calls in flight hold."""
 
-    def __init__(self, mapping: SharedRegion, events: RegionEvents | None = None) -> None:
+    def __init__(self, mapping: SharedRegion, events: RegionEvents | None = None, events_uuid: str = "") -> None:
         self.mapping = mapping
         self.name = mapping.name
-        #: The server's CUDA events for this region (None: copies complete before a call is sent).
+        #: The server's CUDA events for this region (None: copies complete before a call is sent), and the UUID
+        #: of the GPU they belong to.
         self.events = events
+        self.events_uuid = events_uuid
+        self._uuids: dict[int, str] = {}
         self._slices = _Slices(mapping.nbytes)
         self._free_events = list(range(len(events), 0, -1)) if events is not None else []
         self._lock = threading.Lock()
@@ -95,6 +98,17 @@ class ClientRegion:
         """Return a slice once its call succeeded (a failed call's slices are never reused: see :meth:`poison`)."""
         with self._lock:
             self._slices.give(piece.offset, piece.nbytes)
+
+    def orders(self, device: torch.device) -> bool:
+        """Whether this region's events can order copies from a tensor on ``device`` (the events' own GPU)."""
+        if self.events is None or device.type != "cuda" or not self.events_uuid:
+            return False
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._uuids:
+            from splitfed.channel.regions import device_uuid
+
+            self._uuids[index] = device_uuid(index)
+        return self._uuids[index] == self.events_uuid
 
     def take_events(self) -> tuple[int, int] | None:
         """Two event indices (request, reply) for one call, or None when all are in use."""

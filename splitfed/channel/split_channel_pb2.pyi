@@ -277,20 +277,22 @@ class OpenRegionRequest(_message.Message):
     def __init__(self, nbytes: _Optional[int] = ..., cuda_events: _Optional[bool] = ...) -> None: ...
 
 class OpenRegionReply(_message.Message):
-    __slots__ = ("region", "path", "nbytes", "event_handles", "server_pid", "device")
+    __slots__ = ("region", "path", "nbytes", "event_handles", "server_pid", "device", "device_uuid")
     REGION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     EVENT_HANDLES_FIELD_NUMBER: _ClassVar[int]
     SERVER_PID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     region: str
     path: str
     nbytes: int
     event_handles: _containers.RepeatedScalarFieldContainer[bytes]
     server_pid: int
     device: int
-    def __init__(self, region: _Optional[str] = ..., path: _Optional[str] = ..., nbytes: _Optional[int] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., server_pid: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, region: _Optional[str] = ..., path: _Optional[str] = ..., nbytes: _Optional[int] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., server_pid: _Optional[int] = ..., device: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class CloseRegionRequest(_message.Message):
     __slots__ = ("region",)
