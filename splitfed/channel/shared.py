@@ -84,8 +84,8 @@ class SharedLane:
 
     # -- the region ------------------------------------------------------------------------
     def _region(self, cuda: bool = False, need: int = 0) -> ClientRegion | None:
-        """The mapped region (opened on first use, sized for a few calls of ``need`` bytes in flight, at most
-        ``nbytes``), or None when tensors travel over the socket."""
+        """The mapped region, or None when tensors travel over the socket. Opened on first use, sized for several
+        calls of ``need`` bytes in flight (micro-batches) and at most ``nbytes``."""
         if self.mode == "off":
             return None
         region = self.region
@@ -100,7 +100,7 @@ class SharedLane:
                 self._drop(region)
             try:
                 reply = self.client._invoke("OpenRegion", self.client._stub.OpenRegion,
-                                            pb.OpenRegionRequest(nbytes=min(self.nbytes, max(8 * need, 4 << 20)),
+                                            pb.OpenRegionRequest(nbytes=min(self.nbytes, max(16 * need, 4 << 20)),
                                                                  cuda_events=cuda))
             except ChannelError as exc:
                 log.info("tensors travel over the socket: the trunk server at %s offers no shared memory (%s)",
