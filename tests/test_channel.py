@@ -274,6 +274,10 @@ REGION_CASES: list[Case] = [
      _region_case(lambda call: _region_tensor(call, _hidden().index_fill_(1, torch.tensor([2]), float("nan"))))),
     ("reply-region-unknown", C.NOT_FOUND, "is not open", _reply_region(region="splitfed-" + "1" * 32)),
     ("reply-region-out-of-bounds", C.INVALID_ARGUMENT, "outside region", _reply_region(offset=(1 << 20) - 100)),
+    # The trunk here is on the CPU: its regions have no CUDA events to order copies by.
+    ("region-event-without-events", C.INVALID_ARGUMENT, "has no events",
+     _region_case(lambda call: _region_tensor(call, _hidden(), event=1))),
+    ("reply-region-event-without-events", C.INVALID_ARGUMENT, "has no events", _reply_region(event=3)),
 ]
 
 
