@@ -50,6 +50,8 @@ def test_region_table_binds_regions_to_their_client_and_bounds_them() -> None:
     mode = stat.S_IMODE(os.stat(a.path).st_mode)
     assert mode == 0o600  # only the server's user may map it
     assert table.slice("alice", RegionRef(a.name, 0, 64)).numel() == 64
+    assert not a.path.exists()  # used by its client, so mapped there: the name goes, the memory stays
+    assert table.slice("alice", RegionRef(a.name, 0, 64)).numel() == 64
     with pytest.raises(PermissionDeniedError):
         table.slice("bob", RegionRef(a.name, 0, 64))
     with pytest.raises(CodecError, match="outside region"):

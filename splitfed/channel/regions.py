@@ -81,6 +81,7 @@ class SharedRegion:
         self._lock = threading.Lock()
         #: When a slice of it was last used (``time.monotonic``).
         self.used = time.monotonic()
+        self._unlinked = False
 
     @classmethod
     def create(cls, nbytes: int) -> SharedRegion:
@@ -134,6 +135,13 @@ class SharedRegion:
                 self.pin_error = str(err)
                 log.info("cudaHostRegister of region %s failed (%s); copies run at pageable speed", self.name, err)
             return self._registered
+
+    def unlink(self) -> None:
+        """Remove the region's file (the side that created it), keeping the mappings: once its client has mapped
+        it, nothing needs the name, and a server that dies leaves nothing behind in ``/dev/shm``."""
+        if self.owner and not self._unlinked:
+            self._unlinked = True
+            self.path.unlink(missing_ok=True)
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         """Bytes ``[offset, offset + nbytes)``; raises :class:`CodecError` past the region's end."""
@@ -310,6 +318,7 @@ class RegionTable:
         owner, region = entry
         if owner != client:
             raise PermissionDeniedError(f"region {name!r} belongs to another client")
+        region.unlink()  # its client names it, so it has mapped it
         return region
 
     def slice(self, client: str, ref: RegionRef) -> torch.Tensor:
