@@ -85,6 +85,9 @@ class RemoteTrunk(nn.Module):
         super().__init__()
         self.client = client if isinstance(client, TrunkClient) else TrunkClient(client, **client_kwargs)
         self.num_examples: int | None = None
+        #: On a GPU, run training steps whose cut CUDA events order through the pipeline's autograd nodes (the
+        #: output stays on the device, no host waits); False keeps the plain one-node graph (DP-SGD does).
+        self.gpu_pipeline = True
         self.last_version = 0
         self.outcomes: dict[str, int] = {}
 
@@ -109,7 +112,7 @@ class RemoteTrunk(nn.Module):
             # The anchor makes the output require grad even when the bottom is frozen,
             # so the trunk and top still train.
             hidden = state.hidden
-            if hidden.is_cuda and self.client.shared.gpu_ordered(hidden):
+            if self.gpu_pipeline and hidden.is_cuda and self.client.shared.gpu_ordered(hidden):
                 # Client and trunk share a GPU's host: the cut's copies are ordered by CUDA events, and the
                 # pipeline's autograd nodes keep the output on the device without a thread waiting on it.
                 pipe = self.pipeline(1, train=True)

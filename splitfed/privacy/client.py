@@ -157,6 +157,8 @@ class ClientPrivacy:
             self.generator.manual_seed(seed)
         state = dict(state or {})
         self.dp: PrivateTraining | None = None
+        if config.dp_sgd and hasattr(model.trunk, "gpu_pipeline"):
+            model.trunk.gpu_pipeline = False  # opacus' hooks expect the bottom's backward in the one graph
         if config.dp_sgd:
             self.dp = PrivateTraining(
                 model.client_modules(), optimizer, dataset_size=dataset_size, sample_rate=self.sample_rate,
