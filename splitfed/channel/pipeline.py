@@ -79,11 +79,10 @@ class RemotePipeline:
         share, extra = divmod(int(total), self.parts)
         return share + (1 if part < extra else 0)
 
-    def _gpu_ordered(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` crosses the cut through a shared-memory region whose copies CUDA events order
-        (then it is handed over on the device, and the result comes back there)."""
-        return tensor.is_cuda and not self.client.wire_compression.activations.active and \
-            self.client.shared.gpu_ordered(tensor)
+    def _gpu_ordered(self, tensor: torch.Tensor, compressed: bool) -> bool:
+        """Whether ``tensor`` (not ``compressed``) crosses the cut through a shared-memory region whose copies
+        CUDA events order (then it is handed over on the device, and the result comes back there)."""
+        return tensor.is_cuda and not compressed and self.client.shared.gpu_ordered(tensor)
 
     def send(self, part: int, state: CutState) -> None:
         """Start micro-batch ``part``'s copy to the host and its Forward; returns at once."""
@@ -91,7 +90,7 @@ class RemotePipeline:
         self._states[part] = state
         self._inputs[part] = hidden if self.train and hidden.requires_grad else None
         n = self._examples(part, int(hidden.shape[0]))
-        if self._gpu_ordered(hidden):
+        if self._gpu_ordered(hidden, self.client.wire_compression.activations.active):
             on_gpu = CutState(**{name: t.detach() for name, t in state.tensors().items()})
             self._forwards[part] = self.client.submit(
                 self.client.forward, on_gpu, activation_id=self._ids[part], train=self.train, num_examples=n,
@@ -134,7 +133,7 @@ class RemotePipeline:
         assert state is not None
         numel = state.hidden.numel()
         step_id, parts = (self.step_id, self.parts) if self.parts > 1 else ("", 0)
-        if self._gpu_ordered(grad) and not self.client.wire_compression.gradients.active:
+        if self._gpu_ordered(grad, self.client.wire_compression.gradients.active):
             self._backwards.append((part, self.client.submit(
                 self.client.backward, self._ids[part], grad.detach().contiguous(), input_numel=numel,
                 step_id=step_id, step_parts=parts, feedback_key=f"grad.{part}", on_device=True)))

@@ -162,10 +162,6 @@ class RegionIO:
                                    "(tensors through a GPU-ordered region are checked once the step is done; a "
                                    "non-finite trunk gradient is never applied)")
 
-    def forget(self, client: str, activation_id: str) -> None:
-        """Drop a forward's flags (its Backward will not come)."""
-        self._verdicts.pop((client, activation_id), None)
-
 
 class RegionService:
     """The servicer's shared-memory part (a mixin of :class:`~splitfed.channel.servicer.SplitChannelServicer`):

@@ -336,14 +336,6 @@ class RegionTable:
             del self._regions[name]
         entry[1].close()
 
-    def drop_client(self, client: str) -> None:
-        """Close every region of ``client``."""
-        with self._lock:
-            names = [name for name, (owner, _) in self._regions.items() if owner == client]
-            closing = [self._regions.pop(name)[1] for name in names]
-        for region in closing:
-            region.close()
-
     def close_all(self) -> None:
         """Close every region (the server stops)."""
         with self._lock:

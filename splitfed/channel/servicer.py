@@ -79,6 +79,12 @@ async def _outcome(future: concurrent.futures.Future[T]) -> T:
     return await asyncio.wrap_future(future)
 
 
+def _device_out(ready: dict, slot: RegionRef | None) -> bool:
+    """Whether a request's output may stay on the trunk's device: its tensors came there through a region, and
+    an event orders the reply's copy (the host never waits)."""
+    return bool(ready) and slot is not None and slot.event > 0
+
+
 class SplitChannelServicer(RegionService):
     """Decodes, schedules trunk work, awaits it, encodes; every error becomes a precise status."""
 
@@ -175,7 +181,7 @@ class SplitChannelServicer(RegionService):
             if req.train:
                 await self._turn(client)
             request = ForwardRequest(client, req.activation_id, state, req.train, req.num_examples, retry,
-                                     device_out=bool(ready) and slot is not None and slot.event > 0)
+                                     device_out=_device_out(ready, slot))
             try:
                 done = self.scheduler.forward_inline(request, small=small)
                 if done is MISS:
@@ -187,14 +193,14 @@ class SplitChannelServicer(RegionService):
                 raise
         reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
         encs = self._reply(client, req.activation_id, "hidden", out, reply_dtype, spec, slot, feedback=False)
-        if req.train and flags and not req.session_id:
-            self._region_io().keep(client, req.activation_id, flags)
         if unary and payload_bytes(encs) > self.limits.stream_threshold_bytes:
             if req.train and not req.session_id:
                 runtime = self.runtime
                 await self._on_device(lambda: runtime.forget(client, req.activation_id))
             raise ResourceExhaustedError(
                 f"reply of {payload_bytes(encs)} bytes is above the unary threshold; use ForwardStream")
+        if req.train and flags and not req.session_id:  # read at its Backward
+            self._region_io().keep(client, req.activation_id, flags)
         self._count("sent", encs)
         return pb.ForwardReply(activation_id=req.activation_id, trunk_version=version), encs
 
@@ -228,7 +234,7 @@ class SplitChannelServicer(RegionService):
             reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
             check = self._reply_check(reply_dtype, unary, slot)
             step = StepPart.of(req.step_id, req.step_parts)
-            device_out = bool(ready) and slot is not None and slot.event > 0
+            device_out = _device_out(ready, slot)
             pending = await self._on_device(lambda: runtime.start_backward(client, req.activation_id, grad,
                                                                            retry=retry, reply_check=check, step=step,
                                                                            device_out=device_out))
