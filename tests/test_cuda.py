@@ -34,7 +34,8 @@ def _five_steps_side_by_side(client, opt, model, ref, ref_opt, batch) -> float: 
         ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    return max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+    return max((a - b.to(a.device)).abs().max().item()
+               for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "gemma"])
@@ -164,11 +165,11 @@ def test_pipelined_bf16_autocast_on_gpu_trains(trunk_server) -> None:
     assert server.runtime.version == 8
 
 
-def _serve_llama_trunk(port_queue, stop) -> None:  # type: ignore[no-untyped-def]
-    """A tiny Llama's trunk on the GPU, served from its own process (IPC events order the region's copies)."""
+def _serve_llama_trunk(port_queue, stop, device: str = "cuda") -> None:  # type: ignore[no-untyped-def]
+    """A tiny Llama's trunk on a GPU, served from its own process (IPC events order the region's copies)."""
     from splitfed.channel.server import TrunkServer
 
-    split = split_model(tiny_model("llama").train().to(CUDA), (1, 3))
+    split = split_model(tiny_model("llama").train().to(device), (1, 3))
     server = TrunkServer(TrunkRuntime(split.trunk, torch.optim.AdamW(split.trunk.parameters(), lr=1e-2)),
                          insecure=True).start()
     port_queue.put(server.port)
@@ -240,3 +241,53 @@ def test_nan_through_gpu_ordered_shared_memory_is_refused_at_the_backward(trunk_
         with pytest.raises(ChannelError, match="NaN or Inf"):  # no Backward will come: checked at once
             client.forward(CutState(x), train=False, on_device=True)
     assert all(torch.equal(before[k], v) for k, v in server.runtime.trunk.state_dict().items())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_a_client_on_another_gpu_than_the_trunk_copies_through_the_host_and_trains_exactly(
+        where: str, trunk_server, monkeypatch) -> None:
+    # The region's CUDA events belong to the trunk's GPU; a client computing on another GPU cannot wait on them, so
+    # its copies are ordered by the host (the region still carries the bytes).
+    import multiprocessing as mp
+
+    from splitfed.channel import shared
+
+    monkeypatch.setattr(shared, "MIN_REGION_TENSOR_BYTES", 1)
+    client_gpu, trunk_gpu = torch.device("cuda:1"), "cuda:0"
+    model = tiny_model("llama").train().to(client_gpu)
+    ref = copy.deepcopy(model)
+    split = split_model(model, (1, 3))
+    trunk_ids = {id(p) for p in split.trunk.parameters()}
+    proc = stop = None
+    if where == "thread":
+        trunk = split.trunk.to(trunk_gpu)
+        address = trunk_server(TrunkRuntime(trunk, torch.optim.AdamW(trunk.parameters(), lr=1e-2))).address
+    else:
+        ctx = mp.get_context("spawn")
+        ports, stop = ctx.Queue(), ctx.Event()
+        proc = ctx.Process(target=_serve_llama_trunk, args=(ports, stop, trunk_gpu), daemon=True)
+        proc.start()
+        address = f"127.0.0.1:{ports.get(timeout=120)}"
+    try:
+        remote = RemoteTrunk(address, insecure=True)
+        client = SplitModel(split.bottom, remote, split.top, task="causal-lm")
+        opt = torch.optim.AdamW(split.client_modules().parameters(), lr=1e-2)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        batch = tuple(t.to(client_gpu) for t in batch_for("llama", padded=True))
+        _five_steps_side_by_side(client, opt, model, ref, ref_opt, batch)
+        assert remote.client.shared.calls == 10 and remote.client.shared.ordered == 0
+        assert remote.client.shared.region.mapping.pin_error is None  # pinned for the client's GPU too
+        ref_params = dict(ref.named_parameters())
+        diff = max((p - ref_params[n].to(p.device)).abs().max().item() for n, p in model.named_parameters()
+                   if id(p) not in trunk_ids)
+        assert diff <= 1e-5
+        if where == "thread":
+            ref_trunk = {n: p for n, p in ref_params.items() if n.startswith("model.layers.")}
+            got = {split.trunk.spec.full_key(n): p for n, p in split.trunk.named_parameters()}
+            assert max((got[n] - ref_trunk[n].to(got[n].device)).abs().max().item() for n in got) <= 1e-5
+        remote.close()
+    finally:
+        if proc is not None:
+            stop.set()
+            proc.join(30)

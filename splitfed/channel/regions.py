@@ -63,6 +63,9 @@ def available() -> bool:
     return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
 
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+
+
 class SharedRegion:
     """One mapping of a region's file; :attr:`bytes` is a uint8 tensor over all of it."""
 
@@ -129,7 +132,9 @@ class SharedRegion:
         with self._lock:
             if self._registered or self.pin_error is not None or not torch.cuda.is_available():
                 return self._registered
-            err = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.nbytes, 0)
+            # Portable: pinned for every GPU's context, so a client on another GPU than the trunk copies at
+            # pinned speed too.
+            err = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.nbytes, _HOST_REGISTER_PORTABLE)
             self._registered = int(err) == 0
             if not self._registered:
                 self.pin_error = str(err)
