@@ -293,16 +293,23 @@ def generate(bottom: nn.Module, trunk: TrunkSession | TrunkClient | nn.Module, t
 
     session, owned = _as_session(trunk, prompt_len + max_new_tokens, batch)
     bottom_cache, top_cache = bottom.new_cache(), top.new_cache()
-    positions = left_padded_positions(mask)
+    # Without padding every part takes its positions from its own cache's length and attends to everything so far,
+    # exactly as with an all-ones mask: no mask or positions are built, checked on the host or sent at each step
+    # (on a GPU each of those is a host wait).
+    padded = not bool(mask.all())
+    positions = left_padded_positions(mask) if padded else None
     step_ids = ids
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
     new_tokens: list[torch.Tensor] = []
     try:
         for step in range(max_new_tokens):
-            state = bottom(step_ids, attention_mask=mask, position_ids=positions, cache=bottom_cache, use_cache=True)
-            hidden = session.step(state)
-            state = CutState(hidden.to(top_device, state.hidden.dtype), mask.to(top_device),
-                             None if state.position_ids is None else state.position_ids.to(top_device))
+            state = bottom(step_ids, attention_mask=mask if padded else None, position_ids=positions,
+                           cache=bottom_cache, use_cache=True)
+            hidden = session.step(state if padded else CutState(state.hidden))
+            hidden = hidden.to(top_device, state.hidden.dtype)
+            state = (CutState(hidden, mask.to(top_device),
+                              None if state.position_ids is None else state.position_ids.to(top_device))
+                     if padded else CutState(hidden))
             logits = top(state, cache=top_cache, use_cache=True)
             tokens = pick_tokens(logits[:, -1, :], temperature=temperature, top_k=top_k, top_p=top_p,
                                  generator=generator).to(device)
@@ -314,11 +321,12 @@ def generate(bottom: nn.Module, trunk: TrunkSession | TrunkClient | nn.Module, t
                 unfinished &= ~torch.isin(tokens, stop_ids)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("generation step %d: %s", step, tokens.tolist())
-            if not bool(unfinished.any()):
+            if stops and not bool(unfinished.any()):  # without stop tokens every sequence runs to the end
                 break
             step_ids = tokens[:, None]
-            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
-            positions = positions[:, -1:] + 1
+            if padded:
+                mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+                positions = positions[:, -1:] + 1
     finally:
         if owned:
             session.close()

@@ -91,10 +91,23 @@ def test_each_step_sends_only_the_new_position(trunk_server) -> None:
     client = _client(trunk_server(parts.trunk))
     generate(parts.bottom, client, parts.top, ids, mask, max_new_tokens=NEW)
     hidden = 4 * 32  # one fp32 position of hidden size 32
-    prefill = 7 * hidden + 7 + 8 * 7  # hidden, bool mask, int64 positions
-    steps = sum(hidden + (7 + i) + 8 for i in range(1, NEW))
-    assert client.bytes_sent == prefill + steps
+    # Without padding the trunk takes positions from its cache: no mask or position ids travel.
+    assert client.bytes_sent == 7 * hidden + (NEW - 1) * hidden
     assert client.bytes_received == (7 + NEW - 1) * hidden
+
+
+def test_a_padded_batch_sends_its_mask_and_positions_each_step(trunk_server) -> None:
+    ids, mask, _ = batch_for("gpt2", batch=2, length=7, padded=True)
+    assert not bool(mask.all())
+    parts = split_model(_model("gpt2"), CUTS)
+    client = _client(trunk_server(parts.trunk))
+    got = generate(parts.bottom, client, parts.top, ids, mask, max_new_tokens=NEW)
+    assert torch.equal(got, _reference("gpt2", ids, mask))
+    hidden = 4 * 32
+    prefill = 2 * (7 * hidden + 7 + 8 * 7)  # per row: hidden, bool mask, int64 positions
+    steps = sum(2 * (hidden + (7 + i) + 8) for i in range(1, NEW))
+    assert client.bytes_sent == prefill + steps
+    assert client.bytes_received == 2 * (7 + NEW - 1) * hidden
 
 
 # -- stopping, sampling, streaming ------------------------------------------------------------------------
