@@ -121,6 +121,8 @@ class RegionRef:
     nbytes: int
     #: 1-based index of the region's CUDA event recorded after the bytes' copy was queued (0: none).
     event: int = 0
+    #: The bytes lie in the region's GPU memory (its twin on the trunk's GPU), not in its file.
+    device: bool = False
 
 
 @dataclass(frozen=True)

@@ -278,6 +278,10 @@ REGION_CASES: list[Case] = [
     ("region-event-without-events", C.INVALID_ARGUMENT, "has no events",
      _region_case(lambda call: _region_tensor(call, _hidden(), event=1))),
     ("reply-region-event-without-events", C.INVALID_ARGUMENT, "has no events", _reply_region(event=3)),
+    # Nor GPU memory: a slice that names it is refused, with or without an event.
+    ("region-gpu-memory-without-any", C.INVALID_ARGUMENT, "GPU memory",
+     _region_case(lambda call: _region_tensor(call, _hidden(), device=True))),
+    ("reply-region-gpu-memory-without-any", C.INVALID_ARGUMENT, "GPU memory", _reply_region(device=True)),
 ]
 
 

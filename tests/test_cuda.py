@@ -206,7 +206,9 @@ def test_five_gpu_steps_through_gpu_ordered_shared_memory_equal_unsplit(where: s
         trunk_ids = {id(p) for p in split.trunk.parameters()}
         batch = tuple(t.to(CUDA) for t in batch_for("llama", padded=True))
         _five_steps_side_by_side(client, opt, model, ref, ref_opt, batch)
-        assert remote.client.shared.calls == remote.client.shared.ordered == 10  # ordered on the GPU, not the host
+        shared_lane = remote.client.shared
+        assert shared_lane.calls == shared_lane.ordered == 10  # ordered on the GPU, not the host
+        assert shared_lane.on_gpu == 10  # through the region's GPU memory: copies device to device
         ref_params = dict(ref.named_parameters())
         diff = max((p - ref_params[n]).abs().max().item() for n, p in model.named_parameters()
                    if id(p) not in trunk_ids)  # the client's parts (in a process of its own, the trunk is there)
@@ -276,7 +278,7 @@ def test_a_client_on_another_gpu_than_the_trunk_copies_through_the_host_and_trai
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         batch = tuple(t.to(client_gpu) for t in batch_for("llama", padded=True))
         _five_steps_side_by_side(client, opt, model, ref, ref_opt, batch)
-        assert remote.client.shared.calls == 10 and remote.client.shared.ordered == 0
+        assert remote.client.shared.calls == 10 and remote.client.shared.ordered == remote.client.shared.on_gpu == 0
         assert remote.client.shared.region.mapping.pin_error is None  # pinned for the client's GPU too
         ref_params = dict(ref.named_parameters())
         diff = max((p - ref_params[n].to(p.device)).abs().max().item() for n, p in model.named_parameters()
@@ -291,3 +293,38 @@ def test_a_client_on_another_gpu_than_the_trunk_copies_through_the_host_and_trai
         if proc is not None:
             stop.set()
             proc.join(30)
+
+
+def test_gpu_memory_slices_are_checked_like_the_file(trunk_server) -> None:
+    # A region whose copies CUDA events order has a twin in the trunk's GPU memory; a slice naming it is checked
+    # against its bounds and must come with an event, and a bad one changes nothing on the server.
+    import grpc
+
+    from splitfed.channel import split_channel_pb2 as pb
+    from splitfed.channel import split_channel_pb2_grpc as pb_grpc
+    from splitfed.channel.server import CLIENT_ID_KEY
+    from splitfed.split.sequential import split_sequential
+
+    _, trunk, _ = split_sequential(torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3))), 1, 2)
+    server = trunk_server(trunk.to(CUDA), lr=0.1)
+    before = copy.deepcopy(server.runtime.trunk.state_dict())
+    md = [(CLIENT_ID_KEY, "alice")]
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.SplitChannelStub(channel)
+        region = stub.OpenRegion(pb.OpenRegionRequest(nbytes=1 << 20, cuda_events=True), metadata=md, timeout=20)
+        assert len(region.device_memory) == 64 and region.event_handles
+
+        def forward(**slice_fields: object) -> None:
+            ref = pb.RegionSlice(region=region.region, offset=0, nbytes=4 * 16 * 4, event=1, device=True)
+            for key, value in slice_fields.items():
+                setattr(ref, key, value)
+            tensor = pb.Tensor(name="hidden", dtype=pb.FLOAT32, shape=[4, 16], region=ref)
+            stub.Forward(pb.ForwardRequest(activation_id="a", train=True, num_examples=4, tensors=[tensor]),
+                         metadata=md, timeout=20)
+
+        for fields, message in (({"offset": region.nbytes - 64}, "outside the region's GPU memory"),
+                                ({"event": 0}, "without an event")):
+            with pytest.raises(grpc.RpcError) as info:
+                forward(**fields)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.details()
+    assert all(torch.equal(before[k], v) for k, v in server.runtime.trunk.state_dict().items())

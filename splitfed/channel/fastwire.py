@@ -167,12 +167,13 @@ def _parse_message(kind: type, data: memoryview) -> Any:
 
 def region_ref(msg: pb.RegionSlice) -> RegionRef:
     """A :class:`RegionRef` from its message."""
-    return RegionRef(msg.region, int(msg.offset), int(msg.nbytes), int(msg.event))
+    return RegionRef(msg.region, int(msg.offset), int(msg.nbytes), int(msg.event), bool(msg.device))
 
 
 def region_slice(ref: RegionRef) -> pb.RegionSlice:
     """The ``RegionSlice`` message of ``ref``."""
-    return pb.RegionSlice(region=ref.region, offset=ref.offset, nbytes=ref.nbytes, event=ref.event)
+    return pb.RegionSlice(region=ref.region, offset=ref.offset, nbytes=ref.nbytes, event=ref.event,
+                          device=ref.device)
 
 
 @dataclass

@@ -13,7 +13,9 @@ applied either way (the gradient guard).
 
 Replies go into the slice the request offered when they are raw and fit,
 from the device or from host memory, with the request's reply event recorded
-after the copy.
+after the copy. An event-ordered slice may lie in the region's twin in GPU
+memory (:mod:`splitfed.channel.devmem`): the copies in and out are then
+device-to-device.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ class RegionIO:
                 raise ResourceExhaustedError(f"tensor {enc.name!r} declares {need} bytes, above the limit of "
                                              f"{self.max_bytes}")
             region = self.table.region(client, ref.region)
-            src = region.view(ref.offset, ref.nbytes)
+            src = region.where(ref)
             if not ref.event:
                 own = host_copy(src, pinned=self.table.pin)
                 out.append(EncodedTensor(enc.name, enc.dtype, enc.shape, memoryview(own.numpy())))
@@ -116,7 +118,7 @@ class RegionIO:
             return None
         ref = fastwire.region_ref(request.reply_region)
         region = self.table.region(client, ref.region)
-        region.view(ref.offset, ref.nbytes)
+        region.where(ref)
         if ref.event:
             self._event(region, ref)
         return ref
@@ -131,17 +133,17 @@ class RegionIO:
         nbytes = t.numel() * t.element_size()
         if nbytes > slot.nbytes:
             return None
+        ref = RegionRef(slot.region, slot.offset, nbytes, slot.event, slot.device)
         try:
             region = self.table.region(client, slot.region)
-            dst = region.view(slot.offset, nbytes)
+            dst = region.where(ref)
         except SplitFedError:  # closed meanwhile (an idle sweep)
             return None
         if nbytes:
-            copy_into(dst, t.contiguous().reshape(-1).view(torch.uint8), non_blocking=t.is_cuda)
+            copy_into(dst, t.contiguous().reshape(-1).view(torch.uint8), non_blocking=t.is_cuda or dst.is_cuda)
         if slot.event:
             self._event(region, slot).record(torch.cuda.current_stream(self.device))
-        return EncodedTensor(name, wdt, tuple(t.shape), b"", None,
-                             RegionRef(slot.region, slot.offset, nbytes, slot.event))
+        return EncodedTensor(name, wdt, tuple(t.shape), b"", None, ref)
 
     # -- deferred checks ----------------------------------------------------------------------
     def keep(self, client: str, activation_id: str, flags: list[torch.Tensor]) -> None:
@@ -222,7 +224,9 @@ class RegionService:
             return pb.OpenRegionReply(region=region.name, path=str(region.path), nbytes=region.nbytes,
                                       event_handles=[] if region.events is None else region.events.handles(),
                                       server_pid=os.getpid(), device=events,
-                                      device_uuid=device_uuid(events) if region.events is not None else "")
+                                      device_uuid=device_uuid(events) if region.events is not None else "",
+                                      device_memory=b"" if region.device_memory is None else
+                                      region.device_memory.handle())
         return await self._call(context, run, request)
 
     async def CloseRegion(self, request: pb.CloseRegionRequest, context: Any) -> pb.CloseRegionReply:

@@ -38,6 +38,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from splitfed.channel import devmem
+from splitfed.channel.devmem import DeviceMemory
 from splitfed.codec import RegionRef
 from splitfed.errors import (
     CodecError,
@@ -78,6 +80,8 @@ class SharedRegion:
         self.bytes = torch.frombuffer(mapping, dtype=torch.uint8)
         #: CUDA events ordering copies of its slices (None: copies complete before a call is sent).
         self.events: RegionEvents | None = None
+        #: Its twin in the trunk's GPU memory, where event-ordered slices may lie (None: there is none).
+        self.device_memory: DeviceMemory | None = None
         self._registered = False
         #: Why registering with CUDA failed (None: it did not, or was not tried).
         self.pin_error: str | None = None
@@ -156,6 +160,16 @@ class SharedRegion:
         self.used = time.monotonic()
         return self.bytes[offset:offset + nbytes]
 
+    def where(self, ref: RegionRef) -> torch.Tensor:
+        """The bytes ``ref`` names: in the region's GPU memory when ``ref.device``, else in its file (checked)."""
+        if not ref.device:
+            return self.view(ref.offset, ref.nbytes)
+        if self.device_memory is None or not ref.event:
+            raise CodecError(f"slice names region {self.name}'s GPU memory, which it has none of (or without an "
+                             "event ordering the copy)")
+        self.used = time.monotonic()
+        return self.device_memory.view(ref.offset, ref.nbytes)
+
     def close(self) -> None:
         """Unmap (and, on the side that created it, delete the file)."""
         with self._lock:
@@ -170,6 +184,9 @@ class SharedRegion:
         if self.owner:
             self.path.unlink(missing_ok=True)
             _LOCAL_EVENTS.pop(self.name, None)
+        if self.device_memory is not None:
+            self.device_memory.close(self.name if self.owner else "")
+            self.device_memory = None
 
 
 #: CUDA events per region: slices of calls in flight at once name one each.
@@ -257,14 +274,17 @@ class RegionTable:
             client's new region closes its oldest ones to stay within it.
         max_total_bytes: bytes of regions all clients may hold together (0: regions are off).
         pin: register regions with CUDA (a trunk on a GPU).
+        device_memory: give a region whose copies CUDA events order a twin of the same size in the trunk's GPU
+            memory (:mod:`splitfed.channel.devmem`), so those copies stay on the GPU.
         idle_s: a region no call used for this long is closed when another is opened (its client is gone).
     """
 
     def __init__(self, max_client_bytes: int = 256 << 20, max_total_bytes: int = 4 << 30, pin: bool = False,
-                 idle_s: float = 600.0) -> None:
+                 idle_s: float = 600.0, device_memory: bool = True) -> None:
         self.max_client_bytes = max_client_bytes
         self.max_total_bytes = max_total_bytes
         self.pin = pin
+        self.device_memory = device_memory
         self.idle_s = idle_s
         self._regions: OrderedDict[str, tuple[str, SharedRegion]] = OrderedDict()
         self._lock = threading.Lock()
@@ -310,6 +330,12 @@ class RegionTable:
         if events_on is not None:
             region.events = RegionEvents.create(events_on)
             _LOCAL_EVENTS[region.name] = region.events
+            if self.device_memory and devmem.available():
+                try:  # the same size again on the GPU: event-ordered copies stay there
+                    region.device_memory = DeviceMemory.allocate(nbytes, events_on, region.name)
+                except SharedMemoryUnavailableError as exc:
+                    log.info("region %s has no GPU twin (%s): its GPU copies go through host memory", region.name,
+                             exc)
         log.debug("opened region %s (%d bytes) for %s", region.name, nbytes, client)
         return region
 

@@ -26,6 +26,7 @@ import torch
 
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
+from splitfed.channel.devmem import DeviceMemory, local_memory
 from splitfed.channel.regions import (
     MIN_REGION_TENSOR_BYTES,
     RegionEvents,
@@ -70,6 +71,8 @@ class SharedLane:
         self.bytes = 0
         self.calls = 0
         self.ordered = 0
+        #: Calls whose copies went device to device, through the region's GPU memory.
+        self.on_gpu = 0
 
     @property
     def active(self) -> bool:
@@ -120,10 +123,28 @@ class SharedLane:
                 self.mode = "off"
                 self._close_remote(reply.region)
                 return None
-            self.region = ClientRegion(mapping, events, reply.device_uuid)
+            memory = self._device_memory(reply) if events is not None else None
+            self.region = ClientRegion(mapping, events, reply.device_uuid, memory)
             log.debug("tensors cross the cut through shared-memory region %s (%d bytes)", mapping.name,
                       mapping.nbytes)
             return self.region
+
+    @staticmethod
+    def _device_memory(reply: pb.OpenRegionReply) -> DeviceMemory | None:
+        """The region's twin in the trunk's GPU memory, mapped into this process (None: there is none, or it
+        cannot be mapped here; the GPU copies then go through the region's file)."""
+        if not reply.device_memory:
+            return None
+        if reply.server_pid == os.getpid():
+            return local_memory(reply.region)
+        index = _device_with_uuid(reply.device_uuid)
+        if index is None:
+            return None
+        try:
+            return DeviceMemory.open(bytes(reply.device_memory), int(reply.nbytes), index)
+        except SharedMemoryUnavailableError as exc:
+            log.info("region %s: GPU copies go through host memory (%s)", reply.region, exc)
+            return None
 
     def _close_remote(self, name: str) -> None:
         try:
@@ -186,6 +207,7 @@ class SharedLane:
         CUDA events order the copies (reading a GPU tensor on the host would wait for the GPU)."""
         tensor = main[1]
         events = region.take_events() if region.orders(tensor.device) else None
+        twin = events is not None and region.device_memory is not None  # the copies stay on the GPU
         sends = [(main[0], tensor.detach(), main[2])]
         small: list[EncodedTensor] = []
         for other, t in others.items():
@@ -195,11 +217,12 @@ class SharedLane:
                 small.append(encode(other, t))
         slices: list[Slice] = []
         for _, t, wdt in sends:
-            piece = region.take(t.numel() * torch_dtype(wdt).itemsize)
+            piece = region.take(t.numel() * torch_dtype(wdt).itemsize, device=twin)
             if piece is None:
                 break
             slices.append(piece)
-        dst = region.take(max(reply_guess, MIN_REGION_TENSOR_BYTES)) if len(slices) == len(sends) else None
+        dst = region.take(max(reply_guess, MIN_REGION_TENSOR_BYTES), device=twin) \
+            if len(slices) == len(sends) else None
         if dst is None:  # no room now: this call goes over the socket
             self._give(region, slices, events)
             return None
@@ -235,6 +258,7 @@ class SharedLane:
             self.bytes += moved + (received if parsed.tensors[0].region is not None else 0)
             self.calls += 1
             self.ordered += events is not None
+            self.on_gpu += twin
         return parsed.header, out
 
     @staticmethod
@@ -246,10 +270,12 @@ class SharedLane:
         for (tname, t, wdt), piece in zip(sends, slices):
             dtype = torch_dtype(wdt)
             if t.is_cuda:
-                region.pin()
+                if not piece.device:
+                    region.pin()
                 if t.dtype != dtype:
                     t = t.to(dtype)  # cast on the device: fewer bytes to copy
-            copy_into(piece.tensor(dtype, tuple(t.shape)), t, non_blocking=events is not None and t.is_cuda)
+            copy_into(piece.tensor(dtype, tuple(t.shape), device=piece.device), t,
+                      non_blocking=events is not None and t.is_cuda)
             ref = piece.ref if events is None or not t.is_cuda else replace(piece.ref, event=events[0])
             encs.append(EncodedTensor(tname, wdt, tuple(t.shape), b"", None, ref))
         reply = slices[-1].ref

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitfed.channel.devmem import DeviceMemory
 from splitfed.channel.regions import ALIGN, RegionEvents, SharedRegion
 from splitfed.codec import RegionRef
 from splitfed.errors import CodecError
@@ -56,43 +57,55 @@ class Slice:
     region: ClientRegion
     offset: int
     nbytes: int
+    #: Whether the call uses the slice in the region's GPU memory rather than in its file.
+    device: bool = False
 
     @property
     def ref(self) -> RegionRef:
-        """How a message names it."""
-        return RegionRef(self.region.name, self.offset, self.nbytes)
+        """How a message names it (without an event)."""
+        return RegionRef(self.region.name, self.offset, self.nbytes, device=self.device)
 
-    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """The slice's first bytes viewed as a C-contiguous tensor of ``dtype`` and ``shape``."""
+    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...], device: bool = False) -> torch.Tensor:
+        """The slice's first bytes viewed as a C-contiguous tensor of ``dtype`` and ``shape``: in the region's file,
+        or in its GPU memory when ``device``."""
         nbytes = dtype.itemsize
         for d in shape:
             nbytes *= d
-        return self.region.mapping.view(self.offset, nbytes).view(dtype).view(shape)
+        memory = self.region.device_memory if device else None
+        if device and memory is None:
+            raise CodecError(f"region {self.region.name} has no GPU memory")
+        raw = memory.view(self.offset, nbytes) if memory is not None else self.region.mapping.view(self.offset, nbytes)
+        return raw.view(dtype).view(shape)
 
 
 class ClientRegion:
     """A client's mapping of its region, with the slices its calls in flight hold."""
 
-    def __init__(self, mapping: SharedRegion, events: RegionEvents | None = None, events_uuid: str = "") -> None:
+    def __init__(self, mapping: SharedRegion, events: RegionEvents | None = None, events_uuid: str = "",
+                 device_memory: DeviceMemory | None = None) -> None:
         self.mapping = mapping
         self.name = mapping.name
         #: The server's CUDA events for this region (None: copies complete before a call is sent), and the UUID
         #: of the GPU they belong to.
         self.events = events
         self.events_uuid = events_uuid
+        #: The region's twin in the trunk's GPU memory, mapped here (None: event-ordered copies go through the
+        #: file): slices of event-ordered calls lie there.
+        self.device_memory = device_memory
         self._uuids: dict[int, str] = {}
         self._slices = _Slices(mapping.nbytes)
         self._free_events = list(range(len(events), 0, -1)) if events is not None else []
         self._lock = threading.Lock()
         self.broken = False
 
-    def take(self, nbytes: int) -> Slice | None:
-        """A slice of ``nbytes``, or None when the region has no room (the tensor then travels inline)."""
+    def take(self, nbytes: int, device: bool = False) -> Slice | None:
+        """A slice of ``nbytes`` (used in the region's GPU memory when ``device``), or None when the region has no
+        room (the tensor then travels inline)."""
         with self._lock:
             if self.broken:
                 return None
             offset = self._slices.take(nbytes)
-        return None if offset is None else Slice(self, offset, nbytes)
+        return None if offset is None else Slice(self, offset, nbytes, device)
 
     def give(self, piece: Slice) -> None:
         """Return a slice once its call succeeded (a failed call's slices are never reused: see :meth:`poison`)."""
@@ -132,14 +145,18 @@ class ClientRegion:
         need = dtype.itemsize
         for d in shape:
             need *= d
-        if ref.region != self.name or ref.offset != given.offset or ref.nbytes > given.nbytes or ref.nbytes != need:
+        if ref.region != self.name or ref.offset != given.offset or ref.nbytes > given.nbytes or ref.nbytes != need \
+                or ref.device != given.device:
             raise CodecError(f"the server's reply names slice {ref} but was given {given.ref} for {need} bytes")
-        return given.tensor(dtype, shape)
+        return given.tensor(dtype, shape, device=ref.device)
 
     def pin(self) -> bool:
         """Register the mapping with CUDA (see :meth:`SharedRegion.pin`)."""
         return self.mapping.pin()
 
     def close(self) -> None:
-        """Unmap the region."""
+        """Unmap the region (and its GPU memory)."""
         self.mapping.close()
+        if self.device_memory is not None:
+            self.device_memory.close()
+            self.device_memory = None

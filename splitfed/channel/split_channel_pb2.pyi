@@ -81,16 +81,18 @@ class CompressionSpec(_message.Message):
     def __init__(self, method: _Optional[_Union[CompressionMethod, str]] = ..., topk_ratio: _Optional[float] = ..., block_size: _Optional[int] = ..., error_feedback: _Optional[bool] = ...) -> None: ...
 
 class RegionSlice(_message.Message):
-    __slots__ = ("region", "offset", "nbytes", "event")
+    __slots__ = ("region", "offset", "nbytes", "event", "device")
     REGION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     region: str
     offset: int
     nbytes: int
     event: int
-    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., event: _Optional[int] = ...) -> None: ...
+    device: bool
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., event: _Optional[int] = ..., device: _Optional[bool] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data", "compressed", "region")
@@ -277,7 +279,7 @@ class OpenRegionRequest(_message.Message):
     def __init__(self, nbytes: _Optional[int] = ..., cuda_events: _Optional[bool] = ...) -> None: ...
 
 class OpenRegionReply(_message.Message):
-    __slots__ = ("region", "path", "nbytes", "event_handles", "server_pid", "device", "device_uuid")
+    __slots__ = ("region", "path", "nbytes", "event_handles", "server_pid", "device", "device_uuid", "device_memory")
     REGION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +287,7 @@ class OpenRegionReply(_message.Message):
     SERVER_PID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_FIELD_NUMBER: _ClassVar[int]
     region: str
     path: str
     nbytes: int
@@ -292,7 +295,8 @@ class OpenRegionReply(_message.Message):
     server_pid: int
     device: int
     device_uuid: str
-    def __init__(self, region: _Optional[str] = ..., path: _Optional[str] = ..., nbytes: _Optional[int] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., server_pid: _Optional[int] = ..., device: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    device_memory: bytes
+    def __init__(self, region: _Optional[str] = ..., path: _Optional[str] = ..., nbytes: _Optional[int] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., server_pid: _Optional[int] = ..., device: _Optional[int] = ..., device_uuid: _Optional[str] = ..., device_memory: _Optional[bytes] = ...) -> None: ...
 
 class CloseRegionRequest(_message.Message):
     __slots__ = ("region",)
