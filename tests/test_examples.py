@@ -7,7 +7,6 @@ import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest

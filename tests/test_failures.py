@@ -81,7 +81,7 @@ def test_flwr_run_with_one_of_three_clients_failing_goes_on(flwr_home: Path, tmp
     app.mkdir()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     config = "\n".join(f"{k} = {json.dumps(v)}" for k, v in project["tool"]["flwr"]["app"]["config"].items())
-    (app / "pyproject.toml").write_text(textwrap.dedent(f'''
+    (app / "pyproject.toml").write_text(textwrap.dedent('''
         [build-system]
         requires = ["setuptools>=69"]
         build-backend = "setuptools.build_meta"
