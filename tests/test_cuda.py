@@ -165,13 +165,16 @@ def test_pipelined_bf16_autocast_on_gpu_trains(trunk_server) -> None:
     assert server.runtime.version == 8
 
 
-def _serve_llama_trunk(port_queue, stop, device: str = "cuda") -> None:  # type: ignore[no-untyped-def]
+def _serve_llama_trunk(port_queue, stop, device: str = "cuda",  # type: ignore[no-untyped-def]
+                       idle_s: float | None = None) -> None:
     """A tiny Llama's trunk on a GPU, served from its own process (IPC events order the region's copies)."""
     from splitfed.channel.server import TrunkServer
 
     split = split_model(tiny_model("llama").train().to(device), (1, 3))
     server = TrunkServer(TrunkRuntime(split.trunk, torch.optim.AdamW(split.trunk.parameters(), lr=1e-2)),
                          insecure=True).start()
+    if idle_s is not None:
+        server.servicer.regions.idle_s = idle_s
     port_queue.put(server.port)
     stop.wait()
     server.stop(grace=0)
@@ -298,6 +301,8 @@ def test_a_client_on_another_gpu_than_the_trunk_copies_through_the_host_and_trai
 def test_gpu_memory_slices_are_checked_like_the_file(trunk_server) -> None:
     # A region whose copies CUDA events order has a twin in the trunk's GPU memory; a slice naming it is checked
     # against its bounds and must come with an event, and a bad one changes nothing on the server.
+    import os
+
     import grpc
 
     from splitfed.channel import split_channel_pb2 as pb
@@ -311,7 +316,10 @@ def test_gpu_memory_slices_are_checked_like_the_file(trunk_server) -> None:
     md = [(CLIENT_ID_KEY, "alice")]
     with grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.SplitChannelStub(channel)
-        region = stub.OpenRegion(pb.OpenRegionRequest(nbytes=1 << 20, cuda_events=True), metadata=md, timeout=20)
+        anonymous = stub.OpenRegion(pb.OpenRegionRequest(nbytes=1 << 20, cuda_events=True), metadata=md, timeout=20)
+        assert anonymous.event_handles and not anonymous.device_memory  # no process to outlive: no GPU memory
+        region = stub.OpenRegion(pb.OpenRegionRequest(nbytes=1 << 20, cuda_events=True, client_pid=os.getpid()),
+                                 metadata=md, timeout=20)
         assert len(region.device_memory) == 64 and region.event_handles
 
         def forward(**slice_fields: object) -> None:
@@ -328,3 +336,51 @@ def test_gpu_memory_slices_are_checked_like_the_file(trunk_server) -> None:
                 forward(**fields)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.details()
     assert all(torch.equal(before[k], v) for k, v in server.runtime.trunk.state_dict().items())
+
+
+def test_a_region_closed_while_idle_keeps_its_gpu_memory_for_its_live_client(monkeypatch) -> None:
+    # The server closes a region nobody used for idle_s when another is opened; its client (a live process) still
+    # maps the region's GPU memory and writes its next call there before it learns the region is gone. That memory
+    # must still be the client's (freeing it would be undefined behaviour in CUDA): training goes on exactly.
+    import multiprocessing as mp
+    import time
+
+    from splitfed.channel import shared
+
+    monkeypatch.setattr(shared, "MIN_REGION_TENSOR_BYTES", 1)
+    model = tiny_model("llama").train().to(CUDA)
+    ref = copy.deepcopy(model)
+    split = split_model(model, (1, 3))
+    trunk_ids = {id(p) for p in split.trunk.parameters()}
+    ctx = mp.get_context("spawn")
+    ports, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_serve_llama_trunk, args=(ports, stop, "cuda", 0.5), daemon=True)
+    proc.start()
+    address = f"127.0.0.1:{ports.get(timeout=120)}"
+    try:
+        remote = RemoteTrunk(address, insecure=True)
+        client = SplitModel(split.bottom, remote, split.top, task="causal-lm")
+        opt = torch.optim.AdamW(split.client_modules().parameters(), lr=1e-2)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        ids, mask, labels = (t.to(CUDA) for t in batch_for("llama", padded=True))
+        for step in range(4):
+            if step == 2:  # idle past idle_s, then another client's region sweeps this one away
+                time.sleep(1.0)
+                with TrunkClient(address, insecure=True, client_id="other") as other:
+                    assert other.shared._region(cuda=True, need=4096) is not None
+            client(ids, attention_mask=mask, labels=labels).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        lane = remote.client.shared
+        assert lane.on_gpu >= 6  # the region came back after the sweep
+        ref_params = dict(ref.named_parameters())
+        diff = max((p - ref_params[n]).abs().max().item() for n, p in model.named_parameters()
+                   if id(p) not in trunk_ids)
+        assert diff <= 1e-5
+        remote.close()
+    finally:
+        stop.set()
+        proc.join(30)

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -169,6 +171,75 @@ class DeviceMemory:
         if name:
             _LOCAL.pop(name, None)
         self.bytes = torch.empty(0, dtype=torch.uint8)
+
+
+# -- lifetime ---------------------------------------------------------------------------------------
+# Freeing memory that another process still maps is undefined behaviour in CUDA: the address may come back from
+# a later allocation while that process writes there. So the server frees a region's block only once its client
+# closed the region (it unmaps first) or its process is gone; until then a retired block waits here.
+_PARKED: dict[str, tuple[DeviceMemory, int, str, str]] = {}  # name -> (block, pid, start, owner)
+_parked_lock = threading.Lock()
+
+
+def process_start(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot; None when no such process is visible here): with
+    the pid, it tells the same process from a later one that got the pid again."""
+    try:
+        stat = Path(f"/proc/{int(pid)}/stat").read_text()
+    except (OSError, ValueError):
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+def may_map(pid: int) -> bool:
+    """Whether a client that says it is process ``pid`` may get a block: a process of this user that this server
+    sees (so its end can be noticed)."""
+    if pid <= 0:
+        return False
+    try:
+        return os.stat(f"/proc/{int(pid)}").st_uid == os.getuid() and process_start(pid) is not None
+    except OSError:
+        return False
+
+
+def retire(name: str, memory: DeviceMemory, owner: str, pid: int, start: str | None, released: bool = False
+           ) -> None:
+    """The server lets go of region ``name``'s block (client ``owner``, process ``pid`` started at ``start``):
+    freed now when the client released it (closed the region), runs in this process (it holds a reference of its
+    own) or is gone; else kept until its process is gone."""
+    sweep()
+    _LOCAL.pop(name, None)
+    if released or pid == os.getpid() or start is None or process_start(pid) != start:
+        memory.close()
+        return
+    with _parked_lock:
+        _PARKED[name] = (memory, pid, start, owner)
+
+
+def release(name: str, owner: str) -> None:
+    """Free a kept block whose client closed its region since (only its own client may)."""
+    with _parked_lock:
+        entry = _PARKED.get(name)
+        if entry is None or entry[3] != owner:
+            return
+        del _PARKED[name]
+    entry[0].close()
+
+
+def sweep() -> None:
+    """Free the kept blocks whose client process is gone."""
+    with _parked_lock:
+        gone = [name for name, (_, pid, start, _) in _PARKED.items() if process_start(pid) != start]
+        freed = [_PARKED.pop(name)[0] for name in gone]
+    for memory in freed:
+        memory.close()
+
+
+def parked_bytes() -> int:
+    """Bytes of blocks kept for clients that still run."""
+    with _parked_lock:
+        return sum(entry[0].nbytes for entry in _PARKED.values())
 
 
 def local_memory(name: str) -> DeviceMemory | None:

@@ -220,7 +220,8 @@ class RegionService:
             device = self.runtime.device
             events = device.index if device.index is not None else 0
             on = events if request.cuda_events and table.pin and device.type == "cuda" else None
-            region = await asyncio.get_running_loop().run_in_executor(None, table.open, client, request.nbytes, on)
+            region = await asyncio.get_running_loop().run_in_executor(None, table.open, client, request.nbytes, on,
+                                                                      int(request.client_pid))
             return pb.OpenRegionReply(region=region.name, path=str(region.path), nbytes=region.nbytes,
                                       event_handles=[] if region.events is None else region.events.handles(),
                                       server_pid=os.getpid(), device=events,

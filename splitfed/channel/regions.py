@@ -80,8 +80,10 @@ class SharedRegion:
         self.bytes = torch.frombuffer(mapping, dtype=torch.uint8)
         #: CUDA events ordering copies of its slices (None: copies complete before a call is sent).
         self.events: RegionEvents | None = None
-        #: Its twin in the trunk's GPU memory, where event-ordered slices may lie (None: there is none).
+        #: Its twin in the trunk's GPU memory, where event-ordered slices may lie (None: there is none), and who
+        #: maps it: (client, process id, process start).
         self.device_memory: DeviceMemory | None = None
+        self.device_client: tuple[str, int, str | None] = ("", 0, None)
         self._registered = False
         #: Why registering with CUDA failed (None: it did not, or was not tried).
         self.pin_error: str | None = None
@@ -170,8 +172,9 @@ class SharedRegion:
         self.used = time.monotonic()
         return self.device_memory.view(ref.offset, ref.nbytes)
 
-    def close(self) -> None:
-        """Unmap (and, on the side that created it, delete the file)."""
+    def close(self, released: bool = False) -> None:
+        """Unmap (and, on the side that created it, delete the file). ``released``: the client closed it first,
+        so its GPU memory is free to go (else it waits for the client's process, see :func:`devmem.retire`)."""
         with self._lock:
             if self._registered:
                 torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
@@ -185,7 +188,7 @@ class SharedRegion:
             self.path.unlink(missing_ok=True)
             _LOCAL_EVENTS.pop(self.name, None)
         if self.device_memory is not None:
-            self.device_memory.close(self.name if self.owner else "")
+            devmem.retire(self.name, self.device_memory, *self.device_client, released=released)
             self.device_memory = None
 
 
@@ -300,9 +303,10 @@ class RegionTable:
         with self._lock:
             return sum(r.nbytes for _, r in self._regions.values())
 
-    def open(self, client: str, nbytes: int, events_on: int | None = None) -> SharedRegion:
+    def open(self, client: str, nbytes: int, events_on: int | None = None, client_pid: int = 0) -> SharedRegion:
         """A new region of at most ``nbytes`` for ``client``; with CUDA events on device ``events_on`` when given
-        (the trunk computes there, and so does the client)."""
+        (the trunk computes there, and so does the client), and then a twin in GPU memory for a client process
+        ``client_pid`` of this user that this server sees (see :mod:`splitfed.channel.devmem`)."""
         if not self.enabled:
             raise SharedMemoryUnavailableError("this trunk server offers no shared memory (trunk-shared-memory-mib "
                                                "= 0, or no /dev/shm); tensors travel over the socket")
@@ -330,9 +334,11 @@ class RegionTable:
         if events_on is not None:
             region.events = RegionEvents.create(events_on)
             _LOCAL_EVENTS[region.name] = region.events
-            if self.device_memory and devmem.available():
+            local = client_pid == os.getpid()
+            if self.device_memory and (local or devmem.may_map(client_pid)) and devmem.available():
                 try:  # the same size again on the GPU: event-ordered copies stay there
                     region.device_memory = DeviceMemory.allocate(nbytes, events_on, region.name)
+                    region.device_client = (client, client_pid, devmem.process_start(client_pid))
                 except SharedMemoryUnavailableError as exc:
                     log.info("region %s has no GPU twin (%s): its GPU copies go through host memory", region.name,
                              exc)
@@ -361,11 +367,12 @@ class RegionTable:
         with self._lock:
             entry = self._regions.get(name)
             if entry is None:
+                devmem.release(name, client)  # closed already (idle): its GPU memory waited for this
                 return
             if entry[0] != client:
                 raise PermissionDeniedError(f"region {name!r} belongs to another client")
             del self._regions[name]
-        entry[1].close()
+        entry[1].close(released=True)
 
     def close_all(self) -> None:
         """Close every region (the server stops)."""

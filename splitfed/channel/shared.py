@@ -104,7 +104,7 @@ class SharedLane:
             try:
                 reply = self.client._invoke("OpenRegion", self.client._stub.OpenRegion,
                                             pb.OpenRegionRequest(nbytes=min(self.nbytes, max(16 * need, 4 << 20)),
-                                                                 cuda_events=cuda))
+                                                                 cuda_events=cuda, client_pid=os.getpid()))
             except ChannelError as exc:
                 log.info("tensors travel over the socket: the trunk server at %s offers no shared memory (%s)",
                          self.client.address, exc.code)

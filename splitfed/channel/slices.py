@@ -158,5 +158,6 @@ class ClientRegion:
         """Unmap the region (and its GPU memory)."""
         self.mapping.close()
         if self.device_memory is not None:
+            torch.cuda.synchronize(self.device_memory.device)  # no copy may still use the mapping when it goes
             self.device_memory.close()
             self.device_memory = None

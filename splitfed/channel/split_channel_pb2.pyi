@@ -271,12 +271,14 @@ class CloseSessionReply(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenRegionRequest(_message.Message):
-    __slots__ = ("nbytes", "cuda_events")
+    __slots__ = ("nbytes", "cuda_events", "client_pid")
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     CUDA_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_PID_FIELD_NUMBER: _ClassVar[int]
     nbytes: int
     cuda_events: bool
-    def __init__(self, nbytes: _Optional[int] = ..., cuda_events: _Optional[bool] = ...) -> None: ...
+    client_pid: int
+    def __init__(self, nbytes: _Optional[int] = ..., cuda_events: _Optional[bool] = ..., client_pid: _Optional[int] = ...) -> None: ...
 
 class OpenRegionReply(_message.Message):
     __slots__ = ("region", "path", "nbytes", "event_handles", "server_pid", "device", "device_uuid", "device_memory")
