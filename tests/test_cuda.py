@@ -3,7 +3,10 @@ generation with a GPU trunk. Skipped without a GPU (run on a GPU machine: ``pyth
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import multiprocessing as mp
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -180,47 +183,55 @@ def _serve_llama_trunk(port_queue, stop, device: str = "cuda",  # type: ignore[n
     server.stop(grace=0)
 
 
+@contextlib.contextmanager
+def _llama_trunk(where: str, trunk_server, split, device: str = "cuda",  # type: ignore[no-untyped-def]
+                 idle_s: float | None = None) -> Iterator[str]:
+    """The address of a trunk server: ``split``'s trunk in a thread of this process, or (``process``) a tiny Llama's
+    trunk with the same weights in a process of its own (IPC events and memory)."""
+    if where == "thread":
+        trunk = split.trunk.to(device)
+        yield trunk_server(TrunkRuntime(trunk, torch.optim.AdamW(trunk.parameters(), lr=1e-2))).address
+        return
+    ctx = mp.get_context("spawn")
+    ports, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_serve_llama_trunk, args=(ports, stop, device, idle_s), daemon=True)
+    proc.start()
+    try:
+        yield f"127.0.0.1:{ports.get(timeout=120)}"
+    finally:
+        stop.set()
+        proc.join(30)
+
+
+def _client_parts_diff(model: torch.nn.Module, ref: torch.nn.Module, trunk_ids: set[int]) -> float:
+    """The largest difference of the client's parameters (the trunk's may live in another process) from ``ref``."""
+    ref_params = dict(ref.named_parameters())
+    return max((p - ref_params[n].to(p.device)).abs().max().item() for n, p in model.named_parameters()
+               if id(p) not in trunk_ids)
+
+
 @pytest.mark.parametrize("where", ["thread", "process"])
 def test_five_gpu_steps_through_gpu_ordered_shared_memory_equal_unsplit(where: str, trunk_server,
                                                                         monkeypatch) -> None:
-    import multiprocessing as mp
-
     from splitfed.channel import shared
 
     monkeypatch.setattr(shared, "MIN_REGION_TENSOR_BYTES", 1)  # the tiny model's activations are small
     model = tiny_model("llama").train().to(CUDA)
     ref = copy.deepcopy(model)
     split = split_model(model, (1, 3))
-    proc = stop = None
-    if where == "thread":
-        address = trunk_server(TrunkRuntime(split.trunk, torch.optim.AdamW(split.trunk.parameters(), lr=1e-2))
-                               ).address
-    else:
-        ctx = mp.get_context("spawn")
-        ports, stop = ctx.Queue(), ctx.Event()
-        proc = ctx.Process(target=_serve_llama_trunk, args=(ports, stop), daemon=True)
-        proc.start()
-        address = f"127.0.0.1:{ports.get(timeout=120)}"
-    try:
+    trunk_ids = {id(p) for p in split.trunk.parameters()}
+    with _llama_trunk(where, trunk_server, split) as address:
         remote = RemoteTrunk(address, insecure=True)
         client = SplitModel(split.bottom, remote, split.top, task="causal-lm")
         opt = torch.optim.AdamW(split.client_modules().parameters(), lr=1e-2)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        trunk_ids = {id(p) for p in split.trunk.parameters()}
         batch = tuple(t.to(CUDA) for t in batch_for("llama", padded=True))
         _five_steps_side_by_side(client, opt, model, ref, ref_opt, batch)
         shared_lane = remote.client.shared
         assert shared_lane.calls == shared_lane.ordered == 10  # ordered on the GPU, not the host
         assert shared_lane.on_gpu == 10  # through the region's GPU memory: copies device to device
-        ref_params = dict(ref.named_parameters())
-        diff = max((p - ref_params[n]).abs().max().item() for n, p in model.named_parameters()
-                   if id(p) not in trunk_ids)  # the client's parts (in a process of its own, the trunk is there)
-        assert diff <= 1e-5
+        assert _client_parts_diff(model, ref, trunk_ids) <= 1e-5  # in a process of its own, the trunk is there
         remote.close()
-    finally:
-        if proc is not None:
-            stop.set()
-            proc.join(30)
 
 
 def test_nan_through_gpu_ordered_shared_memory_is_refused_at_the_backward(trunk_server, monkeypatch) -> None:
@@ -254,27 +265,15 @@ def test_a_client_on_another_gpu_than_the_trunk_copies_through_the_host_and_trai
         where: str, trunk_server, monkeypatch) -> None:
     # The region's CUDA events belong to the trunk's GPU; a client computing on another GPU cannot wait on them, so
     # its copies are ordered by the host (the region still carries the bytes).
-    import multiprocessing as mp
-
     from splitfed.channel import shared
 
     monkeypatch.setattr(shared, "MIN_REGION_TENSOR_BYTES", 1)
-    client_gpu, trunk_gpu = torch.device("cuda:1"), "cuda:0"
+    client_gpu = torch.device("cuda:1")
     model = tiny_model("llama").train().to(client_gpu)
     ref = copy.deepcopy(model)
     split = split_model(model, (1, 3))
     trunk_ids = {id(p) for p in split.trunk.parameters()}
-    proc = stop = None
-    if where == "thread":
-        trunk = split.trunk.to(trunk_gpu)
-        address = trunk_server(TrunkRuntime(trunk, torch.optim.AdamW(trunk.parameters(), lr=1e-2))).address
-    else:
-        ctx = mp.get_context("spawn")
-        ports, stop = ctx.Queue(), ctx.Event()
-        proc = ctx.Process(target=_serve_llama_trunk, args=(ports, stop, trunk_gpu), daemon=True)
-        proc.start()
-        address = f"127.0.0.1:{ports.get(timeout=120)}"
-    try:
+    with _llama_trunk(where, trunk_server, split, device="cuda:0") as address:
         remote = RemoteTrunk(address, insecure=True)
         client = SplitModel(split.bottom, remote, split.top, task="causal-lm")
         opt = torch.optim.AdamW(split.client_modules().parameters(), lr=1e-2)
@@ -283,19 +282,12 @@ def test_a_client_on_another_gpu_than_the_trunk_copies_through_the_host_and_trai
         _five_steps_side_by_side(client, opt, model, ref, ref_opt, batch)
         assert remote.client.shared.calls == 10 and remote.client.shared.ordered == remote.client.shared.on_gpu == 0
         assert remote.client.shared.region.mapping.pin_error is None  # pinned for the client's GPU too
-        ref_params = dict(ref.named_parameters())
-        diff = max((p - ref_params[n].to(p.device)).abs().max().item() for n, p in model.named_parameters()
-                   if id(p) not in trunk_ids)
-        assert diff <= 1e-5
+        assert _client_parts_diff(model, ref, trunk_ids) <= 1e-5
         if where == "thread":
-            ref_trunk = {n: p for n, p in ref_params.items() if n.startswith("model.layers.")}
+            ref_trunk = {n: p for n, p in ref.named_parameters() if n.startswith("model.layers.")}
             got = {split.trunk.spec.full_key(n): p for n, p in split.trunk.named_parameters()}
             assert max((got[n] - ref_trunk[n].to(got[n].device)).abs().max().item() for n in got) <= 1e-5
         remote.close()
-    finally:
-        if proc is not None:
-            stop.set()
-            proc.join(30)
 
 
 def test_gpu_memory_slices_are_checked_like_the_file(trunk_server) -> None:
@@ -338,11 +330,10 @@ def test_gpu_memory_slices_are_checked_like_the_file(trunk_server) -> None:
     assert all(torch.equal(before[k], v) for k, v in server.runtime.trunk.state_dict().items())
 
 
-def test_a_region_closed_while_idle_keeps_its_gpu_memory_for_its_live_client(monkeypatch) -> None:
+def test_a_region_closed_while_idle_keeps_its_gpu_memory_for_its_live_client(trunk_server, monkeypatch) -> None:
     # The server closes a region nobody used for idle_s when another is opened; its client (a live process) still
     # maps the region's GPU memory and writes its next call there before it learns the region is gone. That memory
     # must still be the client's (freeing it would be undefined behaviour in CUDA): training goes on exactly.
-    import multiprocessing as mp
     import time
 
     from splitfed.channel import shared
@@ -352,12 +343,7 @@ def test_a_region_closed_while_idle_keeps_its_gpu_memory_for_its_live_client(mon
     ref = copy.deepcopy(model)
     split = split_model(model, (1, 3))
     trunk_ids = {id(p) for p in split.trunk.parameters()}
-    ctx = mp.get_context("spawn")
-    ports, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_serve_llama_trunk, args=(ports, stop, "cuda", 0.5), daemon=True)
-    proc.start()
-    address = f"127.0.0.1:{ports.get(timeout=120)}"
-    try:
+    with _llama_trunk("process", trunk_server, split, idle_s=0.5) as address:
         remote = RemoteTrunk(address, insecure=True)
         client = SplitModel(split.bottom, remote, split.top, task="causal-lm")
         opt = torch.optim.AdamW(split.client_modules().parameters(), lr=1e-2)
@@ -374,13 +360,6 @@ def test_a_region_closed_while_idle_keeps_its_gpu_memory_for_its_live_client(mon
             ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
             ref_opt.step()
             ref_opt.zero_grad()
-        lane = remote.client.shared
-        assert lane.on_gpu >= 6  # the region came back after the sweep
-        ref_params = dict(ref.named_parameters())
-        diff = max((p - ref_params[n]).abs().max().item() for n, p in model.named_parameters()
-                   if id(p) not in trunk_ids)
-        assert diff <= 1e-5
+        assert remote.client.shared.on_gpu >= 6  # the region came back after the sweep
+        assert _client_parts_diff(model, ref, trunk_ids) <= 1e-5
         remote.close()
-    finally:
-        stop.set()
-        proc.join(30)
