@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import multiprocessing as mp
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -27,10 +28,14 @@ def _deterministic():
     yield
 
 
-def _five_steps_side_by_side(client, opt, model, ref, ref_opt, batch) -> float:  # type: ignore[no-untyped-def]
-    """5 steps of the split model and of the unsplit reference on one batch; the largest weight difference."""
+def _five_steps_side_by_side(client, opt, model, ref, ref_opt, batch, steps: int = 5,  # type: ignore[no-untyped-def]
+                             before: Callable[[int], None] | None = None) -> float:
+    """5 (``steps``) steps of the split model and of the unsplit reference on one batch (``before(step)`` first);
+    the largest weight difference."""
     ids, mask, labels = batch
-    for _ in range(5):
+    for step in range(steps):
+        if before is not None:
+            before(step)
         client(ids, attention_mask=mask, labels=labels).loss.backward()
         opt.step()
         opt.zero_grad()
@@ -210,6 +215,19 @@ def _client_parts_diff(model: torch.nn.Module, ref: torch.nn.Module, trunk_ids: 
                if id(p) not in trunk_ids)
 
 
+def _five_remote_steps(address: str, split, model, ref, device: torch.device,  # type: ignore[no-untyped-def]
+                       **steps: Any) -> RemoteTrunk:
+    """5 AdamW steps of ``split`` over the trunk at ``address`` beside ``ref``'s (``steps``: as for
+    :func:`_five_steps_side_by_side`); returns the open remote trunk."""
+    remote = RemoteTrunk(address, insecure=True)
+    client = SplitModel(split.bottom, remote, split.top, task="causal-lm")
+    opt = torch.optim.AdamW(split.client_modules().parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    batch = tuple(t.to(device) for t in batch_for("llama", padded=True))
+    _five_steps_side_by_side(client, opt, model, ref, ref_opt, batch, **steps)
+    return remote
+
+
 @pytest.mark.parametrize("where", ["thread", "process"])
 def test_five_gpu_steps_through_gpu_ordered_shared_memory_equal_unsplit(where: str, trunk_server,
                                                                         monkeypatch) -> None:
@@ -221,12 +239,7 @@ def test_five_gpu_steps_through_gpu_ordered_shared_memory_equal_unsplit(where: s
     split = split_model(model, (1, 3))
     trunk_ids = {id(p) for p in split.trunk.parameters()}
     with _llama_trunk(where, trunk_server, split) as address:
-        remote = RemoteTrunk(address, insecure=True)
-        client = SplitModel(split.bottom, remote, split.top, task="causal-lm")
-        opt = torch.optim.AdamW(split.client_modules().parameters(), lr=1e-2)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        batch = tuple(t.to(CUDA) for t in batch_for("llama", padded=True))
-        _five_steps_side_by_side(client, opt, model, ref, ref_opt, batch)
+        remote = _five_remote_steps(address, split, model, ref, CUDA)
         shared_lane = remote.client.shared
         assert shared_lane.calls == shared_lane.ordered == 10  # ordered on the GPU, not the host
         assert shared_lane.on_gpu == 10  # through the region's GPU memory: copies device to device
@@ -274,12 +287,7 @@ def test_a_client_on_another_gpu_than_the_trunk_copies_through_the_host_and_trai
     split = split_model(model, (1, 3))
     trunk_ids = {id(p) for p in split.trunk.parameters()}
     with _llama_trunk(where, trunk_server, split, device="cuda:0") as address:
-        remote = RemoteTrunk(address, insecure=True)
-        client = SplitModel(split.bottom, remote, split.top, task="causal-lm")
-        opt = torch.optim.AdamW(split.client_modules().parameters(), lr=1e-2)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        batch = tuple(t.to(client_gpu) for t in batch_for("llama", padded=True))
-        _five_steps_side_by_side(client, opt, model, ref, ref_opt, batch)
+        remote = _five_remote_steps(address, split, model, ref, client_gpu)
         assert remote.client.shared.calls == 10 and remote.client.shared.ordered == remote.client.shared.on_gpu == 0
         assert remote.client.shared.region.mapping.pin_error is None  # pinned for the client's GPU too
         assert _client_parts_diff(model, ref, trunk_ids) <= 1e-5
@@ -344,22 +352,13 @@ def test_a_region_closed_while_idle_keeps_its_gpu_memory_for_its_live_client(tru
     split = split_model(model, (1, 3))
     trunk_ids = {id(p) for p in split.trunk.parameters()}
     with _llama_trunk("process", trunk_server, split, idle_s=0.5) as address:
-        remote = RemoteTrunk(address, insecure=True)
-        client = SplitModel(split.bottom, remote, split.top, task="causal-lm")
-        opt = torch.optim.AdamW(split.client_modules().parameters(), lr=1e-2)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        ids, mask, labels = (t.to(CUDA) for t in batch_for("llama", padded=True))
-        for step in range(4):
+        def sweep(step: int) -> None:
             if step == 2:  # idle past idle_s, then another client's region sweeps this one away
                 time.sleep(1.0)
                 with TrunkClient(address, insecure=True, client_id="other") as other:
                     assert other.shared._region(cuda=True, need=4096) is not None
-            client(ids, attention_mask=mask, labels=labels).loss.backward()
-            opt.step()
-            opt.zero_grad()
-            ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+
+        remote = _five_remote_steps(address, split, model, ref, CUDA, steps=4, before=sweep)
         assert remote.client.shared.on_gpu >= 6  # the region came back after the sweep
         assert _client_parts_diff(model, ref, trunk_ids) <= 1e-5
         remote.close()
