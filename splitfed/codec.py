@@ -324,6 +324,9 @@ def _decode_compressed(enc: EncodedTensor, limits: TensorLimits) -> torch.Tensor
 
 _NUMPY_FLOATS = {torch.float32: np.float32, torch.float16: np.float16}
 _SMALL = 1 << 20  # elements; below this a single-threaded numpy reduction beats waking torch's thread pool
+# elements; below this a numpy sum beats BLAS, whose first call after the thread slept (a server between calls)
+# took 20-60 us in a trunk server for a 4 KiB tensor (2 us when warm).
+_BLAS_MIN = 1 << 14
 
 
 def _bf16_sum_of_squares(flat: torch.Tensor) -> float:
@@ -349,7 +352,7 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
         return
     # One reduction instead of an elementwise pass: any NaN/Inf makes it non-finite;
     # a finite tensor whose reduction overflows is confirmed exactly.
-    if tensor.device.type == "cpu" and tensor.dtype == torch.float32:
+    if tensor.device.type == "cpu" and tensor.dtype == torch.float32 and tensor.numel() >= _BLAS_MIN:
         # BLAS dot (the sum of squares) runs several times faster than a sum; NaN and Inf propagate into it.
         flat = tensor.detach().reshape(-1).numpy()
         with np.errstate(over="ignore", invalid="ignore"):
@@ -358,7 +361,8 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
         total = _bf16_sum_of_squares(tensor.detach().reshape(-1).contiguous())
     elif tensor.device.type == "cpu" and tensor.dtype in _NUMPY_FLOATS and tensor.numel() < _SMALL:
         flat = tensor.detach().reshape(-1).numpy()
-        total = float(np.add.reduce(flat, dtype=np.float32))
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = float(np.add.reduce(flat, dtype=np.float32))
     else:
         total = float(tensor.detach().sum(dtype=torch.float32))
     if math.isfinite(total) or bool(torch.isfinite(tensor).all()):
