@@ -362,3 +362,28 @@ def test_a_region_closed_while_idle_keeps_its_gpu_memory_for_its_live_client(tru
         assert remote.client.shared.on_gpu >= 6  # the region came back after the sweep
         assert _client_parts_diff(model, ref, trunk_ids) <= 1e-5
         remote.close()
+
+
+def test_gpu_blocks_kept_for_a_client_count_against_its_share() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from splitfed.channel import devmem
+    from splitfed.channel.regions import RegionTable
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    table = RegionTable(max_client_bytes=4 << 20, max_total_bytes=64 << 20, pin=True)
+    try:
+        kept = devmem.DeviceMemory.allocate(3 << 20, 0)
+        devmem.retire("splitfed-kept", kept, "carol", sleeper.pid, devmem.process_start(sleeper.pid))
+        carol = table.open("carol", 2 << 20, events_on=0, client_pid=os.getpid())
+        dave = table.open("dave", 2 << 20, events_on=0, client_pid=os.getpid())
+        assert carol.events is not None and carol.device_memory is None  # 3 MiB kept + 2 MiB would pass 4 MiB
+        assert dave.device_memory is not None and dave.device_memory.nbytes == dave.nbytes
+    finally:
+        table.close_all()
+        sleeper.kill()
+        sleeper.wait()
+    devmem.sweep()
+    assert devmem.parked_bytes("carol") == 0

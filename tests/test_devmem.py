@@ -75,3 +75,16 @@ def test_a_released_or_local_or_reused_pid_block_goes_at_once() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_blocks_kept_for_a_client_count_against_its_share() -> None:
+    proc = _sleeper()
+    try:
+        devmem.retire("splitfed-f", _Block(3 << 20), "carol", proc.pid, devmem.process_start(proc.pid))
+        # RegionTable.open adds these to the client's regions when it decides whether a new one gets a block.
+        assert devmem.parked_bytes("carol") == 3 << 20 and devmem.parked_bytes("dave") == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    devmem.sweep()
+    assert devmem.parked_bytes("carol") == 0

@@ -236,10 +236,11 @@ def sweep() -> None:
         memory.close()
 
 
-def parked_bytes() -> int:
-    """Bytes of blocks kept for clients that still run."""
+def parked_bytes(owner: str | None = None) -> int:
+    """Bytes of blocks kept for clients that still run (of client ``owner`` only, when given)."""
+    sweep()
     with _parked_lock:
-        return sum(entry[0].nbytes for entry in _PARKED.values())
+        return sum(entry[0].nbytes for entry in _PARKED.values() if owner is None or entry[3] == owner)
 
 
 def local_memory(name: str) -> DeviceMemory | None:

@@ -335,7 +335,9 @@ class RegionTable:
             region.events = RegionEvents.create(events_on)
             _LOCAL_EVENTS[region.name] = region.events
             local = client_pid == os.getpid()
-            if self.device_memory and (local or devmem.may_map(client_pid)) and devmem.available():
+            # Blocks kept for this client's older regions count against its share too.
+            room = devmem.parked_bytes(client) + nbytes <= self.max_client_bytes
+            if self.device_memory and room and (local or devmem.may_map(client_pid)) and devmem.available():
                 try:  # the same size again on the GPU: event-ordered copies stay there
                     region.device_memory = DeviceMemory.allocate(nbytes, events_on, region.name)
                     region.device_client = (client, client_pid, devmem.process_start(client_pid))
