@@ -3,6 +3,9 @@
 * ``split_step_ratio``: one training step of a tiny GPT-2 (6 layers, hidden 256,
   vocab 8192, seq 128, batch 8) split over the real channel on loopback,
   divided by the same unsplit step (``_process``: trunk server in its own process).
+  ``split_step_shared_fraction`` is the share of the cut's bytes that went through
+  a shared-memory region, ``split_step_gpu_copy_fraction`` the share of calls whose
+  copies went device to device through the region's GPU memory.
 * ``channel_vs_grpc_ratio_{1,16}MiB``: a channel Forward round trip (identity
   trunk, evaluation forward: decode, check, encode) divided by a bare gRPC
   unary echo of the same bytes.
@@ -196,6 +199,9 @@ def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple
             if transport == "auto":
                 out[f"split_step_shared_fraction{suffix}"] = remote.client.shared.bytes / max(
                     remote.client.bytes_sent + remote.client.bytes_received, 1)
+                # Calls whose copies went device to device through the region's GPU memory.
+                out[f"split_step_gpu_copy_fraction{suffix}"] = remote.client.shared.on_gpu / max(
+                    remote.client.shared.calls, 1)
             remote.client.leave()  # the next client must not wait for this one in the trunk's sync step
             remote.close()
         return out
