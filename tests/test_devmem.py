@@ -21,7 +21,7 @@ class _Block:
         self.nbytes = nbytes
         self.closed = False
 
-    def close(self, name: str = "") -> None:
+    def close(self) -> None:
         self.closed = True
 
 

@@ -166,10 +166,8 @@ class DeviceMemory:
                              f"{self.nbytes} bytes")
         return self.bytes[offset:offset + nbytes]
 
-    def close(self, name: str = "") -> None:
+    def close(self) -> None:
         """Drop this side's reference (the block goes with the last tensor viewing it)."""
-        if name:
-            _LOCAL.pop(name, None)
         self.bytes = torch.empty(0, dtype=torch.uint8)
 
 
