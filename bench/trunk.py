@@ -1,11 +1,22 @@
-"""Trunk throughput with many clients: cross-client batching, and sync steps of 4 clients against 1.
+"""Trunk throughput with many clients, against what the same device does in plain PyTorch.
 
 Clients run in processes of their own and send precomputed activations and
 gradients (their own parts' compute is left out), so the figures are those of
 the trunk server: examples per second through its forward and backward, in
-``sync`` mode. ``python -m bench.trunk --device cuda --config "layers=12
-hidden=768 heads=12 vocab=50257 batch=4 seq=256 bf16=1" --clients 8`` is the
-GPT-2-small measurement of the README.
+``sync`` mode, over shared memory (``--socket``: over the socket, as clients on
+other hosts). In the same run and on the same device, :mod:`bench.ceiling`
+measures the plain-PyTorch trunk step over the same rows (batched: one forward
+and backward over every client's rows; sequential: client after client), so
+``trunk_ceiling_fraction_<N>`` = server batched / ceiling batched. GPU
+utilization is sampled while the server runs (:mod:`bench.gpu_util`).
+
+``python -m bench.trunk --device cuda --clients 32 --config "layers=12
+hidden=768 heads=12 vocab=50257 batch=4 seq=256 bf16=1"`` is the GPT-2-small
+measurement of the README. ``--timeline FILE`` records the server's timeline
+(:mod:`splitfed.trunk.timeline`) over the batched run's timed steps, writes it
+as JSON and prints the figures of its median sync step. ``--client-cores K``
+pins the client processes to the last K cores (the server keeps the others);
+the output says how many cores the clients used.
 
 ``--replicas 2`` adds trunk replicas over torch.distributed (:mod:`splitfed.launcher`):
 for each ``--clients`` count, one trunk one-at-a-time, one trunk batched, and
@@ -14,24 +25,37 @@ processes with gloo otherwise), clients spread round robin over the replicas.
 ``python -m bench.trunk --device cuda --replicas 2 --clients 8 32 --config
 "layers=12 hidden=768 heads=12 vocab=50257 batch=4 seq=256 bf16=1"`` gives
 ``replica_scaling_2gpu`` (2 GPUs / 1 GPU, batched, 32 clients).
+
+Every wait on a client process is bounded and checks that the processes are
+alive: a client that dies or fails ends the benchmark with a non-zero exit.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
+import os
+import queue
 import statistics
-import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from bench import core
+from bench.ceiling import ceiling
+from bench.gpu_util import UtilSampler
 
 log = logging.getLogger("bench.trunk")
+
+#: Seconds a benchmark waits for its clients at any one point before it gives up.
+WAIT_S = 900.0
+
+
+class BenchError(RuntimeError):
+    """A benchmark could not do its job (a client died or failed, or it timed out)."""
 
 
 def _server(device: str, window_ms: float, replicas: int = 1) -> Any:
@@ -56,38 +80,87 @@ def _replica(rank: int, device: str, window_ms: float, replicas: int, settings: 
     return _server(f"cuda:{rank}" if device.startswith("cuda") else device, window_ms, replicas)
 
 
-def _client(address: str, i: int, settings: dict[str, int], steps: int, warmup: int, joined: Any, ready: Any,
-            errors: Any) -> None:
-    """One client process: join, warm up, wait for the others, then ``steps`` timed sync steps."""
+def _client(address: str, i: int, settings: dict[str, int], steps: int, warmup: int, cores: list[int] | None,
+            socket: bool, events: Any, go: Any, start: Any) -> None:
+    """One client process: join, say so, wait; warm up, say so, wait; ``steps`` timed sync steps; say done."""
     from splitfed.channel.client import TrunkClient
     from splitfed.split import CutState
 
     try:
+        if cores:
+            os.sched_setaffinity(0, cores)
         torch.set_num_threads(1)
         c = settings
-        tc = TrunkClient(address, insecure=True, client_id=f"bench-{i}", wire_dtype="bf16" if c["bf16"] else "fp32")
+        tc = TrunkClient(address, insecure=True, client_id=f"bench-{i}", wire_dtype="bf16" if c["bf16"] else "fp32",
+                         shared_memory="off" if socket else "auto")
         tc.join()
         hidden = torch.randn(c["batch"], c["seq"], c["hidden"])
         grad = torch.randn(c["batch"], c["seq"], c["hidden"]) * 1e-3
-        joined.wait(600)  # every client is in the step group before the first sync step
+        events.put(("joined", i, ""))
+        if not start.wait(WAIT_S):  # every client is in the step group before the first sync step
+            raise BenchError("the benchmark never started the steps")
         for step in range(warmup + steps):
             if step == warmup:
-                ready.wait(600)  # the whole group finished the warm-up step together
+                events.put(("warm", i, ""))
+                if not go.wait(WAIT_S):  # the whole group finished the warm-up together
+                    raise BenchError("the benchmark never started the timed steps")
             act = uuid.uuid4().hex
             tc.forward(CutState(hidden), activation_id=act, train=True, num_examples=c["batch"])
             tc.backward(act, grad)
         tc.close()
+        events.put(("done", i, ""))
     except BaseException as exc:  # noqa: BLE001 - reported by the parent
-        errors.put(repr(exc))
-        joined.abort()
-        ready.abort()
+        events.put(("error", i, repr(exc)))
+
+
+def _collect(events: Any, procs: list[Any], kind: str, n: int) -> None:
+    """Wait for ``n`` ``kind`` messages from the clients; raise :class:`BenchError` at once if one fails or dies."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + WAIT_S
+    while len(seen) < n:
+        try:
+            what, i, detail = events.get(timeout=0.5)
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise BenchError(f"benchmark client process {dead[0].pid} died with exit code "
+                                 f"{dead[0].exitcode}") from None
+            if time.monotonic() > deadline:
+                raise BenchError(f"only {len(seen)} of {n} clients reached {kind!r} within {WAIT_S:.0f} s") from None
+            continue
+        if what == "error":
+            raise BenchError(f"benchmark client {i} failed: {detail}")
+        if what == kind:
+            seen.add(i)
+
+
+@dataclass
+class Run:
+    """One throughput run's figures."""
+
+    examples_per_s: float
+    requests_per_s: float
+    seconds: float
+    gpu_util: dict[str, Any] = field(default_factory=dict)
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _cores(client_cores: int) -> list[int] | None:
+    if client_cores <= 0:
+        return None
+    available = sorted(os.sched_getaffinity(0))
+    return available[-client_cores:]
 
 
 def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, device: str = "cpu",
-               replicas: int = 1) -> float:
-    """Examples per second through the trunk: ``clients`` client processes in sync mode, ``steps`` timed steps
-    each (clients run in their own processes, as on their own machines), over ``replicas`` trunk replicas."""
+               replicas: int = 1, *, client_cores: int = 0, socket: bool = False, timeline: bool = False) -> Run:
+    """``clients`` client processes in sync mode, ``steps`` timed steps each, over ``replicas`` trunk replicas.
+
+    Raises :class:`BenchError` when a client fails or dies, or the run stalls.
+    """
     import multiprocessing as mp
+
+    from splitfed.trunk.timeline import TIMELINE
 
     ctx = mp.get_context("spawn")
     if replicas > 1 and device.startswith("cuda"):
@@ -101,59 +174,106 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
         replica_set = ReplicaSet(server, replicas, _replica, (device, window_ms, replicas, dict(core.SPLIT_STEP)),
                                  timeout_s=600).start()
         addresses = replica_set.addresses
-    joined, ready, errors = ctx.Barrier(clients), ctx.Barrier(clients + 1), ctx.Queue()
+    events, start, go = ctx.Queue(), ctx.Event(), ctx.Event()
+    cores = _cores(client_cores)
     procs = [ctx.Process(target=_client, args=(addresses[i % len(addresses)], i, dict(core.SPLIT_STEP), steps, warmup,
-                                               joined, ready, errors), daemon=True) for i in range(clients)]
+                                               cores, socket, events, go, start), daemon=True)
+             for i in range(clients)]
+    sampler = UtilSampler(device)
     try:
         for p in procs:
             p.start()
-        try:
-            ready.wait(600)
-        except threading.BrokenBarrierError:
-            pass
-        start = time.perf_counter()
-        for p in procs:
-            p.join(1200)
-        elapsed = time.perf_counter() - start
+        _collect(events, procs, "joined", clients)
+        start.set()
+        _collect(events, procs, "warm", clients)
+        sampler.start()
+        if timeline:
+            TIMELINE.start(device)
+        began = time.perf_counter()
+        go.set()
+        _collect(events, procs, "done", clients)
+        elapsed = time.perf_counter() - began
     finally:
+        recorded = TIMELINE.stop() if timeline else []
+        util = sampler.stop()
         if replica_set is not None:
             replica_set.stop()
         server.stop(grace=0)
         for p in procs:
+            p.join(5)
             if p.is_alive():
                 p.kill()
-    if not errors.empty():
-        raise RuntimeError(f"a benchmark client failed: {errors.get()}")
-    return clients * steps * core.SPLIT_STEP["batch"] / elapsed
+    examples = clients * steps * core.SPLIT_STEP["batch"]
+    return Run(examples / elapsed, 2 * clients * steps / elapsed, elapsed, util, recorded)
 
 
-def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat: int = 3) -> dict[str, float]:
-    """Batched / one-at-a-time throughput with ``clients`` clients, and sync time per example N clients / 1."""
-    one_at_a_time = statistics.median(throughput(clients, 0.0, device=device) for _ in range(repeat))
-    log.warning("one at a time: %.1f examples/s", one_at_a_time)
-    batched = statistics.median(throughput(clients, window_ms, device=device) for _ in range(repeat))
-    log.warning("batched: %.1f examples/s", batched)
-    single = statistics.median(throughput(1, 0.0, device=device) for _ in range(repeat))
+def step_figures(events: list[dict[str, Any]]) -> dict[str, float]:
+    """The figures of the median sync step of a recording (between two consecutive trunk steps)."""
+    from splitfed.trunk.timeline import summarize
+
+    steps = [e["t"] for e in events if e["kind"] == "step"]
+    if len(steps) < 2:
+        return summarize(events)
+    spans = sorted(zip(steps, steps[1:]), key=lambda s: s[1] - s[0])
+    lo, hi = spans[len(spans) // 2]
+    return summarize(events, lo, hi)
+
+
+def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat: int = 3, steps: int = 5,
+          client_cores: int = 0, socket: bool = False, timeline: str = "") -> dict[str, Any]:
+    """Batched and one-at-a-time throughput with ``clients`` clients, one client alone, and the plain-PyTorch
+    ceiling of the same rows; GPU utilization during the batched runs."""
+    from splitfed.trunk.timeline import save
+
     suffix = "" if device.startswith("cuda") else "_cpu"
-    return {
-        f"trunk_examples_per_s_{clients}_clients{suffix}": one_at_a_time,
-        f"trunk_examples_per_s_{clients}_clients_batched{suffix}": batched,
-        f"trunk_batching_speedup{suffix}": batched / one_at_a_time,
-        f"sync_step_ratio_{clients}v1{suffix}": single / one_at_a_time,  # time per example, N clients / 1
+    kw = {"device": device, "steps": steps, "client_cores": client_cores, "socket": socket}
+    one = [throughput(clients, 0.0, **kw) for _ in range(repeat)]
+    log.warning("one at a time: %.1f examples/s", statistics.median(r.examples_per_s for r in one))
+    batched = [throughput(clients, window_ms, timeline=bool(timeline) and i == 0, **kw) for i in range(repeat)]
+    log.warning("batched: %.1f examples/s", statistics.median(r.examples_per_s for r in batched))
+    single = statistics.median(throughput(1, 0.0, **kw).examples_per_s for _ in range(repeat))
+    roof = ceiling(device, clients, steps=steps, repeat=repeat)
+    n = clients
+    one_at_a_time = statistics.median(r.examples_per_s for r in one)
+    best = statistics.median(r.examples_per_s for r in batched)
+    out: dict[str, Any] = {
+        f"trunk_examples_per_s_{n}_clients{suffix}": one_at_a_time,
+        f"trunk_examples_per_s_{n}_clients_batched{suffix}": best,
+        f"trunk_requests_per_s_{n}_clients_batched{suffix}": statistics.median(r.requests_per_s for r in batched),
+        f"trunk_batching_speedup{suffix}": best / one_at_a_time,
+        f"sync_step_ratio_{n}v1{suffix}": single / one_at_a_time,  # time per example, N clients / 1
+        f"ceiling_examples_per_s_{n}_batched{suffix}": roof["batched"],
+        f"ceiling_examples_per_s_{n}_sequential{suffix}": roof["sequential"],
+        f"trunk_ceiling_fraction_{n}{suffix}": best / roof["batched"],
+        f"trunk_ceiling_fraction_{n}_one_at_a_time{suffix}": one_at_a_time / roof["sequential"],
+        "client_cores": client_cores or len(os.sched_getaffinity(0)),
+        "transport": "socket" if socket else "shared memory",
     }
+    utils = [r.gpu_util for r in batched if r.gpu_util]
+    if utils:
+        out[f"gpu_util_mean_{n}_batched"] = statistics.median(u["mean"] for u in utils)
+        out[f"gpu_util_max_{n}_batched"] = max(u["max"] for u in utils)
+        out["gpu_util_source"] = utils[0]["source"]
+    if timeline and batched[0].timeline:
+        save(batched[0].timeline, timeline)
+        for key, value in step_figures(batched[0].timeline).items():
+            out[f"timeline_{key}"] = value
+    return out
 
 
 def replica_scaling(device: str = "cpu", clients: tuple[int, ...] = (8, 32), replicas: int = 2,
-                    window_ms: float = 50.0, repeat: int = 1) -> dict[str, float]:
+                    window_ms: float = 50.0, repeat: int = 1, steps: int = 5, client_cores: int = 0,
+                    socket: bool = False) -> dict[str, float]:
     """For each client count: one trunk one at a time, one trunk batched, ``replicas`` trunks batched (examples/s),
     and the scaling of the largest count (``replicas`` trunks / one, both batched)."""
     gpu = device.startswith("cuda")
     suffix = "" if gpu else "_cpu"
     out: dict[str, float] = {}
+    kw = {"device": device, "steps": steps, "client_cores": client_cores, "socket": socket}
     for n in clients:
         for name, window, r in [("", 0.0, 1), ("_batched", window_ms, 1), (f"_batched_{replicas}replicas", window_ms,
                                                                           replicas)]:
-            value = statistics.median(throughput(n, window, device=device, replicas=r) for _ in range(repeat))
+            value = statistics.median(throughput(n, window, replicas=r, **kw).examples_per_s for _ in range(repeat))
             out[f"trunk_examples_per_s_{n}_clients{name}{suffix}"] = value
             log.warning("%d clients%s: %.1f examples/s", n, name or " one at a time", value)
     n = max(clients)
@@ -164,14 +284,21 @@ def replica_scaling(device: str = "cpu", clients: tuple[int, ...] = (8, 32), rep
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.trunk", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.trunk", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--clients", type=int, nargs="+", default=[4],
                         help="client counts (several only with --replicas)")
     parser.add_argument("--replicas", type=int, default=1,
                         help="also measure this many trunk replicas (batched), one per GPU with --device cuda")
-    parser.add_argument("--window-ms", type=float, default=50.0)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--window-ms", type=float, default=50.0, help="the server's batching window (default 50)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each kind; medians are reported (default 3)")
+    parser.add_argument("--steps", type=int, default=5, help="timed sync steps per run (default 5)")
+    parser.add_argument("--client-cores", type=int, default=0,
+                        help="pin the client processes to the last K cores (default 0: all cores)")
+    parser.add_argument("--socket", action="store_true", help="clients send over the socket, not shared memory")
+    parser.add_argument("--timeline", default="", metavar="FILE",
+                        help="record the server's timeline of the first batched run into FILE (JSON)")
     parser.add_argument("--config", default="", help='model and batch, e.g. "layers=12 hidden=768 heads=12 '
                         'vocab=50257 batch=4 seq=256 bf16=1" (default: the tiny GPT-2 of python -m bench)')
     parser.add_argument("--json", action="store_true")
@@ -182,18 +309,20 @@ def main() -> int:
         if key not in core.SPLIT_STEP:
             parser.error(f"--config: unknown key {key!r}; known: {', '.join(core.SPLIT_STEP)}")
         core.SPLIT_STEP[key] = int(value)
-    if args.replicas > 1:
-        results: dict[str, object] = dict(replica_scaling(args.device, tuple(args.clients), args.replicas,
-                                                          args.window_ms, args.repeat))
-    else:
-        results = dict(trunk(args.device, args.clients[0], args.window_ms, args.repeat))
+    try:
+        if args.replicas > 1:
+            results: dict[str, Any] = dict(replica_scaling(args.device, tuple(args.clients), args.replicas,
+                                                           args.window_ms, args.repeat, args.steps,
+                                                           args.client_cores, args.socket))
+        else:
+            results = trunk(args.device, args.clients[0], args.window_ms, args.repeat, args.steps,
+                            args.client_cores, args.socket, args.timeline)
+    except BenchError as exc:
+        log.error("bench.trunk failed: %s", exc)
+        return 1
     results["config"] = " ".join(f"{k}={v}" for k, v in core.SPLIT_STEP.items())
     results["device"] = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    if args.json:
-        print(json.dumps(results, sort_keys=True))
-    else:
-        for key, value in results.items():
-            print(f"{key:<48} {value:.4g}" if isinstance(value, float) else f"{key:<48} {value}")
+    core.print_results(results, args.json)
     return 0
 
 

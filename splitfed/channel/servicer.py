@@ -53,6 +53,7 @@ from splitfed.trunk.microsteps import StepPart
 from splitfed.trunk.requests import ForwardRequest
 from splitfed.trunk.runtime import TrunkRuntime
 from splitfed.trunk.scheduler import MISS, TrunkScheduler
+from splitfed.trunk.timeline import TIMELINE
 
 log = logging.getLogger(__name__)
 
@@ -154,16 +155,18 @@ class SplitChannelServicer(RegionService):
     async def _forward(self, identity: tuple[str, bool], req: pb.ForwardRequest, tensors: list, unary: bool
                        ) -> tuple[pb.ForwardReply, list]:
         client, retry = identity
+        TIMELINE.mark("forward-in", client, train=req.train)
         if not req.activation_id:
             raise CodecError("activation_id is empty; send a unique id per forward")
         spec = reply_spec(req)
         slot = self._reply_slot(client, req)
         self._count("received", tensors)
-        tensors, ready, flags = self._resolve(client, tensors)
-        if flags and (not req.train or req.session_id) and self._io is not None:
-            self._io.verdict(client, "", flags)  # no Backward will come: check now (the host waits for the copy)
-        state = with_client_cut(decode_state(tensors, self.tensor_limits, ready), req.cut_start, req.cut_end,
-                                self.cuts or part_range(self.runtime.trunk), session=bool(req.session_id))
+        with TIMELINE.host("decode"):
+            tensors, ready, flags = self._resolve(client, tensors)
+            if flags and (not req.train or req.session_id) and self._io is not None:
+                self._io.verdict(client, "", flags)  # no Backward will come: check now (the host waits for the copy)
+            state = with_client_cut(decode_state(tensors, self.tensor_limits, ready), req.cut_start, req.cut_end,
+                                    self.cuts or part_range(self.runtime.trunk), session=bool(req.session_id))
         small = state.hidden.numel() <= INLINE_MAX_ELEMENTS
         if req.session_id:
             if self.sessions is None:
@@ -192,7 +195,8 @@ class SplitChannelServicer(RegionService):
                     await self._refused(client)
                 raise
         reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
-        encs = self._reply(client, req.activation_id, "hidden", out, reply_dtype, spec, slot, feedback=False)
+        with TIMELINE.host("encode"):
+            encs = self._reply(client, req.activation_id, "hidden", out, reply_dtype, spec, slot, feedback=False)
         if unary and payload_bytes(encs) > self.limits.stream_threshold_bytes:
             if req.train and not req.session_id:
                 runtime = self.runtime
@@ -202,6 +206,7 @@ class SplitChannelServicer(RegionService):
         if req.train and flags and not req.session_id:  # read at its Backward
             self._region_io().keep(client, req.activation_id, flags)
         self._count("sent", encs)
+        TIMELINE.mark("forward-out", client)
         return pb.ForwardReply(activation_id=req.activation_id, trunk_version=version), encs
 
     def _reply_check(self, reply_dtype: WireDType | None, unary: bool, slot: RegionRef | None = None
@@ -225,12 +230,14 @@ class SplitChannelServicer(RegionService):
                         ) -> tuple[pb.BackwardReply, list]:
         client, retry = identity
         runtime = self.runtime
+        TIMELINE.mark("backward-in", client)
         try:
             spec = reply_spec(req)
             slot = self._reply_slot(client, req)
             self._count("received", tensors)
-            tensors, ready, flags = self._resolve(client, tensors)
-            grad = decode_single(tensors, "grad", self.tensor_limits, ready)
+            with TIMELINE.host("decode"):
+                tensors, ready, flags = self._resolve(client, tensors)
+                grad = decode_single(tensors, "grad", self.tensor_limits, ready)
             reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
             check = self._reply_check(reply_dtype, unary, slot)
             step = StepPart.of(req.step_id, req.step_parts)
@@ -245,8 +252,10 @@ class SplitChannelServicer(RegionService):
         result = await asyncio.wrap_future(pending.result)  # the sync barrier or quorum: no thread held
         if self._io is not None:
             self._io.verdict(client, req.activation_id, flags)
-        encs = self._reply(client, req.activation_id, "grad", grad_in, reply_dtype, spec, slot)
+        with TIMELINE.host("encode"):
+            encs = self._reply(client, req.activation_id, "grad", grad_in, reply_dtype, spec, slot)
         self._count("sent", encs)
+        TIMELINE.mark("backward-out", client)
         reply = pb.BackwardReply(activation_id=req.activation_id, trunk_version=result.version,
                                  outcome=_OUTCOME[result.outcome], staleness=result.staleness)
         return reply, encs

@@ -18,6 +18,7 @@ from splitfed.errors import DuplicateActivationError, TrunkStepError
 from splitfed.trunk.batching import ForwardGroup, batch_key, pack
 from splitfed.trunk.recompute import busy_on_oom, rerun
 from splitfed.trunk.store import DoneBackward, SavedForward
+from splitfed.trunk.timeline import TIMELINE
 
 if TYPE_CHECKING:
     from splitfed.trunk.requests import ForwardRequest, PendingBackward
@@ -124,9 +125,10 @@ class Batcher:
 
     def _run(self, requests: list[ForwardRequest], packed: Any) -> list[Outcome]:
         rt = self.rt
-        inputs, leaf = rt._prepare(packed.state, train=True)
-        assert leaf is not None
-        output, nbytes, rng = rt.traced_forward(inputs)
+        with TIMELINE.gpu("forward", n=len(requests)):
+            inputs, leaf = rt._prepare(packed.state, train=True)
+            assert leaf is not None
+            output, nbytes, rng = rt.traced_forward(inputs)
         out_value = output.detach()
         rt.store.admit(requests[0].client_id, nbytes)
         self._count(len(requests))
@@ -211,10 +213,11 @@ class Batcher:
             self.groups.remove(group)
             members = tuple(group.clients[i] for i in sorted(group.grads))
             try:
-                group.output, weights_seen = self._output(group)
-                full, weights, total = group.output_gradient()
-                targets = [group.leaf] + (weights_seen if rt.trains else [])
-                grads = torch.autograd.grad(group.output, targets, full, allow_unused=True)
+                with TIMELINE.gpu("backward", n=len(group.grads)):
+                    group.output, weights_seen = self._output(group)
+                    full, weights, total = group.output_gradient()
+                    targets = [group.leaf] + (weights_seen if rt.trains else [])
+                    grads = torch.autograd.grad(group.output, targets, full, allow_unused=True)
             except RuntimeError as exc:
                 error = TrunkStepError(f"the batched backward of {len(members)} clients failed on the server: "
                                        f"{exc}; run the forward again")

@@ -64,6 +64,7 @@ from splitfed.trunk.requests import (
     resolved,
 )
 from splitfed.trunk.store import DoneBackward, ForwardStore, SavedForward, StoreLimits
+from splitfed.trunk.timeline import TIMELINE
 from splitfed.trunk.upkeep import RuntimeUpkeep
 
 log = logging.getLogger(__name__)
@@ -224,7 +225,8 @@ class TrunkRuntime(RuntimeUpkeep):
                 output = None
                 nbytes = sum(t.numel() * t.element_size() for t in (inputs.hidden, out_value))
             else:
-                output, nbytes, rng = self.traced_forward(inputs, weights)
+                with TIMELINE.gpu("forward", n=1):
+                    output, nbytes, rng = self.traced_forward(inputs, weights)
                 out_value = output.detach()
             self.store.admit(client_id, nbytes)
             self.store.add(SavedForward(activation_id, client_id, self._version, inputs.with_hidden(leaf), output,
@@ -312,8 +314,9 @@ class TrunkRuntime(RuntimeUpkeep):
             else:
                 try:
                     dtype = entry.out_value.dtype
-                    grads = self._gradients(entry, grad.to(self.device, dtype) if self._staging is None else
-                                            self._staging.to_device(grad, dtype))
+                    with TIMELINE.gpu("backward", n=1):
+                        grads = self._gradients(entry, grad.to(self.device, dtype) if self._staging is None else
+                                                self._staging.to_device(grad, dtype))
                 except RuntimeError as exc:  # out of memory included: the graph is spent, so no retry of this one
                     raise TrunkStepError(f"the backward of {activation_id} failed on the server: {exc}; run the "
                                          "forward again") from None
@@ -370,12 +373,14 @@ class TrunkRuntime(RuntimeUpkeep):
         with self._lock:
             self._rebase_pending()
             try:
-                for p, g in zip(self._trainable, update):
-                    p.grad = None if g is None else g.to(p.dtype)
-                self.optimizer.step()
+                with TIMELINE.gpu("step"):
+                    for p, g in zip(self._trainable, update):
+                        p.grad = None if g is None else g.to(p.dtype)
+                    self.optimizer.step()
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
             self._version += 1
+            TIMELINE.mark("step", version=self._version)
 
     def _rebase_pending(self) -> None:
         """Give forwards still waiting for their backward the weights they saw (before this step)."""

@@ -40,6 +40,7 @@ from typing import Any, Final, Protocol, TypeVar
 from splitfed.errors import TrunkBusyError
 from splitfed.trunk.requests import ForwardRequest
 from splitfed.trunk.runtime import TrunkRuntime
+from splitfed.trunk.timeline import TIMELINE
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,8 @@ class TrunkScheduler:
         if small and not self._stopping and not self._queue and self._exec.acquire(blocking=False):
             try:
                 self.stats["inline"] += 1
-                return fn()
+                with TIMELINE.host("inline"):
+                    return fn()
             finally:
                 self._exec.release()
         return MISS
@@ -215,7 +217,8 @@ class TrunkScheduler:
                 batch = self._take()
             with self._exec:
                 if batch:
-                    self._run(batch)
+                    with TIMELINE.host("device", n=len(batch)):
+                        self._run(batch)
                 now = time.monotonic()
                 deadline = self.runtime.deadline()
                 if deadline is not None and deadline <= now:
@@ -246,6 +249,7 @@ class TrunkScheduler:
                 tokens += task.tokens
             remaining = close - time.monotonic()
             if remaining <= 0 or self._stopping or self._everyone_in(batch):
+                TIMELINE.mark("window", n=len(batch), waited=time.monotonic() - first.queued)
                 return batch
             self._cond.wait(remaining)
 

@@ -1,0 +1,62 @@
+"""What the trunk's device does in plain PyTorch, with no channel: the ceiling ``bench.trunk`` compares the server to.
+
+The same trunk blocks as the server's (``bench.core``'s GPT-2 split at its cuts), the same rows: ``clients``
+clients' batches of ``batch x seq`` hidden states, one SGD step per sync step.
+
+* batched: one forward and backward over every client's rows, then the step;
+* sequential: each client's rows forward and backward in turn (gradients accumulate), then the step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from bench import core
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def ceiling(device: str = "cpu", clients: int = 4, steps: int = 5, warmup: int = 2, repeat: int = 3
+            ) -> dict[str, float]:
+    """Examples per second of the plain-PyTorch trunk step, batched and sequential (medians of ``repeat``)."""
+    from splitfed.split import CutState, split_model
+
+    c = core.SPLIT_STEP
+    dev = torch.device(device)
+    trunk = split_model(core._gpt2().to(dev), core._cuts()).trunk
+    opt = torch.optim.SGD(trunk.parameters(), lr=1e-4)
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bool(c["bf16"]))
+    rows = [torch.randn(c["batch"], c["seq"], c["hidden"], device=dev) for _ in range(clients)]
+    grads = [torch.randn(c["batch"], c["seq"], c["hidden"], device=dev) * 1e-3 for _ in range(clients)]
+    whole, whole_grad = torch.cat(rows), torch.cat(grads)
+
+    def step(batched: bool) -> None:
+        pairs = [(whole, whole_grad)] if batched else list(zip(rows, grads))
+        for h, g in pairs:
+            leaf = h.detach().requires_grad_(True)
+            with autocast:
+                out = trunk(CutState(leaf.clone())).hidden
+            out.backward(g.to(out.dtype))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    out: dict[str, float] = {}
+    for name, batched in (("batched", True), ("sequential", False)):
+        runs = []
+        for _ in range(repeat):
+            for _ in range(warmup):
+                step(batched)
+            _sync(dev)
+            start = time.perf_counter()
+            for _ in range(steps):
+                step(batched)
+            _sync(dev)
+            runs.append(clients * c["batch"] * steps / (time.perf_counter() - start))
+        out[name] = statistics.median(runs)
+    return out

@@ -1,0 +1,195 @@
+"""A timeline of the trunk server's work: when calls arrive and leave, batches close, the device thread and the GPU
+are busy.
+
+Off by default and then free (one attribute test per mark). Turned on, every
+mark is a tuple appended to a list under a lock (about a microsecond); GPU spans
+record two CUDA events on the current stream, resolved to host time once the
+recording stops, so recording never makes the host wait for the GPU.
+
+Kinds of mark (``client`` names the caller where there is one):
+
+* ``forward-in`` / ``forward-out``, ``backward-in`` / ``backward-out``: a call's
+  handler started (its bytes parsed) and its reply was ready to send;
+* ``window``: a batch of ``n`` forwards closed, ``waited`` seconds after its first
+  arrived;
+* ``step``: the trunk took an optimizer step;
+* spans (begin and end): ``host`` work on a thread (``what`` says which, ``thread``
+  which thread), ``gpu`` work on the device's stream.
+
+Pure Python and torch; :func:`summarize` turns a recording into the figures
+``python -m bench.trunk --timeline`` prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass
+class _GpuSpan:
+    what: str
+    begin: Any
+    end: Any
+    info: dict[str, Any]
+
+
+@dataclass
+class Timeline:
+    """Records marks and spans while :attr:`enabled`; :meth:`events` gives them in seconds since :meth:`start`."""
+
+    enabled: bool = False
+    _marks: list[tuple[float, str, str, str, dict[str, Any]]] = field(default_factory=list)
+    _gpu: list[_GpuSpan] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _t0: float = 0.0
+    _ref: Any = None  # a CUDA event recorded at ``_t0`` (host and GPU clocks aligned there)
+    _device: torch.device | None = None
+
+    def start(self, device: torch.device | str | None = None) -> None:
+        """Clear and start recording; with a CUDA ``device``, GPU spans are recorded too."""
+        dev = torch.device(device) if device is not None else None
+        with self._lock:
+            self._marks, self._gpu = [], []
+            self._device = dev if dev is not None and dev.type == "cuda" else None
+            if self._device is not None:
+                torch.cuda.synchronize(self._device)
+                self._ref = torch.cuda.Event(enable_timing=True)
+                self._ref.record(torch.cuda.current_stream(self._device))
+                torch.cuda.synchronize(self._device)
+            self._t0 = time.perf_counter()
+            self.enabled = True
+
+    def stop(self) -> list[dict[str, Any]]:
+        """Stop recording; returns :meth:`events` (waits for the GPU spans to finish)."""
+        self.enabled = False
+        return self.events()
+
+    # -- recording ----------------------------------------------------------------------------
+    def mark(self, kind: str, client: str = "", **info: Any) -> None:
+        """Record that ``kind`` happened now (for ``client``)."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        with self._lock:
+            self._marks.append((now, kind, client, threading.current_thread().name, info))
+
+    @contextlib.contextmanager
+    def host(self, what: str, **info: Any) -> Iterator[None]:
+        """A span of host work on the calling thread."""
+        if not self.enabled:
+            yield
+            return
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            with self._lock:
+                self._marks.append((begin, "host", "", threading.current_thread().name,
+                                    dict(info, what=what, end=end)))
+
+    @contextlib.contextmanager
+    def gpu(self, what: str, **info: Any) -> Iterator[None]:
+        """A span of GPU work: what the block queues on the device's current stream."""
+        device = self._device
+        if not self.enabled or device is None:
+            yield
+            return
+        stream = torch.cuda.current_stream(device)
+        begin = torch.cuda.Event(enable_timing=True)
+        begin.record(stream)
+        try:
+            yield
+        finally:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(device))
+            with self._lock:
+                self._gpu.append(_GpuSpan(what, begin, end, info))
+
+    # -- reading ---------------------------------------------------------------------------
+    def events(self) -> list[dict[str, Any]]:
+        """Every mark and span, ordered by time, in seconds since :meth:`start`."""
+        with self._lock:
+            marks, gpu, t0 = list(self._marks), list(self._gpu), self._t0
+        out: list[dict[str, Any]] = []
+        for t, kind, client, thread, info in marks:
+            event = {"t": t - t0, "kind": kind, "client": client, "thread": thread}
+            if kind == "host":
+                event["end"] = info.pop("end") - t0
+            event.update(info)
+            out.append(event)
+        if gpu and self._device is not None:
+            torch.cuda.synchronize(self._device)
+            for span in gpu:
+                begin = self._ref.elapsed_time(span.begin) / 1000.0
+                end = self._ref.elapsed_time(span.end) / 1000.0
+                out.append({"t": begin, "end": end, "kind": "gpu", "client": "", "thread": "gpu",
+                            "what": span.what, **span.info})
+        return sorted(out, key=lambda e: e["t"])
+
+
+#: The process's timeline; servers and runtimes record into it when it is enabled.
+TIMELINE = Timeline()
+
+
+def _union(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] covered by at least one of ``spans``."""
+    total, reach = 0.0, lo
+    for begin, end in sorted(spans):
+        begin, end = max(begin, reach), min(end, hi)
+        if end > begin:
+            total += end - begin
+            reach = end
+    return total
+
+
+def summarize(events: list[dict[str, Any]], lo: float | None = None, hi: float | None = None) -> dict[str, float]:
+    """Figures of the recording between ``lo`` and ``hi`` (default: all of it), in milliseconds and shares.
+
+    ``*_first`` / ``*_last``: when the first and last call of each kind arrived or left; ``host_busy_<thread>``:
+    the share of the interval each thread spent in host spans; ``gpu_busy``: the share with GPU work queued and
+    running (from CUDA events: launch gaps inside a span count as busy).
+    """
+    if not events:
+        return {}
+    lo = min(e["t"] for e in events) if lo is None else lo
+    hi = max(e.get("end", e["t"]) for e in events) if hi is None else hi
+    span = max(hi - lo, 1e-9)
+    inside = [e for e in events if lo <= e["t"] <= hi]
+    out: dict[str, float] = {"interval_ms": span * 1e3}
+    for kind in ("forward-in", "forward-out", "backward-in", "backward-out"):
+        times = [e["t"] for e in inside if e["kind"] == kind]
+        if times:
+            key = kind.replace("-", "_")
+            out[f"{key}_first_ms"] = (min(times) - lo) * 1e3
+            out[f"{key}_last_ms"] = (max(times) - lo) * 1e3
+            out[f"{key}_count"] = float(len(times))
+    windows = [e for e in inside if e["kind"] == "window"]
+    if windows:
+        out["windows"] = float(len(windows))
+        out["window_waited_ms"] = sum(e.get("waited", 0.0) for e in windows) * 1e3
+    threads: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        if e["kind"] == "host":
+            threads.setdefault(e["thread"], []).append((e["t"], e["end"]))
+    for thread, spans in threads.items():
+        out[f"host_busy_{thread}"] = _union(spans, lo, hi) / span
+    gpu = [(e["t"], e["end"]) for e in events if e["kind"] == "gpu"]
+    if gpu:
+        out["gpu_busy"] = _union(gpu, lo, hi) / span
+        out["gpu_ms"] = _union(gpu, lo, hi) * 1e3
+    return out
+
+
+def save(events: list[dict[str, Any]], path: str | Path) -> None:
+    """Write a recording as JSON (one object per event)."""
+    Path(path).write_text(json.dumps(events, indent=None, separators=(",", ":")) + "\n")
