@@ -219,36 +219,48 @@ def step_figures(events: list[dict[str, Any]]) -> dict[str, float]:
     return summarize(events, lo, hi)
 
 
+#: The runs :func:`trunk` makes; ``--only`` picks some.
+RUNS = ("one", "batched", "single", "ceiling")
+
+
 def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat: int = 3, steps: int = 5,
-          client_cores: int = 0, socket: bool = False, timeline: str = "") -> dict[str, Any]:
+          client_cores: int = 0, socket: bool = False, timeline: str = "", only: tuple[str, ...] = RUNS
+          ) -> dict[str, Any]:
     """Batched and one-at-a-time throughput with ``clients`` clients, one client alone, and the plain-PyTorch
-    ceiling of the same rows; GPU utilization during the batched runs."""
+    ceiling of the same rows (``only``: some of these runs); GPU utilization during the batched runs."""
     from splitfed.trunk.timeline import save
 
     suffix = "" if device.startswith("cuda") else "_cpu"
     kw = {"device": device, "steps": steps, "client_cores": client_cores, "socket": socket}
-    one = [throughput(clients, 0.0, **kw) for _ in range(repeat)]
-    log.warning("one at a time: %.1f examples/s", statistics.median(r.examples_per_s for r in one))
-    batched = [throughput(clients, window_ms, timeline=bool(timeline) and i == 0, **kw) for i in range(repeat)]
-    log.warning("batched: %.1f examples/s", statistics.median(r.examples_per_s for r in batched))
-    single = statistics.median(throughput(1, 0.0, **kw).examples_per_s for _ in range(repeat))
-    roof = ceiling(device, clients, steps=steps, repeat=repeat)
     n = clients
-    one_at_a_time = statistics.median(r.examples_per_s for r in one)
-    best = statistics.median(r.examples_per_s for r in batched)
-    out: dict[str, Any] = {
-        f"trunk_examples_per_s_{n}_clients{suffix}": one_at_a_time,
-        f"trunk_examples_per_s_{n}_clients_batched{suffix}": best,
-        f"trunk_requests_per_s_{n}_clients_batched{suffix}": statistics.median(r.requests_per_s for r in batched),
-        f"trunk_batching_speedup{suffix}": best / one_at_a_time,
-        f"sync_step_ratio_{n}v1{suffix}": single / one_at_a_time,  # time per example, N clients / 1
-        f"ceiling_examples_per_s_{n}_batched{suffix}": roof["batched"],
-        f"ceiling_examples_per_s_{n}_sequential{suffix}": roof["sequential"],
-        f"trunk_ceiling_fraction_{n}{suffix}": best / roof["batched"],
-        f"trunk_ceiling_fraction_{n}_one_at_a_time{suffix}": one_at_a_time / roof["sequential"],
-        "client_cores": client_cores or len(os.sched_getaffinity(0)),
-        "transport": "socket" if socket else "shared memory",
-    }
+    out: dict[str, Any] = {}
+    median = statistics.median
+    one = [throughput(clients, 0.0, **kw) for _ in range(repeat)] if "one" in only else []
+    batched = [throughput(clients, window_ms, timeline=bool(timeline) and i == 0, **kw)
+               for i in range(repeat)] if "batched" in only else []
+    single = median(throughput(1, 0.0, **kw).examples_per_s for _ in range(repeat)) if "single" in only else 0.0
+    roof = ceiling(device, clients, steps=steps, repeat=repeat) if "ceiling" in only else {}
+    one_at_a_time = median(r.examples_per_s for r in one) if one else 0.0
+    best = median(r.examples_per_s for r in batched) if batched else 0.0
+    if one:
+        out[f"trunk_examples_per_s_{n}_clients{suffix}"] = one_at_a_time
+        out[f"trunk_requests_per_s_{n}_clients{suffix}"] = median(r.requests_per_s for r in one)
+    if batched:
+        out[f"trunk_examples_per_s_{n}_clients_batched{suffix}"] = best
+        out[f"trunk_requests_per_s_{n}_clients_batched{suffix}"] = median(r.requests_per_s for r in batched)
+    if one and batched:
+        out[f"trunk_batching_speedup{suffix}"] = best / one_at_a_time
+    if one and single:
+        out[f"sync_step_ratio_{n}v1{suffix}"] = single / one_at_a_time  # time per example, N clients / 1
+    if roof:
+        out[f"ceiling_examples_per_s_{n}_batched{suffix}"] = roof["batched"]
+        out[f"ceiling_examples_per_s_{n}_sequential{suffix}"] = roof["sequential"]
+        if batched:
+            out[f"trunk_ceiling_fraction_{n}{suffix}"] = best / roof["batched"]
+        if one:
+            out[f"trunk_ceiling_fraction_{n}_one_at_a_time{suffix}"] = one_at_a_time / roof["sequential"]
+    out["client_cores"] = client_cores or len(os.sched_getaffinity(0))
+    out["transport"] = "socket" if socket else "shared memory"
     utils = [r.gpu_util for r in batched if r.gpu_util]
     if utils:
         out[f"gpu_util_mean_{n}_batched"] = statistics.median(u["mean"] for u in utils)
@@ -299,6 +311,8 @@ def main() -> int:
     parser.add_argument("--socket", action="store_true", help="clients send over the socket, not shared memory")
     parser.add_argument("--timeline", default="", metavar="FILE",
                         help="record the server's timeline of the first batched run into FILE (JSON)")
+    parser.add_argument("--only", nargs="+", choices=RUNS, default=list(RUNS),
+                        help="runs to make: one (one call per client), batched, single (one client), ceiling")
     parser.add_argument("--config", default="", help='model and batch, e.g. "layers=12 hidden=768 heads=12 '
                         'vocab=50257 batch=4 seq=256 bf16=1" (default: the tiny GPT-2 of python -m bench)')
     parser.add_argument("--json", action="store_true")
@@ -316,7 +330,7 @@ def main() -> int:
                                                            args.client_cores, args.socket))
         else:
             results = trunk(args.device, args.clients[0], args.window_ms, args.repeat, args.steps,
-                            args.client_cores, args.socket, args.timeline)
+                            args.client_cores, args.socket, args.timeline, tuple(args.only))
     except BenchError as exc:
         log.error("bench.trunk failed: %s", exc)
         return 1
