@@ -58,6 +58,10 @@ class BenchError(RuntimeError):
     """A benchmark could not do its job (a client died or failed, or it timed out)."""
 
 
+#: The server's ``max_batch_tokens`` (``--max-batch-tokens``): positions one batched trunk call may hold.
+MAX_BATCH_TOKENS = {"value": 1 << 22}
+
+
 def _server(device: str, window_ms: float, replicas: int = 1) -> Any:
     from splitfed.channel.server import TrunkServer
     from splitfed.split import split_model
@@ -71,7 +75,7 @@ def _server(device: str, window_ms: float, replicas: int = 1) -> Any:
     runtime = TrunkRuntime(trunk, torch.optim.SGD(trunk.parameters(), lr=1e-4),
                            aggregator=aggregator, limits=StoreLimits(max_bytes=1 << 40),
                            autocast_dtype=torch.bfloat16 if core.SPLIT_STEP["bf16"] else None)
-    return TrunkServer(runtime, insecure=True, batch_window_ms=window_ms, max_batch_tokens=1 << 22)
+    return TrunkServer(runtime, insecure=True, batch_window_ms=window_ms, max_batch_tokens=MAX_BATCH_TOKENS["value"])
 
 
 def _replica(rank: int, device: str, window_ms: float, replicas: int, settings: dict[str, int]) -> Any:
@@ -306,6 +310,8 @@ def main() -> int:
     parser.add_argument("--window-ms", type=float, default=50.0, help="the server's batching window (default 50)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each kind; medians are reported (default 3)")
     parser.add_argument("--steps", type=int, default=5, help="timed sync steps per run (default 5)")
+    parser.add_argument("--max-batch-tokens", type=int, default=1 << 22,
+                        help="positions one batched trunk call may hold (smaller: several batches per step)")
     parser.add_argument("--client-cores", type=int, default=0,
                         help="pin the client processes to the last K cores (default 0: all cores)")
     parser.add_argument("--socket", action="store_true", help="clients send over the socket, not shared memory")
@@ -318,6 +324,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    MAX_BATCH_TOKENS["value"] = args.max_batch_tokens
     for item in args.config.split():
         key, _, value = item.partition("=")
         if key not in core.SPLIT_STEP:

@@ -322,6 +322,20 @@ def _decode_compressed(enc: EncodedTensor, limits: TensorLimits) -> torch.Tensor
     return decompress(packed)
 
 
+def raw_nbytes(enc: EncodedTensor, limits: TensorLimits = TensorLimits()) -> int:
+    """The bytes an uncompressed tensor carries, checked against its declared dtype and shape and ``limits``;
+    raises :class:`CodecError`."""
+    nbytes = declared_nbytes(enc.dtype, enc.shape)
+    if nbytes > limits.max_bytes:
+        raise CodecError(f"tensor {enc.name!r} declares {nbytes} bytes, above the limit of "
+                         f"{limits.max_bytes}; send smaller batches or raise the server's limit")
+    if len(enc.data) != nbytes:
+        dtype_name = WireDType(enc.dtype).name
+        raise CodecError(f"tensor {enc.name!r} declares shape {list(enc.shape)} of {dtype_name} "
+                         f"({nbytes} bytes) but carries {len(enc.data)} bytes")
+    return nbytes
+
+
 def decode(enc: EncodedTensor, limits: TensorLimits = TensorLimits()) -> torch.Tensor:
     """Decode without copying where torch allows; enforce ``limits``.
 
@@ -332,14 +346,7 @@ def decode(enc: EncodedTensor, limits: TensorLimits = TensorLimits()) -> torch.T
     if enc.compressed is not None:
         return _decode_compressed(enc, limits)
     tdtype = torch_dtype(enc.dtype)
-    nbytes = declared_nbytes(enc.dtype, enc.shape)
-    if nbytes > limits.max_bytes:
-        raise CodecError(f"tensor {enc.name!r} declares {nbytes} bytes, above the limit of "
-                         f"{limits.max_bytes}; send smaller batches or raise the server's limit")
-    if len(enc.data) != nbytes:
-        dtype_name = WireDType(enc.dtype).name
-        raise CodecError(f"tensor {enc.name!r} declares shape {list(enc.shape)} of {dtype_name} "
-                         f"({nbytes} bytes) but carries {len(enc.data)} bytes")
+    nbytes = raw_nbytes(enc, limits)
     if nbytes == 0:
         if not limits.allow_empty:
             raise TensorValueError(f"tensor {enc.name!r} is empty (shape {list(enc.shape)}); send at least "

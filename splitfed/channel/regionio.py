@@ -38,9 +38,13 @@ from splitfed.errors import (
     SplitFedError,
     TensorValueError,
 )
+from splitfed.trunk.deviceio import Arrival, DeviceIO
 
 #: Verdicts kept for training forwards whose Backward has not come yet.
 MAX_PENDING_VERDICTS = 4096
+#: Floating tensors of at least this many bytes in a registered region go straight to a trunk's GPU; smaller ones
+#: are copied and checked on the host, where that costs less than a read of the device's verdict.
+ARRIVAL_MIN_BYTES = 1 << 16
 
 
 class RegionIO:
@@ -52,20 +56,24 @@ class RegionIO:
         max_bytes: the largest tensor a request may name.
     """
 
-    def __init__(self, table: RegionTable, device: torch.device, max_bytes: int) -> None:
+    def __init__(self, table: RegionTable, device: torch.device, max_bytes: int, io: DeviceIO | None = None) -> None:
         self.table = table
         self.device = device
         self.max_bytes = max_bytes
+        self.io = io
         self._verdicts: OrderedDict[tuple[str, str], list[torch.Tensor]] = OrderedDict()
 
     # -- requests ----------------------------------------------------------------------------
-    def resolve(self, client: str, tensors: list[EncodedTensor]
-                ) -> tuple[list[EncodedTensor], dict[str, torch.Tensor], list[torch.Tensor]]:
+    def resolve(self, client: str, tensors: list[EncodedTensor], arrive: bool = True
+                ) -> tuple[list[EncodedTensor], dict[str, torch.Tensor], list[torch.Tensor], list[Arrival]]:
         """The request's tensors: those in ``client``'s region copied out (host bytes, or device tensors when an
-        event orders the copy), and the device tensors' finiteness flags (read later, see :meth:`verdict`)."""
+        event orders the copy), the device tensors' finiteness flags (read later, see :meth:`verdict`), and
+        the tensors copied from a registered region straight to the trunk's GPU (checked by the runtime before
+        it uses them, see :meth:`~splitfed.trunk.runtime.TrunkRuntime.accept`; ``arrive=False``: none are)."""
         out: list[EncodedTensor] = []
         ready: dict[str, torch.Tensor] = {}
         flags: list[torch.Tensor] = []
+        arrivals: list[Arrival] = []
         for enc in tensors:
             ref = enc.region
             if ref is None:
@@ -83,6 +91,16 @@ class RegionIO:
                                              f"{self.max_bytes}")
             region = self.table.region(client, ref.region)
             src = region.where(ref)
+            if arrive and not ref.event and self.io is not None and region.registered \
+                    and need >= ARRIVAL_MIN_BYTES and torch_dtype(enc.dtype).is_floating_point:
+                # The client's bytes are complete: the copy engine reads them from the registered region into
+                # memory of the server's own on the GPU, where they are checked; the region stays mapped until
+                # the copy is done (:meth:`SharedRegion.hold`).
+                arrival = self.io.to_device(enc.name, src, torch_dtype(enc.dtype), enc.shape)
+                region.hold(arrival.event)
+                ready[enc.name] = arrival.tensor
+                arrivals.append(arrival)
+                continue
             if not ref.event:
                 own = host_copy(src, pinned=self.table.pin)
                 out.append(EncodedTensor(enc.name, enc.dtype, enc.shape, memoryview(own.numpy())))
@@ -91,7 +109,7 @@ class RegionIO:
             if tensor.is_floating_point():
                 flags.append(torch.isfinite(tensor).all())
             ready[enc.name] = tensor
-        return out, ready, flags
+        return out, ready, flags, arrivals
 
     def _to_device(self, enc: EncodedTensor, region: SharedRegion, ref: RegionRef, src: torch.Tensor
                    ) -> torch.Tensor:
@@ -145,6 +163,29 @@ class RegionIO:
             self._event(region, slot).record(torch.cuda.current_stream(self.device))
         return EncodedTensor(name, wdt, tuple(t.shape), b"", None, ref)
 
+    def place_async(self, client: str, slot: RegionRef, name: str, out: torch.Tensor,
+                    reply_dtype: WireDType | None) -> tuple[EncodedTensor, torch.cuda.Event] | None:
+        """``out`` (on the trunk's GPU) copied into ``slot`` of a registered region in ``reply_dtype`` by the copy
+        engine, with no host thread waiting: the reply's tensor and the event after which the bytes are there.
+        None when it does not fit, the region is gone or not registered (the caller takes another path)."""
+        assert self.io is not None
+        wdt = reply_dtype or wire_dtype(out.dtype)
+        dtype = torch_dtype(wdt)
+        nbytes = out.numel() * dtype.itemsize
+        if nbytes > slot.nbytes:
+            return None
+        ref = RegionRef(slot.region, slot.offset, nbytes, slot.event, slot.device)
+        try:
+            region = self.table.region(client, slot.region)
+            dst = region.where(ref)
+        except SplitFedError:  # closed meanwhile (an idle sweep)
+            return None
+        if not region.registered:
+            return None
+        departure = self.io.to_host(out, dtype, dst=dst)
+        region.hold(departure.event)
+        return EncodedTensor(name, wdt, tuple(out.shape), b"", None, ref), departure.event
+
     # -- deferred checks ----------------------------------------------------------------------
     def keep(self, client: str, activation_id: str, flags: list[torch.Tensor]) -> None:
         """Keep a training forward's flags for its Backward's verdict."""
@@ -173,6 +214,7 @@ class RegionService:
     replies: Any
     tensor_limits: Any
     _io: RegionIO | None
+    _event_waiter: Any = None  # an EventWaiter once a reply first waited for a device copy
     _call: Any
     _identity: Any
 
@@ -183,7 +225,8 @@ class RegionService:
 
     @regions.setter
     def regions(self, table: RegionTable | None) -> None:
-        self._io = None if table is None else RegionIO(table, self.runtime.device, self.tensor_limits.max_bytes)
+        self._io = None if table is None else RegionIO(table, self.runtime.device, self.tensor_limits.max_bytes,
+                                                       getattr(self.runtime, "io", None))
 
     def _region_io(self) -> RegionIO:
         if self._io is None:
@@ -191,25 +234,55 @@ class RegionService:
                                                "in the message")
         return self._io
 
-    def _resolve(self, client: str, tensors: list[EncodedTensor]
-                 ) -> tuple[list[EncodedTensor], dict[str, torch.Tensor], list[torch.Tensor]]:
+    def _resolve(self, client: str, tensors: list[EncodedTensor], arrive: bool = True
+                 ) -> tuple[list[EncodedTensor], dict[str, torch.Tensor], list[torch.Tensor], list[Arrival]]:
         if all(enc.region is None for enc in tensors):
-            return tensors, {}, []
-        return self._region_io().resolve(client, tensors)
+            return tensors, {}, [], []
+        return self._region_io().resolve(client, tensors, arrive)
 
     def _reply_slot(self, client: str, request: Any) -> RegionRef | None:
         return self._region_io().reply_slot(client, request) if request.HasField("reply_region") else None
 
-    def _reply(self, client: str, activation_id: str, name: str, out: torch.Tensor, reply_dtype: WireDType | None,
-               spec: Any, slot: RegionRef | None, feedback: bool = True) -> list[EncodedTensor]:
-        """The reply's tensor: into the offered slice when it is raw and fits there, else as bytes."""
+    async def _reply(self, client: str, activation_id: str, name: str, out: torch.Tensor,
+                     reply_dtype: WireDType | None, spec: Any, slot: RegionRef | None, feedback: bool = True
+                     ) -> list[EncodedTensor]:
+        """The reply's tensor: into the offered slice when it is raw and fits there, else as bytes.
+
+        An output on the trunk's GPU travels by the copy engine (:class:`~splitfed.trunk.deviceio.DeviceIO`):
+        into the client's registered region, or into pinned memory to be sent as bytes; the handler awaits the
+        copy's event, and no thread of the server waits on the device meanwhile but the event waiter's.
+        """
+        io = getattr(self.runtime, "io", None)
         if slot is not None and spec is None and out.is_floating_point():
-            placed = self._region_io().place(client, slot, name, out, reply_dtype)
-            if placed is not None:
-                return [placed]
+            if out.is_cuda and not slot.event and io is not None:
+                done = self._region_io().place_async(client, slot, name, out, reply_dtype)
+                if done is not None:
+                    await self._landed(done[1])
+                    return [done[0]]
+            else:
+                placed = self._region_io().place(client, slot, name, out, reply_dtype)
+                if placed is not None:
+                    return [placed]
         if out.device.type != "cpu":  # a device output that could not take its slice
-            out = out.cpu()
+            if io is not None and out.is_cuda:
+                raw = spec is None and out.is_floating_point() and reply_dtype is not None
+                departure = io.to_host(out, torch_dtype(reply_dtype) if raw else None)  # type: ignore[arg-type]
+                await self._landed(departure.event)
+                out = departure.host
+            else:
+                out = out.cpu()
         return [self.replies.encode(client, activation_id, name, out, reply_dtype, spec, feedback=feedback)]
+
+    async def _landed(self, event: Any) -> None:
+        """Wait, holding no thread, until a copy ending with ``event`` is done."""
+        if event.query():
+            return
+        waiter = self._event_waiter
+        if waiter is None:
+            from splitfed.trunk.deviceio import EventWaiter
+
+            waiter = self._event_waiter = EventWaiter()
+        await asyncio.wrap_future(waiter.when_done(event))
 
 
     # -- calls -------------------------------------------------------------------------------------

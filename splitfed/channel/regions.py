@@ -91,6 +91,7 @@ class SharedRegion:
         #: When a slice of it was last used (``time.monotonic``).
         self.used = time.monotonic()
         self._unlinked = False
+        self._inflight: list[torch.cuda.Event] = []  # asynchronous copies that read or write its memory
 
     @classmethod
     def create(cls, nbytes: int) -> SharedRegion:
@@ -172,9 +173,25 @@ class SharedRegion:
         self.used = time.monotonic()
         return self.device_memory.view(ref.offset, ref.nbytes)
 
+    @property
+    def registered(self) -> bool:
+        """Whether the mapping is registered with CUDA (copies to and from a GPU run asynchronously)."""
+        return self._registered
+
+    def hold(self, event: torch.cuda.Event) -> None:
+        """An asynchronous copy to or from its memory ends with ``event``: :meth:`close` waits for it."""
+        with self._lock:
+            self._inflight = [e for e in self._inflight if not e.query()]
+            self._inflight.append(event)
+
     def close(self, released: bool = False) -> None:
-        """Unmap (and, on the side that created it, delete the file). ``released``: the client closed it first,
-        so its GPU memory is free to go (else it waits for the client's process, see :func:`devmem.retire`)."""
+        """Unmap (and, on the side that created it, delete the file) once the copies in flight there are done.
+        ``released``: the client closed it first, so its GPU memory is free to go (else it waits for the client's
+        process, see :func:`devmem.retire`)."""
+        with self._lock:
+            inflight, self._inflight = self._inflight, []
+        for event in inflight:
+            event.synchronize()
         with self._lock:
             if self._registered:
                 torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())

@@ -32,7 +32,7 @@ from splitfed.channel.limits import (
     ChannelLimits,
 )
 from splitfed.channel.servicer import SplitChannelServicer
-from splitfed.errors import ConfigError
+from splitfed.errors import ConfigError, TrunkBusyError
 from splitfed.optim import make_optimizer
 from splitfed.trunk.aggregation import TrunkAggregator
 from splitfed.trunk.runtime import GradientGuard, TrunkRuntime
@@ -102,7 +102,9 @@ class TrunkServer:
                                  weight_decay=weight_decay) if trainable else None
             self.runtime = TrunkRuntime(trunk, opt, aggregator=aggregator, limits=store_limits, guard=guard,
                                         checkpointing=checkpointing)
-        self.runtime.host_outputs = True  # replies leave from host memory, copied on the device thread
+        # Replies leave from host memory: small ones copied on the device thread, large ones on a GPU by the copy
+        # engine while the device thread goes on (see TrunkRuntime.handed).
+        self.runtime.host_outputs = True
         if sessions is None and supports_sessions(self.runtime.trunk):
             sessions = SessionManager.from_limits(self.runtime, session_limits)
         self.limits = limits
@@ -113,6 +115,7 @@ class TrunkServer:
         self.scheduler = TrunkScheduler(self.runtime, batch_window_ms=batch_window_ms,
                                         max_batch_tokens=max_batch_tokens, sweep_period_s=period,
                                         on_sweep=None if sessions is None else sessions.sweep)
+        self.runtime.defer = self._defer  # a batch's backward runs on the device thread
         self.servicer = SplitChannelServicer(self.runtime, self.scheduler, limits, model_name=model_name, cuts=cuts,
                                              authenticate=authenticate, sessions=sessions)
         if shared_memory_bytes > 0 and shared_memory_total_bytes > 0 and regions_available():
@@ -136,6 +139,13 @@ class TrunkServer:
         self._thread: threading.Thread | None = None
         self._server: Any = None
         self._stopped = threading.Event()
+
+    def _defer(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the device thread (its failures are logged: the work reports its own errors)."""
+        def done(future: Any) -> None:
+            if future.exception() is not None and not isinstance(future.exception(), TrunkBusyError):
+                log.error("deferred trunk work failed: %r", future.exception())
+        self.scheduler.call(fn).add_done_callback(done)
 
     @property
     def address(self) -> str:
@@ -199,6 +209,7 @@ class TrunkServer:
         finally:
             self.scheduler.stop()
             self._shutdown_loop()
+            self.servicer.close()
             if self.servicer.regions is not None:
                 self.servicer.regions.close_all()
             if self.metrics is not None:

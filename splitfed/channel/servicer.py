@@ -22,6 +22,7 @@ import grpc
 
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
+from splitfed.channel import regionio
 from splitfed.channel.regionio import RegionIO, RegionService
 from splitfed.channel.handlers import (
     Malformed,
@@ -39,7 +40,7 @@ from splitfed.channel.wire import (
     payload_bytes,
     reply_spec,
 )
-from splitfed.codec import RegionRef, TensorLimits, WireDType, torch_dtype
+from splitfed.codec import RegionRef, TensorLimits, WireDType, raw_nbytes, torch_dtype
 from splitfed.errors import (
     CodecError,
     ResourceExhaustedError,
@@ -67,6 +68,9 @@ _OUTCOME = {
 }
 
 T = TypeVar("T")
+
+#: Threads that copy received bytes into pinned memory for a trunk on a GPU (numpy's copy releases the GIL).
+COPY_THREADS = 4
 
 # A forward on at most this many hidden elements may run on the event loop's thread when the trunk is idle
 # (skipping two thread switches); larger ones always go to the device thread.
@@ -103,6 +107,8 @@ class SplitChannelServicer(RegionService):
         self.metrics: Any = None  # TrunkMetrics when the server exports metrics
         self.replies = ReplyCompression()  # reply compression and its error feedback per client
         self._io: RegionIO | None = None  # shared-memory regions of clients on this host (see :attr:`regions`)
+        self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # bytes -> pinned -> GPU, off the loop
+        self._event_waiter: Any = None
 
     # -- helpers ---------------------------------------------------------------
     def _identity(self, context: Any) -> tuple[str, bool]:
@@ -151,6 +157,37 @@ class SplitChannelServicer(RegionService):
         if self.metrics is not None:
             self.metrics.tensors(direction, encs)
 
+    async def _arrive(self, tensors: list, name: str, ready: dict, arrivals: list) -> list:
+        """A request's main tensor (``name``) that came as bytes, copied to the trunk's GPU off the event loop (a
+        pinned buffer, then the copy engine) when the trunk is on one: it joins ``ready`` and ``arrivals``; the
+        tensors left to decode on the host are returned."""
+        io = getattr(self.runtime, "io", None)
+        if io is None:
+            return tensors
+        left = []
+        for enc in tensors:
+            if enc.name != name or enc.compressed is not None or enc.region is not None \
+                    or len(enc.data) < regionio.ARRIVAL_MIN_BYTES or not torch_dtype(enc.dtype).is_floating_point:
+                left.append(enc)
+                continue
+            if name in ready:
+                raise CodecError(f"tensor {name!r} appears twice")
+            raw_nbytes(enc, self.tensor_limits)
+            if self._copier is None:
+                self._copier = concurrent.futures.ThreadPoolExecutor(COPY_THREADS, "splitfed-trunk-copy")
+            arrival = await asyncio.get_running_loop().run_in_executor(
+                self._copier, io.to_device, enc.name, enc.data, torch_dtype(enc.dtype), tuple(enc.shape))
+            ready[name] = arrival.tensor
+            arrivals.append(arrival)
+        return left
+
+    def close(self) -> None:
+        """Stop the servicer's helper threads (the server stopped)."""
+        if self._copier is not None:
+            self._copier.shutdown(wait=False)
+        if self._event_waiter is not None:
+            self._event_waiter.stop()
+
     # -- the work ----------------------------------------------------------------
     async def _forward(self, identity: tuple[str, bool], req: pb.ForwardRequest, tensors: list, unary: bool
                        ) -> tuple[pb.ForwardReply, list]:
@@ -162,9 +199,12 @@ class SplitChannelServicer(RegionService):
         slot = self._reply_slot(client, req)
         self._count("received", tensors)
         with TIMELINE.host("decode"):
-            tensors, ready, flags = self._resolve(client, tensors)
+            tensors, ready, flags, arrivals = self._resolve(client, tensors, arrive=not req.session_id)
             if flags and (not req.train or req.session_id) and self._io is not None:
                 self._io.verdict(client, "", flags)  # no Backward will come: check now (the host waits for the copy)
+        if not req.session_id:
+            tensors = await self._arrive(tensors, "hidden", ready, arrivals)
+        with TIMELINE.host("decode"):
             state = with_client_cut(decode_state(tensors, self.tensor_limits, ready), req.cut_start, req.cut_end,
                                     self.cuts or part_range(self.runtime.trunk), session=bool(req.session_id))
         small = state.hidden.numel() <= INLINE_MAX_ELEMENTS
@@ -184,7 +224,8 @@ class SplitChannelServicer(RegionService):
             if req.train:
                 await self._turn(client)
             request = ForwardRequest(client, req.activation_id, state, req.train, req.num_examples, retry,
-                                     device_out=_device_out(ready, slot))
+                                     device_out=_device_out(ready, slot) and not arrivals,
+                                     arrivals=tuple(arrivals))
             try:
                 done = self.scheduler.forward_inline(request, small=small)
                 if done is MISS:
@@ -196,7 +237,8 @@ class SplitChannelServicer(RegionService):
                 raise
         reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
         with TIMELINE.host("encode"):
-            encs = self._reply(client, req.activation_id, "hidden", out, reply_dtype, spec, slot, feedback=False)
+            encs = await self._reply(client, req.activation_id, "hidden", out, reply_dtype, spec, slot,
+                                     feedback=False)
         if unary and payload_bytes(encs) > self.limits.stream_threshold_bytes:
             if req.train and not req.session_id:
                 runtime = self.runtime
@@ -236,24 +278,40 @@ class SplitChannelServicer(RegionService):
             slot = self._reply_slot(client, req)
             self._count("received", tensors)
             with TIMELINE.host("decode"):
-                tensors, ready, flags = self._resolve(client, tensors)
-                grad = decode_single(tensors, "grad", self.tensor_limits, ready)
+                tensors, ready, flags, arrivals = self._resolve(client, tensors)
+            tensors = await self._arrive(tensors, "grad", ready, arrivals)
+            grad = decode_single(tensors, "grad", self.tensor_limits, ready)
             reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
             check = self._reply_check(reply_dtype, unary, slot)
             step = StepPart.of(req.step_id, req.step_parts)
-            device_out = _device_out(ready, slot)
-            pending = await self._on_device(lambda: runtime.start_backward(client, req.activation_id, grad,
-                                                                           retry=retry, reply_check=check, step=step,
-                                                                           device_out=device_out))
+            device_out = _device_out(ready, slot) and not arrivals
+
+            def start() -> Any:
+                return runtime.start_backward(client, req.activation_id, grad, retry=retry, reply_check=check,
+                                              step=step, device_out=device_out, arrivals=tuple(arrivals))
+            # Joining a batch is light work: done here when the device thread is idle, without two thread hops.
+            pending = self.scheduler.inline(start, small=runtime.joins_batch(req.activation_id))
+            if pending is MISS:
+                pending = await self._on_device(start)
         except SplitFedError:  # a refused gradient: the step must not wait for this client
             await self._refused(client)
             raise
         grad_in = await asyncio.wrap_future(pending.grad_in)  # a batch's backward may wait for its members
-        result = await asyncio.wrap_future(pending.result)  # the sync barrier or quorum: no thread held
+        early = None
+        if not flags and spec is None:  # the reply's copy overlaps the wait for the step
+            early = asyncio.ensure_future(self._reply(client, req.activation_id, "grad", grad_in, reply_dtype, spec,
+                                                      slot))
+        try:
+            result = await asyncio.wrap_future(pending.result)  # the sync barrier or quorum: no thread held
+        except BaseException:
+            if early is not None:
+                early.cancel()
+            raise
         if self._io is not None:
             self._io.verdict(client, req.activation_id, flags)
         with TIMELINE.host("encode"):
-            encs = self._reply(client, req.activation_id, "grad", grad_in, reply_dtype, spec, slot)
+            encs = await early if early is not None else \
+                await self._reply(client, req.activation_id, "grad", grad_in, reply_dtype, spec, slot)
         self._count("sent", encs)
         TIMELINE.mark("backward-out", client)
         reply = pb.BackwardReply(activation_id=req.activation_id, trunk_version=result.version,

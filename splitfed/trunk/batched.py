@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from splitfed.errors import DuplicateActivationError, TrunkStepError
+from splitfed.errors import DuplicateActivationError, TensorValueError, TrunkStepError
 from splitfed.trunk.batching import ForwardGroup, batch_key, pack
 from splitfed.trunk.recompute import busy_on_oom, rerun
 from splitfed.trunk.store import DoneBackward, SavedForward
@@ -78,9 +78,13 @@ class Batcher:
         out: list[Outcome | None] = [None] * len(requests)
         train = requests[0].train
         with rt._lock:
+            bad = self._non_finite(requests)
             ok: list[int] = []
             for i, r in enumerate(requests):
                 try:
+                    if i in bad:
+                        raise TensorValueError(f"tensor {bad[i]!r} holds NaN or Inf values; the sender must stop or "
+                                               "lower its learning rate before sending again")
                     if train:
                         if rt.store.find(r.activation_id) is not None or rt.store.done(r.activation_id) is not None \
                                 or any(requests[j].activation_id == r.activation_id for j in ok):
@@ -93,6 +97,8 @@ class Batcher:
                     out[i] = exc
             if len(ok) >= 2:
                 chosen = [requests[i] for i in ok]
+                if rt.io is not None:
+                    rt.io.wait([a for r in chosen for a in r.arrivals])
                 packed = pack([r.state for r in chosen])
                 try:
                     results = self._run(chosen, packed) if train else self._evaluate(packed)
@@ -109,6 +115,18 @@ class Batcher:
                 if not isinstance(result, BaseException):
                     rt.aggregator.join(r.client_id)  # outside the runtime lock, as alone
         return out  # type: ignore[return-value]
+
+    def _non_finite(self, requests: list[ForwardRequest]) -> dict[int, str]:
+        """The requests whose tensors copied to the device as they arrived hold NaN or Inf: index -> tensor name
+        (one read of every request's flags)."""
+        arrivals = [(i, a) for i, r in enumerate(requests) for a in r.arrivals]
+        if not arrivals or self.rt.io is None:
+            return {}
+        bad: dict[int, str] = {}
+        for (i, a), ok in zip(arrivals, self.rt.io.verdicts([a for _, a in arrivals])):
+            if not ok:
+                bad.setdefault(i, a.name)
+        return bad
 
     def _count(self, n: int) -> None:
         self.rt.stats["forwards"] += n
@@ -147,16 +165,23 @@ class Batcher:
         return results
 
     # -- the batch's backward ---------------------------------------------------------------------------
-    def receive(self, entry: SavedForward, grad: torch.Tensor) -> tuple[PendingBackward, ForwardGroup | None]:
+    def receive(self, entry: SavedForward, grad: torch.Tensor, arrivals: tuple[Any, ...] = ()
+                ) -> tuple[PendingBackward, ForwardGroup | None]:
         """A member's gradient (its saved forward already taken from the store, runtime lock held).
 
         Returns its pending answer, and its group when that is now complete:
-        the caller then calls :meth:`finish` outside the runtime lock.
+        the caller then calls :meth:`finish` outside the runtime lock. ``arrivals``: the gradient is on its
+        way to the device (:class:`~splitfed.trunk.deviceio.Arrival`); it is checked for NaN/Inf with the other
+        members' at :meth:`finish` (one read of the device for the whole batch).
         """
         from splitfed.trunk.requests import PendingBackward
 
         group: ForwardGroup = entry.group
-        group.grads[entry.index] = grad.to(self.rt.device, entry.out_value.dtype)
+        if arrivals:
+            group.arrivals[entry.index] = arrivals
+            group.grads[entry.index] = grad
+        else:
+            group.grads[entry.index] = grad.to(self.rt.device, entry.out_value.dtype)
         pending = PendingBackward(group.grad_in[entry.index], group.result)
         hidden = entry.inputs.hidden
         self.rt.store.remember(entry.activation_id, DoneBackward(entry.client_id, pending.grad_in, pending.result,
@@ -210,6 +235,12 @@ class Batcher:
         with rt._lock:
             if group not in self.groups:  # finished or abandoned meanwhile
                 return
+            refused = self._check_arrivals(group)
+            if not group.grads:
+                self.groups.remove(group)
+                for client in refused:
+                    rt.aggregator.leave(client)
+                return
             self.groups.remove(group)
             members = tuple(group.clients[i] for i in sorted(group.grads))
             try:
@@ -232,8 +263,35 @@ class Batcher:
             grad_leaf = grads[0] if grads[0] is not None else torch.zeros_like(group.leaf)
             for i in group.grads:
                 group.grad_in[i].set_result(rt.handed(group.packed.part(grad_leaf, i) / weights[i]))
+        for client in refused:  # the step does not wait for them (as for a gradient refused on arrival)
+            rt.aggregator.leave(client)
         result = rt._submit(members[0], group.version, list(grads[1:]), total, members=members)
         result.add_done_callback(lambda f, target=group.result: _copy(f, target))
+
+    def _check_arrivals(self, group: ForwardGroup) -> list[str]:
+        """Check the members' gradients that came to the device as they arrived (one read of their flags): a
+        member whose gradient holds NaN or Inf is refused (INVALID_ARGUMENT) and dropped from the batch, the
+        others' are made ready for the backward. Returns the refused members."""
+        if not group.arrivals:
+            return []
+        io = self.rt.io
+        assert io is not None
+        order = sorted(group.arrivals)
+        flat = [a for i in order for a in group.arrivals[i]]
+        verdicts = iter(io.verdicts(flat))
+        refused = []
+        for i in order:
+            if all([next(verdicts) for _ in group.arrivals[i]]):
+                continue
+            del group.grads[i]
+            group.dropped.add(i)
+            group.grad_in[i].set_exception(TensorValueError(
+                f"the gradient of {group.activation_ids[i]} holds NaN or Inf values; the sender must stop or lower "
+                "its learning rate before sending again"))
+            refused.append(group.clients[i])
+        io.wait([a for i in order if i in group.grads for a in group.arrivals[i]])
+        group.arrivals.clear()
+        return refused
 
 
 def _copy(source: Future[Any], target: Future[Any]) -> None:

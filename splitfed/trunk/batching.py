@@ -96,6 +96,7 @@ class ForwardGroup:
     activation_ids: list[str]
     num_examples: list[int]
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    arrivals: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # members' gradients still to be checked
     dropped: set[int] = field(default_factory=set)
     grad_in: list[Future[torch.Tensor]] = field(default_factory=list)
     result: Future[Result] = field(default_factory=Future)

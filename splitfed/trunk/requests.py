@@ -52,6 +52,8 @@ class ForwardRequest:
     retry: bool = False
     #: Hand the output back on the trunk's device (the reply is copied from there, ordered by a CUDA event).
     device_out: bool = False
+    #: The state's tensors copied to the trunk's device as they arrived (:class:`~splitfed.trunk.deviceio.Arrival`).
+    arrivals: tuple[Any, ...] = ()
 
     @property
     def tokens(self) -> int:

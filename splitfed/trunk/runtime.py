@@ -22,8 +22,8 @@ client saw.
 
 from __future__ import annotations
 
-import contextlib
 import logging
+from collections.abc import Callable, Sequence
 import threading
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -49,6 +49,7 @@ from splitfed.trunk.aggregation import (
     TrunkAggregator,
 )
 from splitfed.trunk.batched import Batcher
+from splitfed.trunk.deviceio import Arrival, DeviceIO
 from splitfed.trunk.guard import GradientGuard
 from splitfed.trunk.microsteps import MicroSteps, StepPart
 from splitfed.trunk.recompute import (
@@ -65,6 +66,7 @@ from splitfed.trunk.requests import (
 )
 from splitfed.trunk.store import DoneBackward, ForwardStore, SavedForward, StoreLimits
 from splitfed.trunk.timeline import TIMELINE
+from splitfed.trunk.placement import RuntimePlacement, default_sdpa_backends
 from splitfed.trunk.upkeep import RuntimeUpkeep
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class TrunkRuntime(RuntimeUpkeep):
+class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
     """Hosts the trunk, its optimizer and the saved forwards of every client.
 
     Args:
@@ -89,13 +91,15 @@ class TrunkRuntime(RuntimeUpkeep):
         checkpointing: activation checkpointing: a training forward keeps only its input
             (and output), and its backward recomputes the forward (same weights, same RNG
             state), trading a second forward for the activations' memory.
+        sdpa_backends: the attention kernels the trunk may use (default on CUDA: FlashAttention,
+            memory-efficient, math; see :mod:`splitfed.trunk.placement`); None: PyTorch's choice.
     """
 
     def __init__(self, trunk: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  aggregator: TrunkAggregator | None = None, limits: StoreLimits = StoreLimits(),
                  guard: GradientGuard = GradientGuard(), device: torch.device | str | None = None,
                  autocast_dtype: torch.dtype | None = None, checkpointing: bool = False,
-                 host_outputs: bool = False) -> None:
+                 host_outputs: bool = False, sdpa_backends: Any = "auto") -> None:
         self.trunk = trunk
         self.optimizer = optimizer
         self.aggregator = aggregator or SyncAggregator()
@@ -116,6 +120,12 @@ class TrunkRuntime(RuntimeUpkeep):
         self._batches = Batcher(self)
         self.micro = MicroSteps()  # micro-batches of one client step -> one contribution
         self._staging = Staging(self.device) if self.device.type == "cuda" else None  # pinned, side-stream h2d
+        #: Asynchronous copies at the cut for a trunk on CUDA (see :mod:`splitfed.trunk.deviceio`).
+        self.io = DeviceIO(self.device) if self.device.type == "cuda" else None
+        self.sdpa_backends = default_sdpa_backends(self.device) if sdpa_backends == "auto" else sdpa_backends
+        #: Runs a batch's backward once its last gradient is in (None: at once, on the thread that brought it);
+        #: a server hands it to its device thread, so taking a batch member's gradient is light work.
+        self.defer: Callable[[Callable[[], Any]], Any] | None = None
         self.aggregator.bind(self._apply_update, lambda: self._version)
         self.aggregator.track_trunk(self._names, self._trainable)
         self.stats: dict[str, int] = {"forwards": 0, "backwards": 0, "rebased": 0, "recomputed": 0}
@@ -144,65 +154,24 @@ class TrunkRuntime(RuntimeUpkeep):
         return self.aggregator.leave(client_id)
 
     # -- forward -------------------------------------------------------------
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-    def handed(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` as handed to the caller: in host memory when ``host_outputs`` (copied here, on the thread that
-        computed it, into pinned memory: a copy to pageable memory runs several times slower), else as it is."""
-        if not self.host_outputs or self._device_out or t.device.type == "cpu":
-            return t
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        out.copy_(t)
-        return out
-
-    def check_input(self, state: CutState) -> None:
-        """Refuse a state the trunk cannot take (not floating, wrong rank or width) with :class:`TensorValueError`."""
-        if not state.hidden.is_floating_point():
-            raise TensorValueError(f"hidden must be a floating tensor, got {state.hidden.dtype}")
-        check = getattr(self.trunk, "check_input", None)
-        if check is not None:
-            try:
-                check(state)
-            except ValueError as exc:
-                raise TensorValueError(str(exc)) from None
-
-    def _prepare(self, state: CutState, train: bool) -> tuple[CutState, torch.Tensor | None]:
-        """Move the input to the trunk's device and dtype.
-
-        Returns the state the trunk runs on and, when training, the leaf whose
-        gradient goes back to the client. When training, the trunk gets a copy
-        (a non-leaf) so that in-place first layers work as in the unsplit model.
-        """
-        self.check_input(state)
-        hidden = state.hidden.to(self.device, self.dtype) if self._staging is None else \
-            self._staging.to_device(state.hidden, self.dtype)
-        leaf = None
-        if train:
-            leaf = hidden.detach().requires_grad_(True)
-            hidden = leaf.clone()
-        move = (lambda t: None if t is None else t.to(self.device))
-        return CutState(hidden, move(state.attention_mask), move(state.position_ids), state.blocks), leaf
-
     def forward(self, client_id: str, activation_id: str, state: CutState, *, train: bool, num_examples: int = 1,
-                retry: bool = False) -> tuple[torch.Tensor, int]:
+                retry: bool = False, arrivals: Sequence[Arrival] = ()) -> tuple[torch.Tensor, int]:
         """Run the trunk on ``state``; keep what a backward needs when ``train``.
 
         Returns the output hidden state and the trunk version it was computed on.
         A retried request (``retry``) for a forward the server already holds is
         answered from the saved result; any other reuse of an activation id is
         refused. A training forward that succeeded puts its client in the step
-        group (or marks it alive); a refused one does not.
+        group (or marks it alive); a refused one does not. ``arrivals``: the state's tensors that were copied
+        to the device as they arrived (see :meth:`accept`).
         """
-        result = self._forward(client_id, activation_id, state, train, num_examples, retry)
+        result = self._forward(client_id, activation_id, state, train, num_examples, retry, arrivals)
         if train and self.trains:
             self.aggregator.join(client_id)  # outside the runtime lock: the aggregator may step the trunk
         return result
 
     def _forward(self, client_id: str, activation_id: str, state: CutState, train: bool, num_examples: int,
-                 retry: bool) -> tuple[torch.Tensor, int]:
+                 retry: bool, arrivals: Sequence[Arrival] = ()) -> tuple[torch.Tensor, int]:
         with self._lock:
             if train:
                 existing = self.store.find(activation_id)
@@ -212,6 +181,7 @@ class TrunkRuntime(RuntimeUpkeep):
                     raise DuplicateActivationError(
                         f"activation id {activation_id!r} is already in use; use a fresh id per forward")
                 self.store.admit(client_id, 2 * state.hidden.numel() * state.hidden.element_size())
+            self.accept(arrivals)
             inputs, leaf = self._prepare(state, train)
             self.stats["forwards"] += 1
             if not train:
@@ -257,7 +227,7 @@ class TrunkRuntime(RuntimeUpkeep):
         self._device_out = r.device_out
         try:
             return self.forward(r.client_id, r.activation_id, r.state, train=r.train, num_examples=r.num_examples,
-                                retry=r.retry)
+                                retry=r.retry, arrivals=r.arrivals)
         finally:
             self._device_out = False
 
@@ -280,7 +250,7 @@ class TrunkRuntime(RuntimeUpkeep):
     # -- backward ------------------------------------------------------------
     def start_backward(self, client_id: str, activation_id: str, grad: torch.Tensor, *, retry: bool = False,
                        reply_check: ReplyCheck | None = None, step: StepPart | None = None,
-                       device_out: bool = False) -> PendingBackward:
+                       device_out: bool = False, arrivals: Sequence[Arrival] = ()) -> PendingBackward:
         """Gradient of the loss w.r.t. the forward's input now; the trunk's gradient goes to the aggregator.
 
         Never waits for other clients. ``reply_check`` sees the input's shape
@@ -289,7 +259,8 @@ class TrunkRuntime(RuntimeUpkeep):
         (``retry``) for a Backward already computed gets the same answer and the
         same outcome, never a second contribution. ``step``: this backward is one
         micro-batch of a client step (see :mod:`splitfed.trunk.microsteps`). ``device_out``: hand the input
-        gradient back on the trunk's device.
+        gradient back on the trunk's device. ``arrivals``: ``grad`` was copied to the device as it arrived (see
+        :meth:`accept`).
         """
         with self._lock:
             if retry:
@@ -308,9 +279,11 @@ class TrunkRuntime(RuntimeUpkeep):
                 reply_check(tuple(entry.inputs.hidden.shape))
             if step is not None:
                 self.micro.check(client_id, step, batched=entry.group is not None)
+            if entry.group is None:
+                self.accept(arrivals)
             self.store.pop(activation_id)
-            if entry.group is not None:
-                pending, complete = self._batches.receive(entry, grad)
+            if entry.group is not None:  # a member of a batch: checked with the others when the batch completes
+                pending, complete = self._batches.receive(entry, grad, tuple(arrivals))
             else:
                 try:
                     dtype = entry.out_value.dtype
@@ -326,7 +299,10 @@ class TrunkRuntime(RuntimeUpkeep):
         if entry.group is not None:
             self.aggregator.join(client_id)  # a gradient is a sign of life
             if complete is not None:
-                self._batches.finish(complete)
+                if self.defer is not None:
+                    self.defer(lambda: self._batches.finish(complete))
+                else:
+                    self._batches.finish(complete)
             return pending
         result = self._submit(client_id, entry.version, trunk_grads, entry.num_examples) if step is None else \
             self.micro.offer(client_id, step, activation_id, entry.version, trunk_grads, entry.num_examples,
@@ -336,6 +312,13 @@ class TrunkRuntime(RuntimeUpkeep):
             self.store.remember(activation_id, DoneBackward(client_id, pending.grad_in, result,
                                                             grad_in.numel() * grad_in.element_size()))
         return pending
+
+    def joins_batch(self, activation_id: str) -> bool:
+        """Whether the Backward of ``activation_id`` only joins a batch (its forward ran batched) or answers a
+        retry: light work, with no backward to compute."""
+        with self._lock:
+            entry = self.store.find(activation_id)
+            return (entry is not None and entry.group is not None) or self.store.done(activation_id) is not None
 
     def _gradients(self, entry: SavedForward, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         inputs = [entry.inputs.hidden]

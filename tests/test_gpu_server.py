@@ -1,0 +1,138 @@
+"""A trunk server on a GPU serving clients whose tensors are in host memory (shared memory or the socket): the
+cut's copies go by the copy engine and are checked on the device, and training stays exact. Skipped without a GPU
+(run on a GPU machine: ``python -m pytest tests/test_gpu_server.py``)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from splitfed.channel import regionio, shared
+from splitfed.channel.client import TrunkClient
+from splitfed.errors import ChannelError
+from splitfed.split import CutState, split_model
+from splitfed.trunk import placement
+from splitfed.trunk.aggregation import make_aggregator
+from splitfed.trunk.deviceio import DeviceIO, PinnedPool
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = torch.device("cuda")
+LENGTHS = (5, 9, 3, 7)
+
+
+@pytest.fixture(autouse=True)
+def _exact_and_small(monkeypatch: pytest.MonkeyPatch):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    # The tiny tensors of these tests take the paths large ones take.
+    monkeypatch.setattr(regionio, "ARRIVAL_MIN_BYTES", 1)
+    monkeypatch.setattr(placement, "ASYNC_HAND_BYTES", 1)
+    monkeypatch.setattr(shared, "MIN_REGION_TENSOR_BYTES", 1)
+    yield
+
+
+def test_device_io_copies_in_and_out_and_reuses_its_pinned_buffers() -> None:
+    io = DeviceIO(CUDA, PinnedPool())
+    for step in range(6):
+        x = torch.randn(3, 5, 7)
+        pinned = x.pin_memory()
+        for src in (x.view(torch.uint8).reshape(-1), memoryview(x.numpy()).cast("B"),
+                    pinned.view(torch.uint8).reshape(-1)):
+            a = io.to_device("hidden", src, torch.float32, (3, 5, 7))
+            io.wait([a])
+            assert torch.equal(a.tensor.cpu(), x)
+        bad = x.clone()
+        bad[1, 2, 3] = float("nan")
+        arrivals = [io.to_device("hidden", t.view(torch.uint8).reshape(-1), torch.float32, (3, 5, 7))
+                    for t in (x, bad, x)]
+        assert io.verdicts(arrivals) == [True, False, True]
+        y = torch.randn(4, 6, device=CUDA)
+        out = io.to_host(y, torch.bfloat16)
+        out.event.synchronize()
+        assert torch.equal(out.host, y.to(torch.bfloat16).cpu())
+        dst = torch.empty(4 * 6 * 4, dtype=torch.uint8).pin_memory()
+        direct = io.to_host(y, dst=dst)
+        direct.event.synchronize()
+        assert torch.equal(dst.view(torch.float32).view(4, 6).cpu(), y.cpu())
+        del out, direct
+        if step == 1:
+            pinned_after_warmup = io.pool.allocated
+    assert io.pool.allocated == pinned_after_warmup  # no new pinned buffer per call once warm
+
+
+def _inputs(step: int) -> list[CutState]:
+    g = torch.Generator().manual_seed(100 + step)
+    return [CutState(torch.randn(2, n, 32, generator=g)) for n in LENGTHS]
+
+
+def _run(trunk_server, device: torch.device, transport: str, window_ms: float, steps: int = 2,
+         poison: int | None = None):  # type: ignore[no-untyped-def]
+    """4 clients (host tensors) train ``steps`` sync steps of a tiny Llama trunk on ``device``; client ``poison``
+    sends NaN at its first forward."""
+    torch.manual_seed(0)
+    split = split_model(tiny_model("llama").train(), cuts=(1, 3))
+    server = trunk_server(split.trunk.to(device), lr=0.1, aggregator=make_aggregator("sync", timeout=60),
+                          batch_window_ms=window_ms)
+    outs: dict = {}
+    errors: dict = {}
+    start = threading.Barrier(len(LENGTHS))
+
+    def client(i: int) -> None:
+        c = TrunkClient(server.address, insecure=True, client_id=f"c{i}", shared_memory=transport)
+        c.join()
+        for step in range(steps):
+            state = _inputs(step)[i]
+            if poison == i and step == 0:
+                state = CutState(state.hidden.clone().index_fill_(1, torch.tensor([0]), float("nan")))
+            start.wait(30)
+            act = uuid.uuid4().hex
+            try:
+                out, _ = c.forward(state, activation_id=act, train=True, num_examples=2 + i)
+            except ChannelError as exc:
+                errors[(i, step)] = exc
+                continue
+            reply = c.backward(act, torch.sin(out * (1 + i)))
+            outs[(i, step)] = (out, reply.grad, reply.outcome)
+        c.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(LENGTHS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return split.trunk, server, outs, errors
+
+
+@pytest.mark.parametrize("transport", ["on", "off"])
+def test_host_clients_of_a_gpu_trunk_train_as_on_the_cpu(trunk_server, transport: str) -> None:
+    ref_trunk, _, ref_outs, _ = _run(trunk_server, torch.device("cpu"), "off", window_ms=0)
+    trunk, server, outs, errors = _run(trunk_server, CUDA, transport, window_ms=500)
+    assert not errors and len(outs) == len(ref_outs) == 2 * len(LENGTHS)
+    io = server.runtime.io
+    assert io.stats["in"] >= 2 * len(outs)  # every activation and gradient went to the GPU by the copy engine
+    assert server.runtime._batches.stats["group-backwards"] >= 2
+    if transport == "on":
+        assert io.stats["out-direct"] >= 2 * len(outs)  # every reply went into the client's region directly
+    else:
+        assert io.stats["in-staged"] >= 2 * len(outs)
+    for key, (out, grad_in, outcome) in ref_outs.items():
+        got_out, got_grad, got_outcome = outs[key]
+        assert outcome == got_outcome == "APPLIED"
+        assert torch.allclose(out, got_out, atol=1e-5, rtol=1e-5), key
+        assert torch.allclose(grad_in, got_grad, atol=1e-5, rtol=1e-5), key
+    for (name, a), b in zip(ref_trunk.state_dict().items(), trunk.state_dict().values()):
+        assert torch.allclose(a, b.cpu(), atol=1e-5, rtol=1e-5), name
+
+
+@pytest.mark.parametrize("transport", ["on", "off"])
+def test_nan_from_a_host_client_is_refused_on_the_gpu_and_the_others_train(trunk_server, transport: str) -> None:
+    _, server, outs, errors = _run(trunk_server, CUDA, transport, window_ms=500, steps=1, poison=2)
+    assert list(errors) == [(2, 0)]
+    assert errors[(2, 0)].code == "INVALID_ARGUMENT" and "NaN or Inf" in str(errors[(2, 0)])
+    assert sorted(outs) == [(0, 0), (1, 0), (3, 0)]
+    assert all(outcome == "APPLIED" for _, _, outcome in outs.values())
+    assert server.runtime.version == 1
