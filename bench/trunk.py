@@ -33,6 +33,7 @@ alive: a client that dies or fails ends the benchmark with a non-zero exit.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import queue
@@ -103,23 +104,29 @@ def _client(address: str, i: int, settings: dict[str, int], steps: int, warmup: 
         events.put(("joined", i, ""))
         if not start.wait(WAIT_S):  # every client is in the step group before the first sync step
             raise BenchError("the benchmark never started the steps")
+        marks: list[tuple[str, float]] = []  # perf_counter is CLOCK_MONOTONIC: one clock for every process
+        clock = time.perf_counter
         for step in range(warmup + steps):
             if step == warmup:
                 events.put(("warm", i, ""))
                 if not go.wait(WAIT_S):  # the whole group finished the warm-up together
                     raise BenchError("the benchmark never started the timed steps")
             act = uuid.uuid4().hex
+            marks.append(("client-forward-sent", clock()))
             tc.forward(CutState(hidden), activation_id=act, train=True, num_examples=c["batch"])
+            marks.append(("client-backward-sent", clock()))
             tc.backward(act, grad)
+            marks.append(("client-backward-got", clock()))
         tc.close()
-        events.put(("done", i, ""))
+        events.put(("done", i, json.dumps(marks[3 * warmup:])))
     except BaseException as exc:  # noqa: BLE001 - reported by the parent
         events.put(("error", i, repr(exc)))
 
 
-def _collect(events: Any, procs: list[Any], kind: str, n: int) -> None:
-    """Wait for ``n`` ``kind`` messages from the clients; raise :class:`BenchError` at once if one fails or dies."""
-    seen: set[int] = set()
+def _collect(events: Any, procs: list[Any], kind: str, n: int) -> dict[int, str]:
+    """Wait for ``n`` ``kind`` messages from the clients (returned by client); raise :class:`BenchError` at once
+    if one fails or dies."""
+    seen: dict[int, str] = {}
     deadline = time.monotonic() + WAIT_S
     while len(seen) < n:
         try:
@@ -135,7 +142,8 @@ def _collect(events: Any, procs: list[Any], kind: str, n: int) -> None:
         if what == "error":
             raise BenchError(f"benchmark client {i} failed: {detail}")
         if what == kind:
-            seen.add(i)
+            seen[i] = detail
+    return seen
 
 
 @dataclass
@@ -195,10 +203,11 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
             TIMELINE.start(device)
         began = time.perf_counter()
         go.set()
-        _collect(events, procs, "done", clients)
+        done = _collect(events, procs, "done", clients)
         elapsed = time.perf_counter() - began
     finally:
         recorded = TIMELINE.stop() if timeline else []
+        origin = TIMELINE.origin
         util = sampler.stop()
         if replica_set is not None:
             replica_set.stop()
@@ -207,6 +216,11 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
             p.join(5)
             if p.is_alive():
                 p.kill()
+    if recorded:  # the clients' own marks, on the server's timeline
+        for i, detail in done.items():
+            recorded += [{"t": t - origin, "kind": kind, "client": f"bench-{i}", "thread": "client"}
+                         for kind, t in json.loads(detail)]
+        recorded.sort(key=lambda e: e["t"])
     examples = clients * steps * core.SPLIT_STEP["batch"]
     return Run(examples / elapsed, 2 * clients * steps / elapsed, elapsed, util, recorded)
 

@@ -64,6 +64,21 @@ def test_device_io_copies_in_and_out_and_reuses_its_pinned_buffers() -> None:
     assert io.pool.allocated == pinned_after_warmup  # no new pinned buffer per call once warm
 
 
+def test_a_reply_buffer_returns_to_the_pool_only_when_nothing_reads_its_bytes() -> None:
+    io = DeviceIO(CUDA, PinnedPool())
+    y = torch.randn(64, 64, device=CUDA)
+    dep = io.to_host(y)
+    dep.event.synchronize()
+    # What an encoder keeps: a byte view of a view of the host tensor (not the tensor object itself).
+    data = memoryview(dep.host.reshape(-1).view(torch.uint8).numpy())
+    want = bytes(data)
+    del dep
+    for _ in range(20):  # other replies of the same size
+        other = io.to_host(torch.randn(64, 64, device=CUDA))
+        other.event.synchronize()
+    assert bytes(data) == want
+
+
 def _inputs(step: int) -> list[CutState]:
     g = torch.Generator().manual_seed(100 + step)
     return [CutState(torch.randn(2, n, 32, generator=g)) for n in LENGTHS]

@@ -10,12 +10,13 @@ every copy. :class:`DeviceIO` instead
 
 * copies each arrival host -> device on an *inbound* stream as soon as it is
   decoded (asynchronously from registered or pinned memory; from pageable
-  bytes through a pinned buffer of a pool, on whatever thread calls it), and
-  computes its NaN/Inf flag there, on the device: an :class:`Arrival`;
-* lets the device thread make its compute stream wait for arrivals by event and
-  read the flags of a whole batch with one blocking copy on the inbound stream
+  bytes through a pinned buffer of a pool, on whatever thread calls it): an
+  :class:`Arrival`;
+* lets the device thread check a whole batch of arrivals for NaN/Inf with one
+  fused reduction and one blocking read on the inbound stream
   (:meth:`DeviceIO.verdicts`), which waits for those copies only, never for the
-  compute queued before them;
+  compute queued before them, and make its compute stream wait for them by
+  event;
 * copies each answer device -> host on an *outbound* stream that waits by event
   for the work that produced it, straight into the client's region or into a
   pinned pool buffer: a :class:`Departure`, whose event :class:`EventWaiter`
@@ -109,7 +110,6 @@ class Arrival:
     name: str
     tensor: torch.Tensor
     event: torch.cuda.Event
-    finite: torch.Tensor | None  # a device bool: no NaN/Inf (None: not floating)
 
 
 @dataclass
@@ -160,14 +160,12 @@ class DeviceIO:
         with self._in_lock, torch.cuda.stream(self.inbound):
             out = torch.empty(flat.numel(), dtype=torch.uint8, device=self.device)
             out.copy_(flat, non_blocking=True)
-            tensor = out.view(dtype).view(tuple(shape))
-            finite = torch.isfinite(tensor).all() if tensor.is_floating_point() and tensor.numel() else None
             event = torch.cuda.Event()
             event.record(self.inbound)
         self.stats["in"] += 1
         if staged is not None:
             self.pool.give(staged, event)  # reused once this copy has read it
-        return Arrival(name, tensor, event, finite)
+        return Arrival(name, out.view(dtype).view(tuple(shape)), event)
 
     def wait(self, arrivals: Sequence[Arrival], stream: torch.cuda.Stream | None = None) -> None:
         """Make ``stream`` (default: the current one) wait for ``arrivals`` on the device; their tensors are then
@@ -178,14 +176,22 @@ class DeviceIO:
             a.tensor.record_stream(stream)
 
     def verdicts(self, arrivals: Sequence[Arrival]) -> list[bool]:
-        """Whether each arrival is free of NaN/Inf; waits for their copies (the inbound stream only)."""
-        flags = [a.finite for a in arrivals]
-        checked = [f for f in flags if f is not None]
+        """Whether each arrival is free of NaN/Inf; waits for their copies (the inbound stream only).
+
+        One fused reduction over all of them (the L2 norm of each, which any NaN or Inf makes non-finite) and one
+        read: a handful of launches for a whole batch. A finite tensor whose norm overflowed is then confirmed
+        element by element.
+        """
+        out = [True] * len(arrivals)
+        checked = [i for i, a in enumerate(arrivals) if a.tensor.is_floating_point() and a.tensor.numel()]
         if not checked:
-            return [True] * len(arrivals)
+            return out
         with self._in_lock, torch.cuda.stream(self.inbound):
-            values = iter(torch.stack(checked).cpu().tolist())
-        return [True if f is None else bool(next(values)) for f in flags]
+            norms = torch._foreach_norm([arrivals[i].tensor for i in checked], 2, dtype=torch.float32)
+            finite = torch.stack(norms).isfinite().cpu().tolist()
+            for i, ok in zip(checked, finite):
+                out[i] = bool(ok) or bool(torch.isfinite(arrivals[i].tensor).all())
+        return out
 
     # -- out -----------------------------------------------------------------------------------
     def to_host(self, tensor: torch.Tensor, dtype: torch.dtype | None = None, dst: torch.Tensor | None = None
@@ -198,9 +204,13 @@ class DeviceIO:
         produced.record(torch.cuda.current_stream(self.device))
         nbytes = tensor.numel() * dtype.itemsize
         lease: torch.Tensor | None = None
+        owner: np.ndarray | None = None
         if dst is None:
             lease = self.pool.take(nbytes)
-            dst = lease
+            # The host tensor's storage holds this array (torch.from_numpy), and so does every view of it or of
+            # its bytes: the buffer goes back to the pool only once nothing can read it any more.
+            owner = lease.numpy()[:nbytes]
+            dst = torch.from_numpy(owner)
         else:
             self.stats["out-direct"] += 1
         target = dst.reshape(-1)[:nbytes].view(dtype).view(tensor.shape)
@@ -215,7 +225,7 @@ class DeviceIO:
             done.record(self.outbound)
         self.stats["out"] += 1
         if lease is not None:  # back in the pool once nothing reads the host tensor and the copy is done
-            weakref.finalize(target, self.pool.give, lease, done)
+            weakref.finalize(owner, self.pool.give, lease, done)
         return Departure(target, done)
 
 

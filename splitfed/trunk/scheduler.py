@@ -260,13 +260,18 @@ class TrunkScheduler:
         return task.forward is not None and task.forward.train == first.forward.train  # type: ignore[union-attr]
 
     def _everyone_in(self, batch: list[_Task]) -> bool:
-        """A training batch holding a forward of every step-group member will get no more: close it now."""
+        """A training batch will get no more once every step-group member has a forward in it or waiting for its
+        backward (an earlier batch of the step, when ``max_batch_tokens`` split the step): close it now."""
         if batch[0].runner is not None:
             return batch[0].runner.complete([t.item for t in batch])
         if not batch[0].forward or not batch[0].forward.train:  # type: ignore[union-attr]
             return False
         members = self.runtime.aggregator.members
-        return bool(members) and members <= {t.forward.client_id for t in batch}  # type: ignore[union-attr]
+        if not members:
+            return False
+        inside = {t.forward.client_id for t in batch}  # type: ignore[union-attr]
+        holds = self.runtime.store.holds  # a member whose forward already ran in an earlier batch of this step
+        return all(m in inside or holds(m) for m in members)
 
     def _run(self, batch: list[_Task]) -> None:
         self.stats["tasks"] += len(batch)

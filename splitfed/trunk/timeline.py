@@ -68,6 +68,12 @@ class Timeline:
             self._t0 = time.perf_counter()
             self.enabled = True
 
+    @property
+    def origin(self) -> float:
+        """The ``time.perf_counter`` reading that time 0 of the recording stands for (on Linux, CLOCK_MONOTONIC:
+        other processes' readings of it fit the same timeline)."""
+        return self._t0
+
     def stop(self) -> list[dict[str, Any]]:
         """Stop recording; returns :meth:`events` (waits for the GPU spans to finish)."""
         self.enabled = False
@@ -166,7 +172,8 @@ def summarize(events: list[dict[str, Any]], lo: float | None = None, hi: float |
     span = max(hi - lo, 1e-9)
     inside = [e for e in events if lo <= e["t"] <= hi]
     out: dict[str, float] = {"interval_ms": span * 1e3}
-    for kind in ("forward-in", "forward-out", "backward-in", "backward-out"):
+    for kind in ("forward-in", "forward-out", "backward-in", "backward-out", "client-forward-sent",
+                 "client-backward-sent", "client-backward-got"):
         times = [e["t"] for e in inside if e["kind"] == kind]
         if times:
             key = kind.replace("-", "_")
