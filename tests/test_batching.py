@@ -160,3 +160,45 @@ def test_quorum_batches_the_trunk_stepped_under_equal_one_call_per_client() -> N
         assert torch.allclose(grads_in[i], b_grads_in[i], atol=1e-6, rtol=1e-6), i
     for (name, a), b in zip(trunk.state_dict().items(), b_trunk.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-6), name
+
+
+def test_a_step_split_over_batches_closes_each_window_once_every_member_is_in(trunk_server, monkeypatch) -> None:
+    """``max_batch_tokens`` of two clients' rows: four clients' forwards run as two batches, and neither waits
+    for its (long) window: the second closes as soon as the members not in the first are in."""
+    from splitfed.trunk.batched import Batcher
+
+    finished_on: list[str] = []
+    finish = Batcher.finish
+    monkeypatch.setattr(Batcher, "finish", lambda self, group: (finished_on.append(threading.current_thread().name),
+                                                                finish(self, group))[1])
+    torch.manual_seed(0)
+    split = split_model(tiny_model("llama").train(), cuts=(1, 3))
+    server = trunk_server(split.trunk, lr=0.1, aggregator=make_aggregator("sync", timeout=60),
+                          batch_window_ms=60_000, max_batch_tokens=2 * 2 * 8)
+    start = threading.Barrier(4)
+    replies: dict = {}
+
+    def client(i: int) -> None:
+        c = TrunkClient(server.address, insecure=True, client_id=f"s{i}")
+        c.join()
+        state = CutState(torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(i)))
+        start.wait(30)
+        act = uuid.uuid4().hex
+        out, _ = c.forward(state, activation_id=act, train=True, num_examples=2)
+        replies[i] = c.backward(act, torch.ones_like(out) * 0.01)
+        c.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(replies) == [0, 1, 2, 3] and {r.outcome for r in replies.values()} == {"APPLIED"}
+    assert server.scheduler.stats["forward-batches"] == 2
+    # The first batch closed at the token bound; the second as soon as its members were in: the 60 s window never
+    # ran out.
+    assert server.scheduler.stats["early-closes"] == 1
+    assert server.runtime.version == 1
+    # Each batch's backward ran once, on the device thread; the members' gradients joined it without it.
+    assert finished_on == ["splitfed-trunk-device", "splitfed-trunk-device"]
+    assert server.runtime._batches.stats["group-backwards"] == 2

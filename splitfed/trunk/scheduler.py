@@ -101,7 +101,7 @@ class TrunkScheduler:
         self._stopping = False
         self._exec = threading.Lock()  # held by whoever runs trunk work: the device thread or an inline caller
         self.stats: dict[str, int] = {"tasks": 0, "batched-forwards": 0, "forward-batches": 0, "inline": 0,
-                                      "item-batches": 0, "batched-items": 0}
+                                      "item-batches": 0, "batched-items": 0, "early-closes": 0}
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> TrunkScheduler:
@@ -249,6 +249,7 @@ class TrunkScheduler:
                 tokens += task.tokens
             remaining = close - time.monotonic()
             if remaining <= 0 or self._stopping or self._everyone_in(batch):
+                self.stats["early-closes"] += remaining > 0 and not self._stopping
                 TIMELINE.mark("window", n=len(batch), waited=time.monotonic() - first.queued)
                 return batch
             self._cond.wait(remaining)
