@@ -14,7 +14,7 @@ import torch
 
 from splitfed.errors import TensorValueError
 
-__all__ = ["check_finite"]
+__all__ = ["check_finite", "is_finite"]
 
 _NUMPY_FLOATS = {torch.float32: np.float32, torch.float16: np.float16}
 _SMALL = 1 << 20  # elements; below this a single-threaded numpy reduction beats waking torch's thread pool
@@ -40,10 +40,10 @@ def _bf16_sum_of_squares(flat: torch.Tensor) -> float:
                 + float((ends * ends).sum()))
 
 
-def check_finite(name: str, tensor: torch.Tensor) -> None:
-    """Raise :class:`TensorValueError` if a floating tensor holds NaN or Inf."""
+def is_finite(tensor: torch.Tensor) -> bool:
+    """Whether a tensor holds no NaN or Inf (integer tensors always do)."""
     if not tensor.dtype.is_floating_point or tensor.numel() == 0:
-        return
+        return True
     # One reduction instead of an elementwise pass: any NaN/Inf makes it non-finite;
     # a finite tensor whose reduction overflows is confirmed exactly.
     if tensor.device.type == "cpu" and tensor.dtype == torch.float32 and tensor.numel() >= _BLAS_MIN:
@@ -59,7 +59,11 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
             total = float(np.add.reduce(flat, dtype=np.float32))
     else:
         total = float(tensor.detach().sum(dtype=torch.float32))
-    if math.isfinite(total) or bool(torch.isfinite(tensor).all()):
-        return
-    raise TensorValueError(f"tensor {name!r} holds NaN or Inf values; the sender must stop or lower its "
-                           "learning rate before sending again")
+    return math.isfinite(total) or bool(torch.isfinite(tensor).all())
+
+
+def check_finite(name: str, tensor: torch.Tensor) -> None:
+    """Raise :class:`TensorValueError` if a floating tensor holds NaN or Inf."""
+    if not is_finite(tensor):
+        raise TensorValueError(f"tensor {name!r} holds NaN or Inf values; the sender must stop or lower its "
+                               "learning rate before sending again")

@@ -68,8 +68,8 @@ class RegionIO:
                 ) -> tuple[list[EncodedTensor], dict[str, torch.Tensor], list[torch.Tensor], list[Arrival]]:
         """The request's tensors: those in ``client``'s region copied out (host bytes, or device tensors when an
         event orders the copy), the device tensors' finiteness flags (read later, see :meth:`verdict`), and
-        the tensors copied from a registered region straight to the trunk's GPU (checked by the runtime before
-        it uses them, see :meth:`~splitfed.trunk.runtime.TrunkRuntime.accept`; ``arrive=False``: none are)."""
+        the large ones the device thread brings from the region itself (:class:`~splitfed.trunk.deviceio.Arrival`,
+        placeholders in ``ready`` until then; ``arrive=False``: none)."""
         out: list[EncodedTensor] = []
         ready: dict[str, torch.Tensor] = {}
         flags: list[torch.Tensor] = []
@@ -91,14 +91,13 @@ class RegionIO:
                                              f"{self.max_bytes}")
             region = self.table.region(client, ref.region)
             src = region.where(ref)
-            if arrive and not ref.event and self.io is not None and region.registered \
+            if arrive and not ref.event and self.io is not None and (region.registered or not self.io.cuda) \
                     and need >= ARRIVAL_MIN_BYTES and torch_dtype(enc.dtype).is_floating_point:
-                # The client's bytes are complete: the copy engine reads them from the registered region into
-                # memory of the server's own on the GPU, where they are checked; the region stays mapped until
-                # the copy is done (:meth:`SharedRegion.hold`).
-                arrival = self.io.to_device(enc.name, src, torch_dtype(enc.dtype), enc.shape)
-                region.hold(arrival.event)
-                ready[enc.name] = arrival.tensor
+                # The client's bytes are complete: the device thread copies them from the region into memory of
+                # the server's own (on the GPU, by the copy engine from the registered region) and checks them
+                # there, with the rest of its batch; the region stays mapped meanwhile (SharedRegion.reading).
+                arrival = self.io.stage(enc.name, src, torch_dtype(enc.dtype), enc.shape, guard=region.reading)
+                ready[enc.name] = arrival.placeholder
                 arrivals.append(arrival)
                 continue
             if not ref.event:

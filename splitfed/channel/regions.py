@@ -25,6 +25,7 @@ Pure torch and the standard library; knows nothing of gRPC.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -33,6 +34,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +94,8 @@ class SharedRegion:
         self.used = time.monotonic()
         self._unlinked = False
         self._inflight: list[torch.cuda.Event] = []  # asynchronous copies that read or write its memory
+        self._readers = 0  # copies reading it right now (see :meth:`reading`)
+        self._idle = threading.Condition(self._lock)
 
     @classmethod
     def create(cls, nbytes: int) -> SharedRegion:
@@ -184,6 +188,19 @@ class SharedRegion:
             self._inflight = [e for e in self._inflight if not e.query()]
             self._inflight.append(event)
 
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Keep the mapping registered and in place while a copy reads it (:meth:`close` waits)."""
+        with self._lock:
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._readers -= 1
+                if not self._readers:
+                    self._idle.notify_all()
+
     def close(self, released: bool = False) -> None:
         """Unmap (and, on the side that created it, delete the file) once the copies in flight there are done.
         ``released``: the client closed it first, so its GPU memory is free to go (else it waits for the client's
@@ -193,6 +210,8 @@ class SharedRegion:
         for event in inflight:
             event.synchronize()
         with self._lock:
+            while self._readers:
+                self._idle.wait()
             if self._registered:
                 torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
                 self._registered = False

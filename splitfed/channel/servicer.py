@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -158,9 +159,9 @@ class SplitChannelServicer(RegionService):
             self.metrics.tensors(direction, encs)
 
     async def _arrive(self, tensors: list, name: str, ready: dict, arrivals: list) -> list:
-        """A request's main tensor (``name``) that came as bytes, copied to the trunk's GPU off the event loop (a
-        pinned buffer, then the copy engine) when the trunk is on one: it joins ``ready`` and ``arrivals``; the
-        tensors left to decode on the host are returned."""
+        """A request's main tensor (``name``) that came as bytes, handed to the device thread as an
+        :class:`~splitfed.trunk.deviceio.Arrival` (for a GPU, copied into a pinned buffer first, on a copy thread):
+        it joins ``ready`` (as a placeholder) and ``arrivals``; the tensors left to decode here are returned."""
         io = getattr(self.runtime, "io", None)
         if io is None:
             return tensors
@@ -173,11 +174,15 @@ class SplitChannelServicer(RegionService):
             if name in ready:
                 raise CodecError(f"tensor {name!r} appears twice")
             raw_nbytes(enc, self.tensor_limits)
-            if self._copier is None:
-                self._copier = concurrent.futures.ThreadPoolExecutor(COPY_THREADS, "splitfed-trunk-copy")
-            arrival = await asyncio.get_running_loop().run_in_executor(
-                self._copier, io.to_device, enc.name, enc.data, torch_dtype(enc.dtype), tuple(enc.shape))
-            ready[name] = arrival.tensor
+            stage = functools.partial(io.stage, enc.name, enc.data, torch_dtype(enc.dtype), tuple(enc.shape),
+                                      owned=True)
+            if io.cuda:
+                if self._copier is None:
+                    self._copier = concurrent.futures.ThreadPoolExecutor(COPY_THREADS, "splitfed-trunk-copy")
+                arrival = await asyncio.get_running_loop().run_in_executor(self._copier, stage)
+            else:  # the request's bytes are the server's own: nothing to copy
+                arrival = stage()
+            ready[name] = arrival.placeholder
             arrivals.append(arrival)
         return left
 
@@ -224,7 +229,7 @@ class SplitChannelServicer(RegionService):
             if req.train:
                 await self._turn(client)
             request = ForwardRequest(client, req.activation_id, state, req.train, req.num_examples, retry,
-                                     device_out=_device_out(ready, slot) and not arrivals,
+                                     device_out=_device_out(ready, slot),
                                      arrivals=tuple(arrivals))
             try:
                 done = self.scheduler.forward_inline(request, small=small)
@@ -284,7 +289,7 @@ class SplitChannelServicer(RegionService):
             reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
             check = self._reply_check(reply_dtype, unary, slot)
             step = StepPart.of(req.step_id, req.step_parts)
-            device_out = _device_out(ready, slot) and not arrivals
+            device_out = _device_out(ready, slot)
 
             def start() -> Any:
                 return runtime.start_backward(client, req.activation_id, grad, retry=retry, reply_check=check,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from dataclasses import replace
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -78,7 +79,7 @@ class Batcher:
         out: list[Outcome | None] = [None] * len(requests)
         train = requests[0].train
         with rt._lock:
-            bad = self._non_finite(requests)
+            requests, bad = self._bring(requests)
             ok: list[int] = []
             for i, r in enumerate(requests):
                 try:
@@ -97,8 +98,6 @@ class Batcher:
                     out[i] = exc
             if len(ok) >= 2:
                 chosen = [requests[i] for i in ok]
-                if rt.io is not None:
-                    rt.io.wait([a for r in chosen for a in r.arrivals])
                 packed = pack([r.state for r in chosen])
                 try:
                     results = self._run(chosen, packed) if train else self._evaluate(packed)
@@ -116,17 +115,19 @@ class Batcher:
                     rt.aggregator.join(r.client_id)  # outside the runtime lock, as alone
         return out  # type: ignore[return-value]
 
-    def _non_finite(self, requests: list[ForwardRequest]) -> dict[int, str]:
-        """The requests whose tensors copied to the device as they arrived hold NaN or Inf: index -> tensor name
-        (one read of every request's flags)."""
+    def _bring(self, requests: list[ForwardRequest]) -> tuple[list[ForwardRequest], dict[int, str]]:
+        """Bring every request's tensors still in host memory (one call for the batch): the requests with their
+        states as brought, and those holding NaN or Inf (index -> tensor name)."""
         arrivals = [(i, a) for i, r in enumerate(requests) for a in r.arrivals]
-        if not arrivals or self.rt.io is None:
-            return {}
+        if not arrivals:
+            return requests, {}
+        assert self.rt.io is not None
         bad: dict[int, str] = {}
-        for (i, a), ok in zip(arrivals, self.rt.io.verdicts([a for _, a in arrivals])):
+        for (i, a), ok in zip(arrivals, self.rt.io.bring([a for _, a in arrivals])):
             if not ok:
                 bad.setdefault(i, a.name)
-        return bad
+        return [replace(r, state=self.rt.brought(r.state, r.arrivals), arrivals=()) if r.arrivals and i not in bad
+                else r for i, r in enumerate(requests)], bad
 
     def _count(self, n: int) -> None:
         self.rt.stats["forwards"] += n
@@ -269,19 +270,19 @@ class Batcher:
         result.add_done_callback(lambda f, target=group.result: _copy(f, target))
 
     def _check_arrivals(self, group: ForwardGroup) -> list[str]:
-        """Check the members' gradients that came to the device as they arrived (one read of their flags): a
-        member whose gradient holds NaN or Inf is refused (INVALID_ARGUMENT) and dropped from the batch, the
-        others' are made ready for the backward. Returns the refused members."""
+        """Bring the members' gradients still in host memory (one call for the batch): a member whose gradient
+        holds NaN or Inf is refused (INVALID_ARGUMENT) and dropped from the batch. Returns the refused members."""
         if not group.arrivals:
             return []
         io = self.rt.io
         assert io is not None
         order = sorted(group.arrivals)
-        flat = [a for i in order for a in group.arrivals[i]]
-        verdicts = iter(io.verdicts(flat))
+        verdicts = iter(io.bring([a for i in order for a in group.arrivals[i]]))
         refused = []
         for i in order:
-            if all([next(verdicts) for _ in group.arrivals[i]]):
+            arrivals = group.arrivals[i]
+            if all([next(verdicts) for _ in arrivals]):
+                group.grads[i] = arrivals[0].tensor
                 continue
             del group.grads[i]
             group.dropped.add(i)
@@ -289,7 +290,6 @@ class Batcher:
                 f"the gradient of {group.activation_ids[i]} holds NaN or Inf values; the sender must stop or lower "
                 "its learning rate before sending again"))
             refused.append(group.clients[i])
-        io.wait([a for i in order if i in group.grads for a in group.arrivals[i]])
         group.arrivals.clear()
         return refused
 
@@ -300,4 +300,3 @@ def _copy(source: Future[Any], target: Future[Any]) -> None:
         target.set_exception(error)
     else:
         target.set_result(source.result())
-

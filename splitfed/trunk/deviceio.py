@@ -28,17 +28,21 @@ took 3 ms on an H100 host, per call). Pure torch; knows nothing of the channel.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+from splitfed.finite import is_finite
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +109,23 @@ class PinnedPool:
 
 @dataclass
 class Arrival:
-    """A tensor on its way to the device: usable on a stream once that stream waited for :attr:`event`."""
+    """A tensor that came in a request, still in host memory (a shared-memory region, a pinned pool buffer or the
+    request's own bytes), until the device thread brings it (:meth:`DeviceIO.bring`): the request carries
+    :attr:`placeholder` until then."""
 
     name: str
-    tensor: torch.Tensor
-    event: torch.cuda.Event
+    src: torch.Tensor  # the bytes (uint8, flat)
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    guard: Callable[[], AbstractContextManager[Any]] | None = None  # held while a copy reads ``src``
+    owned: bool = False  # ``src`` is the server's own, immutable memory (a request's bytes): no copy needed
+    lease: torch.Tensor | None = None  # the pinned pool buffer ``src`` lies in
+    tensor: torch.Tensor | None = None  # on the trunk's device, once brought
+
+    @property
+    def placeholder(self) -> torch.Tensor:
+        """A tensor with the arrival's shape and dtype and no data (on the meta device)."""
+        return torch.empty(self.shape, dtype=self.dtype, device="meta")
 
 
 @dataclass
@@ -126,72 +142,92 @@ def _as_uint8(src: torch.Tensor | memoryview | bytes) -> torch.Tensor:
     return torch.frombuffer(src, dtype=torch.uint8) if len(src) else torch.empty(0, dtype=torch.uint8)
 
 
+def _aligned(n: int) -> int:
+    return -(-n // 64) * 64
+
+
 class DeviceIO:
-    """Copies at the cut for a trunk on CUDA ``device`` (see the module docstring)."""
+    """Copies at the cut for a trunk on ``device`` (see the module docstring). On the CPU there is no copy engine:
+    :meth:`bring` copies what is not the server's own into memory of its own and checks it there."""
 
     def __init__(self, device: torch.device | str, pool: PinnedPool | None = None) -> None:
         self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise ValueError(f"DeviceIO is for a CUDA device, got {self.device}")
+        self.cuda = self.device.type == "cuda"
         self.pool = pool or PinnedPool()
-        self.inbound = torch.cuda.Stream(self.device)
-        self.outbound = torch.cuda.Stream(self.device)
+        self.inbound = torch.cuda.Stream(self.device) if self.cuda else None
+        self.outbound = torch.cuda.Stream(self.device) if self.cuda else None
         self._in_lock = threading.Lock()  # the inbound stream's work is issued in the order of this lock
-        self.stats: dict[str, int] = {"in": 0, "in-staged": 0, "out": 0, "out-direct": 0}
+        self.stats: dict[str, int] = {"in": 0, "in-staged": 0, "brought": 0, "out": 0, "out-direct": 0}
 
     # -- in ------------------------------------------------------------------------------------
-    def to_device(self, name: str, src: torch.Tensor | memoryview | bytes, dtype: torch.dtype,
-                  shape: Sequence[int]) -> Arrival:
-        """``src`` (raw little-endian bytes of a ``dtype`` tensor of ``shape``) copied to the device.
+    def stage(self, name: str, src: torch.Tensor | memoryview | bytes, dtype: torch.dtype, shape: Sequence[int], *,
+              guard: Callable[[], AbstractContextManager[Any]] | None = None, owned: bool = False) -> Arrival:
+        """An arrival of ``src`` (raw little-endian bytes of a ``dtype`` tensor of ``shape``).
 
-        Registered or pinned ``src`` is read by the copy engine directly (the
-        caller keeps it mapped until :attr:`Arrival.event` completes); other
-        memory is first copied into a pinned pool buffer on the calling thread
-        (numpy's copy, which releases the GIL).
+        For a GPU, bytes in pageable memory are first copied into a pinned pool buffer, on the calling thread
+        (numpy's copy, which releases the GIL), so that the copy engine can read them; registered or pinned
+        ``src`` (a client's region) stays where it is, read under ``guard`` (the region stays mapped meanwhile).
+        ``owned``: ``src`` is immutable memory of the server's own (a request's bytes).
         """
         flat = _as_uint8(src)
-        staged: torch.Tensor | None = None
-        if flat.numel() and not flat.is_pinned():
-            staged = self.pool.take(flat.numel())
-            view = staged[: flat.numel()]
-            np.copyto(view.numpy(), flat.numpy())
-            flat = view
-            self.stats["in-staged"] += 1
-        with self._in_lock, torch.cuda.stream(self.inbound):
-            out = torch.empty(flat.numel(), dtype=torch.uint8, device=self.device)
-            out.copy_(flat, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.inbound)
         self.stats["in"] += 1
-        if staged is not None:
-            self.pool.give(staged, event)  # reused once this copy has read it
-        return Arrival(name, out.view(dtype).view(tuple(shape)), event)
+        if self.cuda and flat.numel() and not flat.is_pinned():
+            lease = self.pool.take(flat.numel())
+            view = lease[: flat.numel()]
+            np.copyto(view.numpy(), flat.numpy())
+            self.stats["in-staged"] += 1
+            return Arrival(name, view, dtype, tuple(shape), owned=True, lease=lease)
+        return Arrival(name, flat, dtype, tuple(shape), guard=guard, owned=owned)
 
-    def wait(self, arrivals: Sequence[Arrival], stream: torch.cuda.Stream | None = None) -> None:
-        """Make ``stream`` (default: the current one) wait for ``arrivals`` on the device; their tensors are then
-        safe to use (and to free) there."""
-        stream = stream or torch.cuda.current_stream(self.device)
-        for a in arrivals:
-            stream.wait_event(a.event)
-            a.tensor.record_stream(stream)
+    def bring(self, arrivals: Sequence[Arrival]) -> list[bool]:
+        """Bring ``arrivals`` to the device (each gets its :attr:`Arrival.tensor`) and say which are free of
+        NaN/Inf. Called by the thread that computes; returns once the copies are done.
 
-    def verdicts(self, arrivals: Sequence[Arrival]) -> list[bool]:
-        """Whether each arrival is free of NaN/Inf; waits for their copies (the inbound stream only).
-
-        One fused reduction over all of them (the L2 norm of each, which any NaN or Inf makes non-finite) and one
-        read: a handful of launches for a whole batch. A finite tensor whose norm overflowed is then confirmed
-        element by element.
+        On a GPU: one allocation, every copy on the inbound stream, one fused reduction over all of them (the L2
+        norm of each, which any NaN or Inf makes non-finite) and one read, which waits for these copies only,
+        never for the compute queued before them. A finite tensor whose norm overflowed is then confirmed element
+        by element.
         """
-        out = [True] * len(arrivals)
-        checked = [i for i, a in enumerate(arrivals) if a.tensor.is_floating_point() and a.tensor.numel()]
-        if not checked:
-            return out
-        with self._in_lock, torch.cuda.stream(self.inbound):
-            norms = torch._foreach_norm([arrivals[i].tensor for i in checked], 2, dtype=torch.float32)
-            finite = torch.stack(norms).isfinite().cpu().tolist()
-            for i, ok in zip(checked, finite):
-                out[i] = bool(ok) or bool(torch.isfinite(arrivals[i].tensor).all())
-        return out
+        if not arrivals:
+            return []
+        self.stats["brought"] += len(arrivals)
+        if not self.cuda:
+            return [self._bring_here(a) for a in arrivals]
+        with contextlib.ExitStack() as guards:
+            for a in arrivals:
+                if a.guard is not None:
+                    guards.enter_context(a.guard())
+            with self._in_lock, torch.cuda.stream(self.inbound):
+                sizes = [a.src.numel() for a in arrivals]
+                buf = torch.empty(sum(_aligned(n) for n in sizes), dtype=torch.uint8, device=self.device)
+                at = 0
+                for a, n in zip(arrivals, sizes):
+                    piece = buf[at: at + n]
+                    piece.copy_(a.src, non_blocking=True)
+                    a.tensor = piece.view(a.dtype).view(a.shape)
+                    at += _aligned(n)
+                checked = [a for a in arrivals if a.dtype.is_floating_point and a.tensor.numel()]
+                finite = iter(torch.stack(torch._foreach_norm([a.tensor for a in checked], 2, dtype=torch.float32))
+                              .isfinite().cpu().tolist() if checked else [])  # the read: the copies are done
+                verdicts = [bool(next(finite)) or bool(torch.isfinite(a.tensor).all())
+                            if a.dtype.is_floating_point and a.tensor.numel() else True for a in arrivals]
+            buf.record_stream(torch.cuda.current_stream(self.device))  # the compute stream uses it from now on
+        for a in arrivals:
+            if a.lease is not None:
+                self.pool.give(a.lease)
+                a.lease = None
+        return verdicts
+
+    @staticmethod
+    def _bring_here(a: Arrival) -> bool:
+        if a.owned:
+            a.tensor = a.src.view(a.dtype).view(a.shape)
+        else:
+            own = torch.empty(a.src.numel(), dtype=torch.uint8)
+            with a.guard() if a.guard is not None else contextlib.nullcontext():
+                np.copyto(own.numpy(), a.src.numpy())  # one thread; releases the GIL
+            a.tensor = own.view(a.dtype).view(a.shape)
+        return not a.dtype.is_floating_point or is_finite(a.tensor)
 
     # -- out -----------------------------------------------------------------------------------
     def to_host(self, tensor: torch.Tensor, dtype: torch.dtype | None = None, dst: torch.Tensor | None = None
@@ -263,10 +299,3 @@ class EventWaiter:
         """End the thread once the events queued so far completed."""
         self._queue.put(None)
         self._thread.join(10)
-
-
-def finite_or_raise(io: DeviceIO, arrivals: Sequence[Arrival], error: Callable[[str], BaseException]) -> None:
-    """Raise ``error(name)`` for the first arrival holding NaN or Inf."""
-    for a, ok in zip(arrivals, io.verdicts(arrivals)):
-        if not ok:
-            raise error(a.name)

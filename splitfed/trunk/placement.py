@@ -74,7 +74,7 @@ class RuntimePlacement:
         """
         if not self.host_outputs or self._device_out or t.device.type == "cpu":
             return t
-        if self.io is None:
+        if self.io is None or not self.io.cuda:
             out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             out.copy_(t)
             return out
@@ -95,18 +95,26 @@ class RuntimePlacement:
             except ValueError as exc:
                 raise TensorValueError(str(exc)) from None
 
-    def accept(self, arrivals: Sequence[Arrival]) -> None:
-        """Take tensors copied to the device as they arrived (:class:`~splitfed.trunk.deviceio.Arrival`):
-        refuse them with :class:`TensorValueError` when one holds NaN or Inf, else make the compute stream
-        wait for their copies. Nothing else changes on a refusal."""
+    def bring(self, arrivals: Sequence[Arrival]) -> None:
+        """Bring the tensors a request left in host memory (:class:`~splitfed.trunk.deviceio.Arrival`) to the
+        device, each into its :attr:`~splitfed.trunk.deviceio.Arrival.tensor`; refuse them with
+        :class:`TensorValueError` when one holds NaN or Inf. Nothing else changes on a refusal."""
         if not arrivals:
             return
-        assert self.io is not None, "arrivals come only to a runtime on CUDA"
-        for a, ok in zip(arrivals, self.io.verdicts(arrivals)):
+        assert self.io is not None, "arrivals come only to a runtime with a DeviceIO"
+        for a, ok in zip(arrivals, self.io.bring(arrivals)):
             if not ok:
                 raise TensorValueError(f"tensor {a.name!r} holds NaN or Inf values; the sender must stop or lower "
                                        "its learning rate before sending again")
-        self.io.wait(arrivals)
+
+    @staticmethod
+    def brought(state: CutState, arrivals: Sequence[Arrival]) -> CutState:
+        """``state`` with its hidden tensor as brought (see :meth:`bring`)."""
+        for a in arrivals:
+            if a.name == "hidden":
+                assert a.tensor is not None
+                state = state.with_hidden(a.tensor)
+        return state
 
     def _prepare(self, state: CutState, train: bool) -> tuple[CutState, torch.Tensor | None]:
         """Move the input to the trunk's device and dtype.
@@ -116,6 +124,8 @@ class RuntimePlacement:
         (a non-leaf) so that in-place first layers work as in the unsplit model.
         """
         self.check_input(state)
+        if state.hidden.is_meta:
+            raise RuntimeError("internal error: a tensor still in host memory reached the trunk; bring it first")
         hidden = state.hidden.to(self.device, self.dtype) if self._staging is None else \
             self._staging.to_device(state.hidden, self.dtype)
         leaf = None

@@ -52,7 +52,7 @@ class ForwardRequest:
     retry: bool = False
     #: Hand the output back on the trunk's device (the reply is copied from there, ordered by a CUDA event).
     device_out: bool = False
-    #: The state's tensors copied to the trunk's device as they arrived (:class:`~splitfed.trunk.deviceio.Arrival`).
+    #: The state's tensors still in host memory (:class:`~splitfed.trunk.deviceio.Arrival`): the runtime brings them.
     arrivals: tuple[Any, ...] = ()
 
     @property

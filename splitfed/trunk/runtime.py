@@ -120,8 +120,8 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
         self._batches = Batcher(self)
         self.micro = MicroSteps()  # micro-batches of one client step -> one contribution
         self._staging = Staging(self.device) if self.device.type == "cuda" else None  # pinned, side-stream h2d
-        #: Asynchronous copies at the cut for a trunk on CUDA (see :mod:`splitfed.trunk.deviceio`).
-        self.io = DeviceIO(self.device) if self.device.type == "cuda" else None
+        #: The cut's copies (see :mod:`splitfed.trunk.deviceio`; on CUDA by the copy engine).
+        self.io = DeviceIO(self.device)
         self.sdpa_backends = default_sdpa_backends(self.device) if sdpa_backends == "auto" else sdpa_backends
         #: Runs a batch's backward once its last gradient is in (None: at once, on the thread that brought it);
         #: a server hands it to its device thread, so taking a batch member's gradient is light work.
@@ -162,8 +162,8 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
         A retried request (``retry``) for a forward the server already holds is
         answered from the saved result; any other reuse of an activation id is
         refused. A training forward that succeeded puts its client in the step
-        group (or marks it alive); a refused one does not. ``arrivals``: the state's tensors that were copied
-        to the device as they arrived (see :meth:`accept`).
+        group (or marks it alive); a refused one does not. ``arrivals``: the state's tensors still in host memory
+        (see :meth:`bring`).
         """
         result = self._forward(client_id, activation_id, state, train, num_examples, retry, arrivals)
         if train and self.trains:
@@ -181,7 +181,8 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
                     raise DuplicateActivationError(
                         f"activation id {activation_id!r} is already in use; use a fresh id per forward")
                 self.store.admit(client_id, 2 * state.hidden.numel() * state.hidden.element_size())
-            self.accept(arrivals)
+            self.bring(arrivals)
+            state = self.brought(state, arrivals)
             inputs, leaf = self._prepare(state, train)
             self.stats["forwards"] += 1
             if not train:
@@ -259,8 +260,8 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
         (``retry``) for a Backward already computed gets the same answer and the
         same outcome, never a second contribution. ``step``: this backward is one
         micro-batch of a client step (see :mod:`splitfed.trunk.microsteps`). ``device_out``: hand the input
-        gradient back on the trunk's device. ``arrivals``: ``grad`` was copied to the device as it arrived (see
-        :meth:`accept`).
+        gradient back on the trunk's device. ``arrivals``: ``grad`` is still in host memory (see :meth:`bring`;
+        for a member of a batch, brought with the other members' when the batch's backward runs).
         """
         with self._lock:
             if retry:
@@ -279,8 +280,9 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
                 reply_check(tuple(entry.inputs.hidden.shape))
             if step is not None:
                 self.micro.check(client_id, step, batched=entry.group is not None)
-            if entry.group is None:
-                self.accept(arrivals)
+            if entry.group is None and arrivals:
+                self.bring(arrivals)
+                grad = arrivals[0].tensor
             self.store.pop(activation_id)
             if entry.group is not None:  # a member of a batch: checked with the others when the batch completes
                 pending, complete = self._batches.receive(entry, grad, tuple(arrivals))
