@@ -151,3 +151,29 @@ def test_nan_from_a_host_client_is_refused_on_the_gpu_and_the_others_train(trunk
     assert sorted(outs) == [(0, 0), (1, 0), (3, 0)]
     assert all(outcome == "APPLIED" for _, _, outcome in outs.values())
     assert server.runtime.version == 1
+
+
+def test_a_retried_backward_gets_the_same_reply_from_a_gpu_trunk(trunk_server) -> None:
+    import grpc
+
+    from splitfed.channel import split_channel_pb2 as pb
+    from splitfed.channel.limits import CLIENT_ID_KEY
+    from splitfed.channel.split_channel_pb2_grpc import SplitChannelStub
+    from splitfed.channel.wire import to_proto
+    from splitfed.codec import encode
+
+    split = split_model(tiny_model("llama").train(), cuts=(1, 3))
+    server = trunk_server(split.trunk.to(CUDA))
+    channel = grpc.insecure_channel(server.address)
+    stub = SplitChannelStub(channel)
+    md = [(CLIENT_ID_KEY, "alice")]
+    act = uuid.uuid4().hex
+    stub.Forward(pb.ForwardRequest(activation_id=act, train=True, num_examples=2,
+                                   tensors=[to_proto(encode("hidden", torch.randn(2, 5, 32)))]), metadata=md,
+                 timeout=20)
+    request = pb.BackwardRequest(activation_id=act, tensors=[to_proto(encode("grad", torch.randn(2, 5, 32)))])
+    first = stub.Backward(request, metadata=md, timeout=20)
+    again = stub.Backward(request, metadata=md + [("x-splitfed-retry", "1")], timeout=20)
+    assert again.SerializeToString() == first.SerializeToString() and server.runtime.version == 1
+    assert server.runtime.io.stats["brought"] == 2 and server.runtime.io.stats["out"] >= 2
+    channel.close()

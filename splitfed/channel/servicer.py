@@ -213,6 +213,7 @@ class SplitChannelServicer(RegionService):
             state = with_client_cut(decode_state(tensors, self.tensor_limits, ready), req.cut_start, req.cut_end,
                                     self.cuts or part_range(self.runtime.trunk), session=bool(req.session_id))
         small = state.hidden.numel() <= INLINE_MAX_ELEMENTS
+        sink = None
         if req.session_id:
             if self.sessions is None:
                 raise SessionNotFoundError("this server does not serve inference sessions")
@@ -228,9 +229,10 @@ class SplitChannelServicer(RegionService):
         else:
             if req.train:
                 await self._turn(client)
+            sink = self._sink(client, slot, spec, WireDType(req.reply_dtype) if req.reply_dtype else None)
             request = ForwardRequest(client, req.activation_id, state, req.train, req.num_examples, retry,
                                      device_out=_device_out(ready, slot),
-                                     arrivals=tuple(arrivals))
+                                     arrivals=tuple(arrivals), reply=sink)
             try:
                 done = self.scheduler.forward_inline(request, small=small)
                 if done is MISS:
@@ -243,7 +245,7 @@ class SplitChannelServicer(RegionService):
         reply_dtype = WireDType(req.reply_dtype) if req.reply_dtype else None
         with TIMELINE.host("encode"):
             encs = await self._reply(client, req.activation_id, "hidden", out, reply_dtype, spec, slot,
-                                     feedback=False)
+                                     feedback=False, sink=sink)
         if unary and payload_bytes(encs) > self.limits.stream_threshold_bytes:
             if req.train and not req.session_id:
                 runtime = self.runtime
@@ -290,10 +292,12 @@ class SplitChannelServicer(RegionService):
             check = self._reply_check(reply_dtype, unary, slot)
             step = StepPart.of(req.step_id, req.step_parts)
             device_out = _device_out(ready, slot)
+            sink = self._sink(client, slot, spec, reply_dtype)
 
             def start() -> Any:
                 return runtime.start_backward(client, req.activation_id, grad, retry=retry, reply_check=check,
-                                              step=step, device_out=device_out, arrivals=tuple(arrivals))
+                                              step=step, device_out=device_out, arrivals=tuple(arrivals),
+                                              reply=sink)
             # Joining a batch is light work: done here when the device thread is idle, without two thread hops.
             pending = self.scheduler.inline(start, small=runtime.joins_batch(req.activation_id))
             if pending is MISS:
@@ -305,7 +309,7 @@ class SplitChannelServicer(RegionService):
         early = None
         if not flags and spec is None:  # the reply's copy overlaps the wait for the step
             early = asyncio.ensure_future(self._reply(client, req.activation_id, "grad", grad_in, reply_dtype, spec,
-                                                      slot))
+                                                      slot, sink=sink))
         try:
             result = await asyncio.wrap_future(pending.result)  # the sync barrier or quorum: no thread held
         except BaseException:
@@ -316,7 +320,7 @@ class SplitChannelServicer(RegionService):
             self._io.verdict(client, req.activation_id, flags)
         with TIMELINE.host("encode"):
             encs = await early if early is not None else \
-                await self._reply(client, req.activation_id, "grad", grad_in, reply_dtype, spec, slot)
+                await self._reply(client, req.activation_id, "grad", grad_in, reply_dtype, spec, slot, sink=sink)
         self._count("sent", encs)
         TIMELINE.mark("backward-out", client)
         reply = pb.BackwardReply(activation_id=req.activation_id, trunk_version=result.version,

@@ -100,7 +100,7 @@ class Batcher:
                 chosen = [requests[i] for i in ok]
                 packed = pack([r.state for r in chosen])
                 try:
-                    results = self._run(chosen, packed) if train else self._evaluate(packed)
+                    results = self._run(chosen, packed) if train else self._evaluate(chosen, packed)
                 except Exception as exc:  # noqa: BLE001 - every request of the batch gets it
                     results = [exc] * len(chosen)
                 for i, result in zip(ok, results):
@@ -134,13 +134,14 @@ class Batcher:
         self.stats["batched-calls"] += 1
         self.stats["batched-forwards"] += n
 
-    def _evaluate(self, packed: Any) -> list[Outcome]:
+    def _evaluate(self, requests: list[ForwardRequest], packed: Any) -> list[Outcome]:
         rt = self.rt
         inputs, _ = rt._prepare(packed.state, train=False)
         with torch.no_grad(), rt._autocast(), busy_on_oom("forward"):
             out = rt.trunk(inputs).hidden
         self._count(len(packed.rows))
-        return [(rt.handed(packed.part(out, i)), rt.version) for i in range(len(packed.rows))]
+        parts = rt.deliver([(packed.part(out, i), r.reply) for i, r in enumerate(requests)])
+        return [(part, rt.version) for part in parts]
 
     def _run(self, requests: list[ForwardRequest], packed: Any) -> list[Outcome]:
         rt = self.rt
@@ -156,17 +157,16 @@ class Batcher:
                              inputs=inputs.with_hidden(leaf), rng=rng)
         self.groups.append(group)
         rows = out_value.shape[0]
-        results: list[Outcome] = []
         for i, r in enumerate(requests):
             share = packed.rows[i].stop - packed.rows[i].start
             rt.store.add(SavedForward(r.activation_id, r.client_id, rt.version, r.state, None,
                                       packed.part(out_value, i), nbytes * share // rows, group.num_examples[i], rng,
                                       group=group, index=i))
-            results.append((rt.handed(packed.part(out_value, i)), rt.version))
-        return results
+        parts = rt.deliver([(packed.part(out_value, i), r.reply) for i, r in enumerate(requests)])
+        return [(part, rt.version) for part in parts]
 
     # -- the batch's backward ---------------------------------------------------------------------------
-    def receive(self, entry: SavedForward, grad: torch.Tensor, arrivals: tuple[Any, ...] = ()
+    def receive(self, entry: SavedForward, grad: torch.Tensor, arrivals: tuple[Any, ...] = (), reply: Any = None
                 ) -> tuple[PendingBackward, ForwardGroup | None]:
         """A member's gradient (its saved forward already taken from the store, runtime lock held).
 
@@ -178,6 +178,7 @@ class Batcher:
         from splitfed.trunk.requests import PendingBackward
 
         group: ForwardGroup = entry.group
+        group.replies[entry.index] = reply
         if arrivals:
             group.arrivals[entry.index] = arrivals
             group.grads[entry.index] = grad
@@ -262,8 +263,11 @@ class Batcher:
             self.stats["group-backwards"] += 1
             rt.stats["backwards"] += len(members)
             grad_leaf = grads[0] if grads[0] is not None else torch.zeros_like(group.leaf)
-            for i in group.grads:
-                group.grad_in[i].set_result(rt.handed(group.packed.part(grad_leaf, i) / weights[i]))
+            members_in = sorted(group.grads)
+            parts = rt.deliver([(group.packed.part(grad_leaf, i) / weights[i], group.replies.get(i))
+                                for i in members_in])
+            for i, part in zip(members_in, parts):
+                group.grad_in[i].set_result(part)
         for client in refused:  # the step does not wait for them (as for a gradient refused on arrival)
             rt.aggregator.leave(client)
         result = rt._submit(members[0], group.version, list(grads[1:]), total, members=members)

@@ -97,6 +97,7 @@ class ForwardGroup:
     num_examples: list[int]
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
     arrivals: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # members' gradients still to be checked
+    replies: dict[int, Any] = field(default_factory=dict)  # where each member's input gradient goes (ReplySink)
     dropped: set[int] = field(default_factory=set)
     grad_in: list[Future[torch.Tensor]] = field(default_factory=list)
     result: Future[Result] = field(default_factory=Future)

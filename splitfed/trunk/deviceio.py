@@ -129,11 +129,25 @@ class Arrival:
 
 
 @dataclass
+class ReplySink:
+    """Where a reply's tensor goes once the trunk computed it: into :attr:`dst` (host bytes the copy engine can
+    write, a client's registered region slice) when it fits there, else into a pinned pool buffer; in
+    :attr:`dtype` (None: the tensor's own)."""
+
+    dtype: torch.dtype | None = None
+    dst: torch.Tensor | None = None
+    hold: Callable[[torch.cuda.Event], None] | None = None  # told the copy's event (the region waits for it)
+
+
+@dataclass
 class Departure:
     """A device tensor on its way to host memory: :attr:`host` holds it once :attr:`event` completed."""
 
     host: torch.Tensor
     event: torch.cuda.Event
+    sink: ReplySink | None = None  # the sink it was sent to
+    direct: bool = False  # :attr:`host` lies in the sink's ``dst``
+    device: torch.Tensor | None = None  # the tensor on the device (a retried call's reply goes elsewhere)
 
 
 def _as_uint8(src: torch.Tensor | memoryview | bytes) -> torch.Tensor:
@@ -263,6 +277,45 @@ class DeviceIO:
         if lease is not None:  # back in the pool once nothing reads the host tensor and the copy is done
             weakref.finalize(owner, self.pool.give, lease, done)
         return Departure(target, done)
+
+
+def send(io: DeviceIO, items: Sequence[tuple[torch.Tensor, ReplySink]]) -> list[Departure]:
+    """Copy each device tensor to its sink (see :class:`ReplySink`) by the copy engine, after the work queued so far
+    on the current stream: one pair of events for all of them, no host waiting."""
+    produced = torch.cuda.Event()
+    produced.record(torch.cuda.current_stream(io.device))
+    assert io.outbound is not None
+    placed: list[tuple[torch.Tensor, bool, torch.Tensor | None, Any]] = []
+    with torch.cuda.stream(io.outbound):
+        io.outbound.wait_event(produced)
+        for tensor, sink in items:
+            dtype = sink.dtype or tensor.dtype
+            nbytes = tensor.numel() * dtype.itemsize
+            lease = owner = None
+            direct = sink.dst is not None and nbytes <= sink.dst.numel()
+            if direct:
+                dst = sink.dst
+                io.stats["out-direct"] += 1
+            else:
+                lease = io.pool.take(nbytes)
+                owner = lease.numpy()[:nbytes]  # see DeviceIO.to_host: the buffer lives as long as its bytes
+                dst = torch.from_numpy(owner)
+            target = dst.reshape(-1)[:nbytes].view(dtype).view(tensor.shape)
+            src = tensor.detach()
+            target.copy_(src if src.dtype == dtype else src.to(dtype), non_blocking=True)
+            tensor.record_stream(io.outbound)
+            placed.append((target, direct, lease, owner))
+        done = torch.cuda.Event()
+        done.record(io.outbound)
+    io.stats["out"] += len(items)
+    out = []
+    for (tensor, sink), (target, direct, lease, owner) in zip(items, placed):
+        if lease is not None:
+            weakref.finalize(owner, io.pool.give, lease, done)
+        if direct and sink.hold is not None:
+            sink.hold(done)
+        out.append(Departure(target, done, sink, direct, tensor))
+    return out
 
 
 class EventWaiter:

@@ -22,7 +22,7 @@ from torch import nn
 from splitfed.errors import TensorValueError
 from splitfed.split.base import CutState
 from splitfed.transfer import Staging
-from splitfed.trunk.deviceio import Arrival, DeviceIO
+from splitfed.trunk.deviceio import Arrival, DeviceIO, ReplySink, send
 
 try:  # torch >= 2.3
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -83,6 +83,22 @@ class RuntimePlacement:
         departure = self.io.to_host(t)
         departure.event.synchronize()
         return departure.host
+
+    def deliver(self, items: Sequence[tuple[torch.Tensor, ReplySink | None]]) -> list[Any]:
+        """Outputs as handed to their callers: those with a :class:`~splitfed.trunk.deviceio.ReplySink` sent there
+        by the copy engine (a :class:`~splitfed.trunk.deviceio.Departure` each; one pair of events for them all),
+        the others as :meth:`handed` gives them."""
+        out: list[Any] = [None] * len(items)
+        sent = [i for i, (t, sink) in enumerate(items) if sink is not None and t.is_cuda and self.io is not None
+                and self.io.cuda and self.host_outputs and not self._device_out]
+        if sent:
+            assert self.io is not None
+            for i, departure in zip(sent, send(self.io, [(items[i][0], items[i][1]) for i in sent])):
+                out[i] = departure
+        for i, (t, _) in enumerate(items):
+            if out[i] is None:
+                out[i] = self.handed(t)
+        return out
 
     def check_input(self, state: CutState) -> None:
         """Refuse a state the trunk cannot take (not floating, wrong rank or width) with :class:`TensorValueError`."""

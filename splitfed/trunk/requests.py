@@ -54,6 +54,8 @@ class ForwardRequest:
     device_out: bool = False
     #: The state's tensors still in host memory (:class:`~splitfed.trunk.deviceio.Arrival`): the runtime brings them.
     arrivals: tuple[Any, ...] = ()
+    #: Where the output goes (:class:`~splitfed.trunk.deviceio.ReplySink`; None: handed back as it is).
+    reply: Any = None
 
     @property
     def tokens(self) -> int:

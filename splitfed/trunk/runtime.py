@@ -49,7 +49,7 @@ from splitfed.trunk.aggregation import (
     TrunkAggregator,
 )
 from splitfed.trunk.batched import Batcher
-from splitfed.trunk.deviceio import Arrival, DeviceIO
+from splitfed.trunk.deviceio import Arrival, DeviceIO, ReplySink
 from splitfed.trunk.guard import GradientGuard
 from splitfed.trunk.microsteps import MicroSteps, StepPart
 from splitfed.trunk.recompute import (
@@ -155,7 +155,8 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
 
     # -- forward -------------------------------------------------------------
     def forward(self, client_id: str, activation_id: str, state: CutState, *, train: bool, num_examples: int = 1,
-                retry: bool = False, arrivals: Sequence[Arrival] = ()) -> tuple[torch.Tensor, int]:
+                retry: bool = False, arrivals: Sequence[Arrival] = (), reply: ReplySink | None = None
+                ) -> tuple[Any, int]:
         """Run the trunk on ``state``; keep what a backward needs when ``train``.
 
         Returns the output hidden state and the trunk version it was computed on.
@@ -163,21 +164,22 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
         answered from the saved result; any other reuse of an activation id is
         refused. A training forward that succeeded puts its client in the step
         group (or marks it alive); a refused one does not. ``arrivals``: the state's tensors still in host memory
-        (see :meth:`bring`).
+        (see :meth:`bring`); ``reply``: where the output goes (see :meth:`deliver`).
         """
-        result = self._forward(client_id, activation_id, state, train, num_examples, retry, arrivals)
+        result = self._forward(client_id, activation_id, state, train, num_examples, retry, arrivals, reply)
         if train and self.trains:
             self.aggregator.join(client_id)  # outside the runtime lock: the aggregator may step the trunk
         return result
 
     def _forward(self, client_id: str, activation_id: str, state: CutState, train: bool, num_examples: int,
-                 retry: bool, arrivals: Sequence[Arrival] = ()) -> tuple[torch.Tensor, int]:
+                 retry: bool, arrivals: Sequence[Arrival] = (), reply: ReplySink | None = None
+                 ) -> tuple[Any, int]:
         with self._lock:
             if train:
                 existing = self.store.find(activation_id)
                 if existing is not None or self.store.done(activation_id) is not None:
                     if retry and existing is not None and existing.client_id == client_id:
-                        return self.handed(existing.out_value), existing.version
+                        return self.deliver([(existing.out_value, reply)])[0], existing.version
                     raise DuplicateActivationError(
                         f"activation id {activation_id!r} is already in use; use a fresh id per forward")
                 self.store.admit(client_id, 2 * state.hidden.numel() * state.hidden.element_size())
@@ -187,7 +189,7 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
             self.stats["forwards"] += 1
             if not train:
                 with torch.no_grad(), self._autocast(), busy_on_oom("forward"):
-                    return self.handed(self.trunk(inputs).hidden), self._version
+                    return self.deliver([(self.trunk(inputs).hidden, reply)])[0], self._version
             weights = self.aggregator.weights_for(client_id)  # a per-client copy, or None: the shared trunk
             if self.checkpointing:  # keep the input and the output only; the backward recomputes
                 rng = rng_state(self.device)
@@ -202,7 +204,7 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
             self.store.admit(client_id, nbytes)
             self.store.add(SavedForward(activation_id, client_id, self._version, inputs.with_hidden(leaf), output,
                                         out_value, nbytes, max(int(num_examples), 1), rng, weights=weights))
-            return self.handed(out_value), self._version
+            return self.deliver([(out_value, reply)])[0], self._version
 
     def _run(self, inputs: CutState, weights: list[torch.Tensor] | None) -> torch.Tensor:
         """The trunk's output hidden state, on its own weights or on ``weights`` (its trainable ones replaced)."""
@@ -228,7 +230,7 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
         self._device_out = r.device_out
         try:
             return self.forward(r.client_id, r.activation_id, r.state, train=r.train, num_examples=r.num_examples,
-                                retry=r.retry, arrivals=r.arrivals)
+                                retry=r.retry, arrivals=r.arrivals, reply=r.reply)
         finally:
             self._device_out = False
 
@@ -251,7 +253,8 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
     # -- backward ------------------------------------------------------------
     def start_backward(self, client_id: str, activation_id: str, grad: torch.Tensor, *, retry: bool = False,
                        reply_check: ReplyCheck | None = None, step: StepPart | None = None,
-                       device_out: bool = False, arrivals: Sequence[Arrival] = ()) -> PendingBackward:
+                       device_out: bool = False, arrivals: Sequence[Arrival] = (),
+                       reply: ReplySink | None = None) -> PendingBackward:
         """Gradient of the loss w.r.t. the forward's input now; the trunk's gradient goes to the aggregator.
 
         Never waits for other clients. ``reply_check`` sees the input's shape
@@ -261,7 +264,8 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
         same outcome, never a second contribution. ``step``: this backward is one
         micro-batch of a client step (see :mod:`splitfed.trunk.microsteps`). ``device_out``: hand the input
         gradient back on the trunk's device. ``arrivals``: ``grad`` is still in host memory (see :meth:`bring`;
-        for a member of a batch, brought with the other members' when the batch's backward runs).
+        for a member of a batch, brought with the other members' when the batch's backward runs); ``reply``: where
+        the input gradient goes (see :meth:`deliver`).
         """
         with self._lock:
             if retry:
@@ -285,7 +289,7 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
                 grad = arrivals[0].tensor
             self.store.pop(activation_id)
             if entry.group is not None:  # a member of a batch: checked with the others when the batch completes
-                pending, complete = self._batches.receive(entry, grad, tuple(arrivals))
+                pending, complete = self._batches.receive(entry, grad, tuple(arrivals), reply)
             else:
                 try:
                     dtype = entry.out_value.dtype
@@ -309,7 +313,7 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
         result = self._submit(client_id, entry.version, trunk_grads, entry.num_examples) if step is None else \
             self.micro.offer(client_id, step, activation_id, entry.version, trunk_grads, entry.num_examples,
                              self._submit)
-        pending = PendingBackward(resolved(grad_in if device_out else self.handed(grad_in)), result)
+        pending = PendingBackward(resolved(grad_in if device_out else self.deliver([(grad_in, reply)])[0]), result)
         with self._lock:
             self.store.remember(activation_id, DoneBackward(client_id, pending.grad_in, result,
                                                             grad_in.numel() * grad_in.element_size()))
