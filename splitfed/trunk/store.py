@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -234,16 +235,22 @@ class ForwardStore:
         return self._done.get(activation_id)
 
     def sweep(self, now: float | None = None) -> int:
-        """Evict saved forwards older than the TTL and old answers; return how many forwards were evicted."""
+        """Evict saved forwards older than the TTL and old answers; return how many forwards were evicted.
+
+        Both are kept oldest first (each is made and kept under the runtime's lock), so only the expired ones
+        at the front are looked at: a sweep costs what it evicts, not what is held (every forward sweeps).
+        """
         now = time.monotonic() if now is None else now
         evicted = 0
-        for key in [k for k, e in self._items.items() if now - e.created > self.limits.ttl_s]:
+        expired = itertools.takewhile(lambda item: now - item[1].created > self.limits.ttl_s, self._items.items())
+        for key in [k for k, _ in expired]:
             entry = self.pop(key)
             evicted += 1
             self._evicted_clients.add(entry.client_id)
             log.warning("evicted forward %s of client %s: no backward within %.1fs", key, entry.client_id,
                         self.limits.ttl_s)
-        for key in [k for k, d in self._done.items() if now - d.finished > self.limits.done_ttl_s]:
+        old = itertools.takewhile(lambda item: now - item[1].finished > self.limits.done_ttl_s, self._done.items())
+        for key in [k for k, _ in old]:
             self._forget_done(key)
         self.evicted += evicted
         return evicted
