@@ -291,25 +291,46 @@ def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat
     return out
 
 
-def replica_scaling(device: str = "cpu", clients: tuple[int, ...] = (8, 32), replicas: int = 2,
+def replica_scaling(device: str = "cpu", clients: tuple[int, ...] = (8, 32), replicas: tuple[int, ...] = (2,),
                     window_ms: float = 50.0, repeat: int = 1, steps: int = 5, client_cores: int = 0,
-                    socket: bool = False) -> dict[str, float]:
-    """For each client count: one trunk one at a time, one trunk batched, ``replicas`` trunks batched (examples/s),
-    and the scaling of the largest count (``replicas`` trunks / one, both batched)."""
+                    socket: bool = False, only: tuple[str, ...] = RUNS, timeline: str = "") -> dict[str, Any]:
+    """For each client count: one trunk one at a time (``only`` holding ``one``), one trunk batched, and each count
+    of ``replicas`` batched (examples/s); the scaling of the largest client count (``r`` trunks / one, both
+    batched). ``timeline``: record replica 0 of the largest replica count (the sync step's all-reduce included)."""
+    from splitfed.trunk.timeline import save
+
     gpu = device.startswith("cuda")
     suffix = "" if gpu else "_cpu"
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
     kw = {"device": device, "steps": steps, "client_cores": client_cores, "socket": socket}
+    largest = max(replicas)
     for n in clients:
-        for name, window, r in [("", 0.0, 1), ("_batched", window_ms, 1), (f"_batched_{replicas}replicas", window_ms,
-                                                                          replicas)]:
-            value = statistics.median(throughput(n, window, replicas=r, **kw).examples_per_s for _ in range(repeat))
+        runs = ([("", 0.0, 1)] if "one" in only else []) + [("_batched", window_ms, 1)] + \
+            [(f"_batched_{r}replicas", window_ms, r) for r in replicas]
+        for name, window, r in runs:
+            record = bool(timeline) and r == largest and n == max(clients)
+            results = [throughput(n, window, replicas=r, timeline=record and i == 0, **kw) for i in range(repeat)]
+            value = statistics.median(x.examples_per_s for x in results)
             out[f"trunk_examples_per_s_{n}_clients{name}{suffix}"] = value
             log.warning("%d clients%s: %.1f examples/s", n, name or " one at a time", value)
+            if record and results[0].timeline:
+                save(results[0].timeline, timeline)
+                events = results[0].timeline
+                for key, v in step_figures(events).items():
+                    out[f"timeline_{key}"] = v
+                reduces = [e for e in events if e["kind"] == "host" and e.get("what") == "all-reduce"]
+                steps_at = [e["t"] for e in events if e["kind"] == "step"]
+                if reduces and len(steps_at) > 1:
+                    per_step = (steps_at[-1] - steps_at[0]) / (len(steps_at) - 1)
+                    mean = statistics.fmean(e["end"] - e["t"] for e in reduces)
+                    out[f"allreduce_bytes_per_step_{r}replicas"] = float(reduces[0]["nbytes"])
+                    out[f"allreduce_ms_per_step_{r}replicas"] = mean * 1e3
+                    out[f"allreduce_step_share_{r}replicas"] = mean / per_step
     n = max(clients)
-    scaling = out[f"trunk_examples_per_s_{n}_clients_batched_{replicas}replicas{suffix}"] / \
-        out[f"trunk_examples_per_s_{n}_clients_batched{suffix}"]
-    out[f"replica_scaling_{replicas}gpu" if gpu else f"replica_scaling_{replicas}proc_cpu"] = scaling
+    for r in replicas:
+        scaling = out[f"trunk_examples_per_s_{n}_clients_batched_{r}replicas{suffix}"] / \
+            out[f"trunk_examples_per_s_{n}_clients_batched{suffix}"]
+        out[f"replica_scaling_{r}gpu" if gpu else f"replica_scaling_{r}proc_cpu"] = scaling
     return out
 
 
@@ -319,8 +340,8 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--clients", type=int, nargs="+", default=[4],
                         help="client counts (several only with --replicas)")
-    parser.add_argument("--replicas", type=int, default=1,
-                        help="also measure this many trunk replicas (batched), one per GPU with --device cuda")
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1],
+                        help="also measure these counts of trunk replicas (batched), one per GPU with --device cuda")
     parser.add_argument("--window-ms", type=float, default=50.0, help="the server's batching window (default 50)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each kind; medians are reported (default 3)")
     parser.add_argument("--steps", type=int, default=5, help="timed sync steps per run (default 5)")
@@ -345,10 +366,12 @@ def main() -> int:
             parser.error(f"--config: unknown key {key!r}; known: {', '.join(core.SPLIT_STEP)}")
         core.SPLIT_STEP[key] = int(value)
     try:
-        if args.replicas > 1:
-            results: dict[str, Any] = dict(replica_scaling(args.device, tuple(args.clients), args.replicas,
+        replicas = tuple(r for r in args.replicas if r > 1)
+        if replicas:
+            results: dict[str, Any] = dict(replica_scaling(args.device, tuple(args.clients), replicas,
                                                            args.window_ms, args.repeat, args.steps,
-                                                           args.client_cores, args.socket))
+                                                           args.client_cores, args.socket, tuple(args.only),
+                                                           args.timeline))
         else:
             results = trunk(args.device, args.clients[0], args.window_ms, args.repeat, args.steps,
                             args.client_cores, args.socket, args.timeline, tuple(args.only))

@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from splitfed.trunk.aggregation import SyncAggregator, TrunkAggregator, make_aggregator
 from splitfed.trunk.contributions import Contribution, Grads, weighted_mean
+from splitfed.trunk.timeline import TIMELINE
 
 if TYPE_CHECKING:
     from splitfed.trunk.runtime import TrunkRuntime
@@ -342,8 +343,9 @@ class ReplicaGroup:
                     flat[sum(sizes) + 1 + i] = 1.0
             offset += sizes[i]
         flat[sum(sizes)] = float(sum(c.num_examples for c in live))
-        dist.all_reduce(flat)
-        tail = flat[sum(sizes):].cpu()  # one device-to-host copy: the examples and which gradients exist
+        with TIMELINE.host("all-reduce", nbytes=flat.numel() * flat.element_size()):
+            dist.all_reduce(flat)
+            tail = flat[sum(sizes):].cpu()  # one device-to-host copy: the examples and which gradients exist
         total = float(tail[0])
         if total <= 0:
             return None
