@@ -38,7 +38,7 @@ from splitfed.errors import (
     SplitFedError,
     TensorValueError,
 )
-from splitfed.trunk.deviceio import Arrival, Departure, DeviceIO, ReplySink
+from splitfed.trunk.deviceio import Arrival, DeviceIO
 
 #: Verdicts kept for training forwards whose Backward has not come yet.
 MAX_PENDING_VERDICTS = 4096
@@ -213,7 +213,6 @@ class RegionService:
     replies: Any
     tensor_limits: Any
     _io: RegionIO | None
-    _event_waiter: Any = None  # an EventWaiter once a reply first waited for a device copy
     _call: Any
     _identity: Any
 
@@ -241,75 +240,6 @@ class RegionService:
 
     def _reply_slot(self, client: str, request: Any) -> RegionRef | None:
         return self._region_io().reply_slot(client, request) if request.HasField("reply_region") else None
-
-    def _sink(self, client: str, slot: RegionRef | None, spec: Any, reply_dtype: WireDType | None
-              ) -> ReplySink | None:
-        """Where the device thread sends a reply's tensor computed on a GPU (None on the CPU, and for a slice
-        that a CUDA event orders, see ``device_out``): the offered slice of a registered region when the reply is
-        raw, else a pinned buffer."""
-        io = getattr(self.runtime, "io", None)
-        if io is None or not io.cuda or (slot is not None and slot.event):
-            return None
-        dtype = torch_dtype(reply_dtype) if reply_dtype and spec is None else None
-        if slot is not None and spec is None and self._io is not None:
-            try:
-                region = self._io.table.region(client, slot.region)
-            except SplitFedError:
-                return ReplySink(dtype)
-            if region.registered:
-                return ReplySink(dtype, region.where(slot), region.hold)
-        return ReplySink(dtype)
-
-    async def _reply(self, client: str, activation_id: str, name: str, out: Any,
-                     reply_dtype: WireDType | None, spec: Any, slot: RegionRef | None, feedback: bool = True,
-                     sink: ReplySink | None = None) -> list[EncodedTensor]:
-        """The reply's tensor: into the offered slice when it is raw and fits there, else as bytes.
-
-        An output on the trunk's GPU travels by the copy engine (:class:`~splitfed.trunk.deviceio.DeviceIO`),
-        sent by the device thread to this call's ``sink`` (a :class:`~splitfed.trunk.deviceio.Departure`), or
-        copied here: into the client's registered region, or into pinned memory to be sent as bytes. The handler
-        awaits the copy's event; no thread of the server waits on the device meanwhile but the event waiter's.
-        """
-        if isinstance(out, Departure):
-            await self._landed(out.event)
-            if out.direct and out.sink is sink and slot is not None:
-                host = out.host
-                nbytes = host.numel() * host.element_size()
-                ref = RegionRef(slot.region, slot.offset, nbytes, slot.event, slot.device)
-                return [EncodedTensor(name, wire_dtype(host.dtype), tuple(host.shape), b"", None, ref)]
-            out = out.device if out.direct else out.host  # a retried call's slice is another: copy again
-        io = getattr(self.runtime, "io", None)
-        if slot is not None and spec is None and out.is_floating_point():
-            if out.is_cuda and not slot.event and io is not None:
-                done = self._region_io().place_async(client, slot, name, out, reply_dtype)
-                if done is not None:
-                    await self._landed(done[1])
-                    return [done[0]]
-            else:
-                placed = self._region_io().place(client, slot, name, out, reply_dtype)
-                if placed is not None:
-                    return [placed]
-        if out.device.type != "cpu":  # a device output that could not take its slice
-            if io is not None and out.is_cuda:
-                raw = spec is None and out.is_floating_point() and reply_dtype is not None
-                departure = io.to_host(out, torch_dtype(reply_dtype) if raw else None)  # type: ignore[arg-type]
-                await self._landed(departure.event)
-                out = departure.host
-            else:
-                out = out.cpu()
-        return [self.replies.encode(client, activation_id, name, out, reply_dtype, spec, feedback=feedback)]
-
-    async def _landed(self, event: Any) -> None:
-        """Wait, holding no thread, until a copy ending with ``event`` is done."""
-        if event.query():
-            return
-        waiter = self._event_waiter
-        if waiter is None:
-            from splitfed.trunk.deviceio import EventWaiter
-
-            waiter = self._event_waiter = EventWaiter()
-        await asyncio.wrap_future(waiter.when_done(event))
-
 
     # -- calls -------------------------------------------------------------------------------------
     async def OpenRegion(self, request: pb.OpenRegionRequest, context: Any) -> pb.OpenRegionReply:

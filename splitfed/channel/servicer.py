@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -23,7 +22,7 @@ import grpc
 
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel import regionio
+from splitfed.channel.cutio import CutIO
 from splitfed.channel.regionio import RegionIO, RegionService
 from splitfed.channel.handlers import (
     Malformed,
@@ -41,7 +40,7 @@ from splitfed.channel.wire import (
     payload_bytes,
     reply_spec,
 )
-from splitfed.codec import RegionRef, TensorLimits, WireDType, raw_nbytes, torch_dtype
+from splitfed.codec import RegionRef, TensorLimits, WireDType, torch_dtype
 from splitfed.errors import (
     CodecError,
     ResourceExhaustedError,
@@ -70,9 +69,6 @@ _OUTCOME = {
 
 T = TypeVar("T")
 
-#: Threads that copy received bytes into pinned memory for a trunk on a GPU (numpy's copy releases the GIL).
-COPY_THREADS = 4
-
 # A forward on at most this many hidden elements may run on the event loop's thread when the trunk is idle
 # (skipping two thread switches); larger ones always go to the device thread.
 INLINE_MAX_ELEMENTS = 1 << 15
@@ -91,7 +87,7 @@ def _device_out(ready: dict, slot: RegionRef | None) -> bool:
     return bool(ready) and slot is not None and slot.event > 0
 
 
-class SplitChannelServicer(RegionService):
+class SplitChannelServicer(RegionService, CutIO):
     """Decodes, schedules trunk work, awaits it, encodes; every error becomes a precise status."""
 
     def __init__(self, runtime: TrunkRuntime, scheduler: TrunkScheduler, limits: ChannelLimits, *,
@@ -108,8 +104,6 @@ class SplitChannelServicer(RegionService):
         self.metrics: Any = None  # TrunkMetrics when the server exports metrics
         self.replies = ReplyCompression()  # reply compression and its error feedback per client
         self._io: RegionIO | None = None  # shared-memory regions of clients on this host (see :attr:`regions`)
-        self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # bytes -> pinned -> GPU, off the loop
-        self._event_waiter: Any = None
 
     # -- helpers ---------------------------------------------------------------
     def _identity(self, context: Any) -> tuple[str, bool]:
@@ -157,41 +151,6 @@ class SplitChannelServicer(RegionService):
     def _count(self, direction: str, encs: list) -> None:
         if self.metrics is not None:
             self.metrics.tensors(direction, encs)
-
-    async def _arrive(self, tensors: list, name: str, ready: dict, arrivals: list) -> list:
-        """A request's main tensor (``name``) that came as bytes, handed to the device thread as an
-        :class:`~splitfed.trunk.deviceio.Arrival` (for a GPU, copied into a pinned buffer first, on a copy thread):
-        it joins ``ready`` (as a placeholder) and ``arrivals``; the tensors left to decode here are returned."""
-        io = getattr(self.runtime, "io", None)
-        if io is None:
-            return tensors
-        left = []
-        for enc in tensors:
-            if enc.name != name or enc.compressed is not None or enc.region is not None \
-                    or len(enc.data) < regionio.ARRIVAL_MIN_BYTES or not torch_dtype(enc.dtype).is_floating_point:
-                left.append(enc)
-                continue
-            if name in ready:
-                raise CodecError(f"tensor {name!r} appears twice")
-            raw_nbytes(enc, self.tensor_limits)
-            stage = functools.partial(io.stage, enc.name, enc.data, torch_dtype(enc.dtype), tuple(enc.shape),
-                                      owned=True)
-            if io.cuda:
-                if self._copier is None:
-                    self._copier = concurrent.futures.ThreadPoolExecutor(COPY_THREADS, "splitfed-trunk-copy")
-                arrival = await asyncio.get_running_loop().run_in_executor(self._copier, stage)
-            else:  # the request's bytes are the server's own: nothing to copy
-                arrival = stage()
-            ready[name] = arrival.placeholder
-            arrivals.append(arrival)
-        return left
-
-    def close(self) -> None:
-        """Stop the servicer's helper threads (the server stopped)."""
-        if self._copier is not None:
-            self._copier.shutdown(wait=False)
-        if self._event_waiter is not None:
-            self._event_waiter.stop()
 
     # -- the work ----------------------------------------------------------------
     async def _forward(self, identity: tuple[str, bool], req: pb.ForwardRequest, tensors: list, unary: bool

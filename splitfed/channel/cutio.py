@@ -1,0 +1,137 @@
+"""The servicer's side of the cut's copies: a request's large tensors handed to the device thread, and each reply
+taken back from where the device thread sent it.
+
+A mixin of :class:`~splitfed.channel.servicer.SplitChannelServicer`. With the trunk on a GPU, nothing here waits
+on the device: tensors that came as bytes are staged in pinned memory on copy threads
+(:class:`~splitfed.trunk.deviceio.Arrival`); replies come back as copies in flight
+(:class:`~splitfed.trunk.deviceio.Departure`), whose events one waiter thread awaits for every handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+from typing import Any
+
+
+from splitfed.channel import regionio
+from splitfed.codec import EncodedTensor, RegionRef, WireDType, raw_nbytes, torch_dtype, wire_dtype
+from splitfed.errors import CodecError, SplitFedError
+from splitfed.trunk.deviceio import Departure, EventWaiter, ReplySink
+
+#: Threads that copy received bytes into pinned memory for a trunk on a GPU (numpy's copy releases the GIL).
+COPY_THREADS = 4
+
+
+class CutIO:
+    """Arrivals in and replies out for a servicer (see the module docstring)."""
+
+    runtime: Any
+    replies: Any
+    tensor_limits: Any
+    _io: Any
+    _region_io: Any
+    _copier: concurrent.futures.ThreadPoolExecutor | None = None
+    _event_waiter: EventWaiter | None = None
+
+    async def _arrive(self, tensors: list, name: str, ready: dict, arrivals: list) -> list:
+        """A request's main tensor (``name``) that came as bytes, handed to the device thread as an
+        :class:`~splitfed.trunk.deviceio.Arrival` (for a GPU, copied into a pinned buffer first, on a copy thread):
+        it joins ``ready`` (as a placeholder) and ``arrivals``; the tensors left to decode here are returned."""
+        io = getattr(self.runtime, "io", None)
+        if io is None:
+            return tensors
+        left = []
+        for enc in tensors:
+            if enc.name != name or enc.compressed is not None or enc.region is not None \
+                    or len(enc.data) < regionio.ARRIVAL_MIN_BYTES or not torch_dtype(enc.dtype).is_floating_point:
+                left.append(enc)
+                continue
+            if name in ready:
+                raise CodecError(f"tensor {name!r} appears twice")
+            raw_nbytes(enc, self.tensor_limits)
+            stage = functools.partial(io.stage, enc.name, enc.data, torch_dtype(enc.dtype), tuple(enc.shape),
+                                      owned=True)
+            if io.cuda:
+                if self._copier is None:
+                    self._copier = concurrent.futures.ThreadPoolExecutor(COPY_THREADS, "splitfed-trunk-copy")
+                arrival = await asyncio.get_running_loop().run_in_executor(self._copier, stage)
+            else:  # the request's bytes are the server's own: nothing to copy
+                arrival = stage()
+            ready[name] = arrival.placeholder
+            arrivals.append(arrival)
+        return left
+
+    def _sink(self, client: str, slot: RegionRef | None, spec: Any, reply_dtype: WireDType | None
+              ) -> ReplySink | None:
+        """Where the device thread sends a reply's tensor computed on a GPU (None on the CPU, and for a slice
+        that a CUDA event orders, see ``device_out``): the offered slice of a registered region when the reply is
+        raw, else a pinned buffer."""
+        io = getattr(self.runtime, "io", None)
+        if io is None or not io.cuda or (slot is not None and slot.event):
+            return None
+        dtype = torch_dtype(reply_dtype) if reply_dtype and spec is None else None
+        if slot is not None and spec is None and self._io is not None:
+            try:
+                region = self._io.table.region(client, slot.region)
+            except SplitFedError:
+                return ReplySink(dtype)
+            if region.registered:
+                return ReplySink(dtype, region.where(slot), region.hold)
+        return ReplySink(dtype)
+
+    async def _reply(self, client: str, activation_id: str, name: str, out: Any,
+                     reply_dtype: WireDType | None, spec: Any, slot: RegionRef | None, feedback: bool = True,
+                     sink: ReplySink | None = None) -> list[EncodedTensor]:
+        """The reply's tensor: into the offered slice when it is raw and fits there, else as bytes.
+
+        An output on the trunk's GPU travels by the copy engine (:class:`~splitfed.trunk.deviceio.DeviceIO`),
+        sent by the device thread to this call's ``sink`` (a :class:`~splitfed.trunk.deviceio.Departure`), or
+        copied here: into the client's registered region, or into pinned memory to be sent as bytes. The handler
+        awaits the copy's event; no thread of the server waits on the device meanwhile but the event waiter's.
+        """
+        if isinstance(out, Departure):
+            await self._landed(out.event)
+            if out.direct and out.sink is sink and slot is not None:
+                host = out.host
+                nbytes = host.numel() * host.element_size()
+                ref = RegionRef(slot.region, slot.offset, nbytes, slot.event, slot.device)
+                return [EncodedTensor(name, wire_dtype(host.dtype), tuple(host.shape), b"", None, ref)]
+            out = out.device if out.direct else out.host  # a retried call's slice is another: copy again
+        io = getattr(self.runtime, "io", None)
+        if slot is not None and spec is None and out.is_floating_point():
+            if out.is_cuda and not slot.event and io is not None:
+                done = self._region_io().place_async(client, slot, name, out, reply_dtype)
+                if done is not None:
+                    await self._landed(done[1])
+                    return [done[0]]
+            else:
+                placed = self._region_io().place(client, slot, name, out, reply_dtype)
+                if placed is not None:
+                    return [placed]
+        if out.device.type != "cpu":  # a device output that could not take its slice
+            if io is not None and out.is_cuda:
+                raw = spec is None and out.is_floating_point() and reply_dtype is not None
+                departure = io.to_host(out, torch_dtype(reply_dtype) if raw else None)  # type: ignore[arg-type]
+                await self._landed(departure.event)
+                out = departure.host
+            else:
+                out = out.cpu()
+        return [self.replies.encode(client, activation_id, name, out, reply_dtype, spec, feedback=feedback)]
+
+    async def _landed(self, event: Any) -> None:
+        """Wait, holding no thread, until a copy ending with ``event`` is done."""
+        if event.query():
+            return
+        waiter = self._event_waiter
+        if waiter is None:
+            waiter = self._event_waiter = EventWaiter()
+        await asyncio.wrap_future(waiter.when_done(event))
+
+    def close(self) -> None:
+        """Stop the servicer's helper threads (the server stopped)."""
+        if self._copier is not None:
+            self._copier.shutdown(wait=False)
+        if self._event_waiter is not None:
+            self._event_waiter.stop()
