@@ -61,18 +61,28 @@ def _unloaded(name: str) -> str:
     return f"model {name!r} was unloaded before this call finished; retry once it is loaded again"
 
 
-def _tracked(handler: grpc.RpcMethodHandler, unit: ModelUnit) -> grpc.RpcMethodHandler:
-    """``handler`` with the unit's in-flight count kept, refusing calls once the unit is unloading."""
+def _detached(task: asyncio.Future[Any]) -> None:
+    """Let ``task`` finish on its own, its outcome dropped (its call was answered already)."""
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    def enter() -> asyncio.Task[Any] | None:
+
+def _tracked(handler: grpc.RpcMethodHandler, unit: ModelUnit) -> grpc.RpcMethodHandler:
+    """``handler`` with the unit's in-flight count kept, refusing calls once the unit is unloading.
+
+    The unit's handler runs in a task of its own that the call awaits shielded: an unload past its drain
+    deadline cancels the call (which then answers UNAVAILABLE), never the work already handed to the device
+    thread, whose futures must stay uncancelled.
+    """
+
+    def enter() -> None:
         unit.in_flight += 1
         task = asyncio.current_task()
         if task is not None:
             unit.calls.add(task)
-        return task
 
-    def leave(task: asyncio.Task[Any] | None) -> None:
+    def leave() -> None:
         unit.in_flight -= 1
+        task = asyncio.current_task()
         if task is not None:
             unit.calls.discard(task)
 
@@ -82,15 +92,19 @@ def _tracked(handler: grpc.RpcMethodHandler, unit: ModelUnit) -> grpc.RpcMethodH
         async def unary(request: Any, context: Any) -> Any:
             if unit.state is not ModelState.READY:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, going_away(unit.name))
-            task = enter()
+            enter()
+            work = asyncio.ensure_future(inner(request, context))
             try:
-                return await inner(request, context)
+                return await asyncio.shield(work)
             except asyncio.CancelledError:
-                if unit.state is ModelState.UNLOADING and not context.cancelled():
+                if work.done():
+                    raise
+                _detached(work)
+                if unit.state is ModelState.UNLOADING:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, _unloaded(unit.name))
                 raise
             finally:
-                leave(task)
+                leave()
 
         return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
                                                    response_serializer=handler.response_serializer)
@@ -100,16 +114,25 @@ def _tracked(handler: grpc.RpcMethodHandler, unit: ModelUnit) -> grpc.RpcMethodH
         async def stream(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
             if unit.state is not ModelState.READY:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, going_away(unit.name))
-            task = enter()
+            enter()
+            replies = inner_stream(requests, context).__aiter__()
             try:
-                async for reply in inner_stream(requests, context):
+                while True:
+                    step = asyncio.ensure_future(replies.__anext__())
+                    try:
+                        reply = await asyncio.shield(step)
+                    except StopAsyncIteration:
+                        return
+                    except asyncio.CancelledError:
+                        if step.done():
+                            raise
+                        _detached(step)
+                        if unit.state is ModelState.UNLOADING:
+                            await context.abort(grpc.StatusCode.UNAVAILABLE, _unloaded(unit.name))
+                        raise
                     yield reply
-            except asyncio.CancelledError:
-                if unit.state is ModelState.UNLOADING and not context.cancelled():
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, _unloaded(unit.name))
-                raise
             finally:
-                leave(task)
+                leave()
 
         return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=handler.request_deserializer,
                                                      response_serializer=handler.response_serializer)
