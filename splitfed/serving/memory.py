@@ -3,8 +3,9 @@
 :func:`estimate` builds the model's skeleton on the ``meta`` device (no weights
 are read or allocated; a checkpoint's header is read to check that it is
 there), cuts it, puts the LoRA adapters on the trunk, and counts the trunk's
-weights plus, for its trainable parameters, the gradients and the optimizer's
-state (Adam and AdamW: two moments; SGD: none, as served without momentum).
+weights plus, for its trainable parameters, the gradients (held during a step:
+the estimate is the peak) and the optimizer's state (Adam and AdamW: two
+moments; SGD: none, as served without momentum).
 Saved forwards and inference sessions' KV caches are not in it: they have their
 own bounds (the saved-state budget, ``SessionLimits.max_cache_bytes``).
 
