@@ -247,6 +247,10 @@ class TrunkServer:
 
     def start(self) -> TrunkServer:
         """Bind, start serving, mark the service SERVING and load ``models``; returns self."""
+        if self._admin_token is not None:  # models may load while it serves: their libraries' first import now
+            from splitfed.serving.build import preload_libraries
+
+            preload_libraries()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="splitfed-trunk-grpc", daemon=True)
         self._thread.start()

@@ -24,6 +24,28 @@ from splitfed.trunk.store import StoreLimits
 log = logging.getLogger(__name__)
 
 
+#: What loading a pretrained model imports (model code, LoRA). A first import holds the interpreter for seconds
+#: (extension modules initialise under the GIL), so a server that loads models while it serves imports them first.
+LOAD_LIBRARIES = ("transformers.modeling_utils", "transformers.modeling_layers", "transformers.models.auto",
+                  "peft")
+
+
+def preload_libraries() -> None:
+    """Import :data:`LOAD_LIBRARIES` (those installed) now, before serving, rather than during a load; then
+    move every object so far out of the garbage collector's way (``gc.freeze``): a full collection over the
+    millions of objects these imports leave holds the interpreter for seconds, and a load's allocations would
+    trigger one while other models serve."""
+    import gc
+    import importlib
+
+    for name in LOAD_LIBRARIES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            log.debug("%s is not installed; loads that need it will say so", name)
+    gc.freeze()
+
+
 def check_source(model: str) -> None:
     """Raise :class:`ModelLoadError` for a local path that is not there (a hub lookup would only hide it)."""
     if looks_like_path(model):
