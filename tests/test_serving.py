@@ -90,22 +90,35 @@ def test_trains_one_model_and_generates_with_the_other_at_the_same_time(two_mode
     server = two_models
     ids = torch.tensor([[72, 101, 108, 108, 111]])
     want = _reference(llama_dir, ids, 10)
-    steps, outcomes, errors = 8, [], []
+    outcomes: list[str] = []
+    steps_done: list[float] = []
+    errors: list[Exception] = []
+    generating, generated = threading.Event(), threading.Event()
 
-    def train() -> None:
+    def train() -> None:  # trains until the generation is over (at least 3 steps)
         try:
             with TrunkClient(server.address, insecure=True, model="cnn") as client:
-                outcomes.extend(_train_step(client) for _ in range(steps))
+                while not generated.is_set() or len(outcomes) < 3:
+                    outcomes.append(_train_step(client))
+                    steps_done.append(time.monotonic())
+                    generating.wait(30)
         except Exception as exc:  # noqa: BLE001 - asserted below
             errors.append(exc)
 
     trainer = threading.Thread(target=train)
     trainer.start()
+    while not steps_done and trainer.is_alive():
+        time.sleep(0.01)
+    generating.set()
+    began = time.monotonic()
     got = _generate(server.address, llama_dir, ids, 10)
+    ended = time.monotonic()
+    generated.set()
     trainer.join(60)
-    assert not errors and outcomes == ["APPLIED"] * steps
+    assert not errors and outcomes == ["APPLIED"] * len(outcomes)
+    assert any(began < t < ended for t in steps_done)  # training steps finished while it generated
     assert torch.equal(got, want)  # LoRA's B starts at zero: the served trunk is the checkpoint's
-    assert server.unit("cnn").runtime.version == steps  # each model's own steps
+    assert server.unit("cnn").runtime.version == len(outcomes)  # each model's own steps
     assert server.unit("llm").runtime.version == 0
     assert len(server.unit("llm").runtime.store) == 0 == len(server.unit("cnn").runtime.store)
 

@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 
 from splitfed.channel.dispatch import Refused, going_away
+from splitfed.channel.limits import MODEL_KEY
 from splitfed.channel.units import ModelState, ModelUnit, ServerOptions, release_memory, unit_from_spec
 from splitfed.errors import ConfigError, ModelBusyError, ModelExistsError, ModelNotHeldError
 from splitfed.serving.memory import Estimate, MemoryBudget, estimate
@@ -68,6 +69,7 @@ class ModelRegistry:
         self.on_ready = on_ready or (lambda unit: None)
         self.entries: dict[str, Entry] = {}
         self._claimed: set[str] = set()  # names whose load is being checked (not listed yet)
+        self._builds: set[asyncio.Task[None]] = set()  # running builds (the loop keeps only weak references)
         self._estimator = ThreadPoolExecutor(2, thread_name_prefix="splitfed-estimate")
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="splitfed-loader")
 
@@ -106,8 +108,6 @@ class ModelRegistry:
 
     def label(self, metadata: dict[str, str]) -> str:
         """The ``model`` label of a call: the name of the model it goes to, "" when it names none held."""
-        from splitfed.channel.limits import MODEL_KEY
-
         name = metadata.get(MODEL_KEY, "")
         if name:
             return name if name in self.entries else ""
@@ -152,7 +152,9 @@ class ModelRegistry:
         self._claimed.discard(name)
         self.on_state(name, ModelState.LOADING)
         log.info("loading model %s (%s, about %.1f MiB on %s)", name, spec.model, est.total / 2**20, est.device)
-        asyncio.ensure_future(self._build(entry))
+        build = asyncio.ensure_future(self._build(entry))
+        self._builds.add(build)
+        build.add_done_callback(self._builds.discard)
         if wait:
             await self.wait(entry)
         return entry
