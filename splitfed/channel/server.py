@@ -142,6 +142,7 @@ class TrunkServer:
         self._interceptors = list(interceptors or [])
         self._max_concurrent_rpcs = max_concurrent_rpcs
         self.health: Any = None
+        self._updates: set[asyncio.Future[None]] = set()
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -228,7 +229,9 @@ class TrunkServer:
 
     def _on_state(self, name: str, state: ModelState | None) -> None:
         if self.health is not None and self._loop is not None and self._loop.is_running():
-            asyncio.ensure_future(self._health_update(name, state))
+            update = asyncio.ensure_future(self._health_update(name, state))
+            self._updates.add(update)  # the loop keeps only weak references to tasks
+            update.add_done_callback(self._updates.discard)
 
     async def _health_update(self, name: str, state: ModelState | None) -> None:
         if name:
