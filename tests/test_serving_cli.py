@@ -123,3 +123,35 @@ def test_readme_three_lines_generate_through_the_server(llama_dir: Path) -> None
     finally:
         scope["lm"].close()
         scope["server"].stop(grace=0)
+
+
+def test_models_file_and_model_flags_parse_to_specs(tmp_path: Path) -> None:
+    from splitfed.cli import build_parser
+    from splitfed.cli_models import spec_from_flag
+    from splitfed.errors import ConfigError
+    from splitfed.serving.spec import ModelSpec, read_models_file
+
+    path = tmp_path / "models.toml"
+    path.write_text('[models.a]\nmodel = "mnist-cnn"\ncuts = [3, 6]\ntrunk-mode = "quorum"\nquorum = 2\n'
+                    '[models.b]\nmodel = "/m/llama"\nname = "chat"\nlora-rank = 8\ndevice = "cuda"\n')
+    a, b = read_models_file(path)
+    assert a == ModelSpec("mnist-cnn", name="a", cuts=(3, 6), trunk_mode="quorum", quorum=2)
+    assert (b.name, b.model, b.lora_rank, b.device) == ("chat", "/m/llama", 8, "cuda:0")
+    for text, words in (('[models.a]\nmodel = "x"\nlearning-rate = 1\n', "unknown key 'learning-rate'"),
+                        ('[models.a]\ncuts = "3,6"\n', "has no model key"),
+                        ('[models.a]\nmodel = "x"\ntrunk-mode = "fast"\n', "trunk-mode of model 'a'"),
+                        ('[models.a]\nmodel = "x"\ncuts = "6,3"\n', "0 < a < b"),
+                        ('[models.a]\nmodel = "x"\nname = "b"\n[models.b]\nmodel = "y"\n', "names a model twice"),
+                        ('model = "x"\n', "unknown top-level keys"),
+                        ('[models.a\n', "not valid TOML")):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            read_models_file(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_models_file(tmp_path / "none.toml")
+    args = build_parser().parse_args(["serve", "--model", "x", "--cuts", "2,4", "--lora-rank", "4"])
+    assert spec_from_flag("chat=/m/llama:3,27", args) == ModelSpec("/m/llama", name="chat", cuts=(3, 27), lora_rank=4)
+    assert spec_from_flag("HuggingFaceTB/SmolLM2-135M", args).name == "HuggingFaceTB/SmolLM2-135M"
+    assert spec_from_flag("mnist-cnn", args).cuts == (2, 4)  # --cuts for the models without their own
+    with pytest.raises(ConfigError, match="printable characters without spaces"):
+        ModelSpec("mnist-cnn", name="two words")
