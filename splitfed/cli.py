@@ -139,7 +139,8 @@ def _generate(args: argparse.Namespace) -> int:
             from splitfed.channel.security import channel_credentials
 
             credentials = channel_credentials(args.tls_ca)
-        client = TrunkClient(args.trunk, insecure=args.insecure, credentials=credentials, token=args.token)
+        client = TrunkClient(args.trunk, insecure=args.insecure, credentials=credentials, token=args.token,
+                             model=args.trunk_model)
         served = tuple(client.info().cuts)
         if served and served != tuple(cuts):
             client.close()
@@ -223,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--insecure", action="store_true", help="plaintext to --trunk (loopback and tests only)")
     gen.add_argument("--tls-ca", help="root CA that signs the trunk server's certificate (default: system roots)")
     gen.add_argument("--token", help="bearer token for a trunk server that requires one")
+    gen.add_argument("--trunk-model", default="", help="the model's name on a --trunk server that holds several")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample")
     gen.add_argument("--top-k", type=int)
     gen.add_argument("--top-p", type=float)

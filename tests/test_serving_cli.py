@@ -78,6 +78,10 @@ def test_serve_several_models_and_manage_them_from_the_command_line(tmp_path: Pa
             assert main(["models", "list", "--server", address, "--admin-token-file", str(token_file)]) == 0
             table = capsys.readouterr().out
             assert re.search(r"^llm\s+READY\s+\S+\s+1,3\s+async\s+4\s+cpu", table, re.M), table
+            # `splitfed generate` through one model of the server.
+            assert main(["generate", "--model", str(llama_dir), "--cuts", "1,3", "--prompt", "Hi", "--max-new-tokens",
+                         "4", "--trunk", address, "--insecure", "--trunk-model", "llm"]) == 0
+            assert capsys.readouterr().out.strip()
             # Bad calls end the command with the status and its message.
             with pytest.raises(SystemExit) as info:
                 main(["models", "load", str(tmp_path / "nowhere"), *admin])
