@@ -1,7 +1,7 @@
-"""Regenerate the split channel's Python code from its .proto source.
+"""Regenerate the split channel's and the model admin service's Python code from their .proto sources.
 
 Run from the repository root: ``python proto/generate.py``. The generated
-modules are committed under ``splitfed/channel/``; ``tests/test_proto.py``
+modules are committed under ``splitfed/channel/`` (and ``splitfed/channel/admin/``); ``tests/test_proto.py``
 checks that they match what this script produces.
 """
 
@@ -13,11 +13,11 @@ from pathlib import Path
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTO = "splitfed/channel/split_channel.proto"
+PROTOS = ("splitfed/channel/split_channel.proto", "splitfed/channel/admin/model_admin.proto")
 
 
 def generate(out_dir: Path) -> None:
-    """Write ``split_channel_pb2{,_grpc}.py`` and the ``.pyi`` under ``out_dir``."""
+    """Write each proto's ``*_pb2{,_grpc}.py`` and ``.pyi`` under ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     args = [
         "grpc_tools.protoc",
@@ -25,7 +25,7 @@ def generate(out_dir: Path) -> None:
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
-        str(ROOT / "proto" / PROTO),
+        *(str(ROOT / "proto" / proto) for proto in PROTOS),
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed; see the messages above")

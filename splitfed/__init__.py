@@ -9,6 +9,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from splitfed.errors import SplitFedError
+from splitfed.serving import ModelSpec, connect, serve
 from splitfed.split import CutState, SplitModel, split_model
 
-__all__ = ["CutState", "SplitFedError", "SplitModel", "__version__", "split_model"]
+__all__ = ["CutState", "ModelSpec", "SplitFedError", "SplitModel", "__version__", "connect", "serve", "split_model"]

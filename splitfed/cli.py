@@ -1,4 +1,5 @@
-"""The ``splitfed`` console command: ``serve`` a trunk standalone, ``generate`` text, ``report`` a run's history."""
+"""The ``splitfed`` console command: ``serve`` trunks standalone, manage their ``models``, ``generate`` text,
+``report`` a run's history."""
 
 from __future__ import annotations
 
@@ -59,6 +60,11 @@ def _build_server(rank: int, args: argparse.Namespace) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.replicas <= 1 or args.models_file or len(args.model or []) != 1:
+        from splitfed.cli_models import serve_models
+
+        return serve_models(args)  # one or several models on one port (and the admin service)
+    args.model = args.model[0]
     server = _build_server(0, args).start()
     replicas = None
     if args.replicas > 1:
@@ -133,7 +139,8 @@ def _generate(args: argparse.Namespace) -> int:
             from splitfed.channel.security import channel_credentials
 
             credentials = channel_credentials(args.tls_ca)
-        client = TrunkClient(args.trunk, insecure=args.insecure, credentials=credentials, token=args.token)
+        client = TrunkClient(args.trunk, insecure=args.insecure, credentials=credentials, token=args.token,
+                             model=args.trunk_model)
         served = tuple(client.info().cuts)
         if served and served != tuple(cuts):
             client.close()
@@ -172,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a model's trunk over the split channel")
-    serve.add_argument("--model", required=True, help="named model (mnist-cnn), local folder or hub id")
+    serve.add_argument("--model", action="append", help="named model (mnist-cnn), local folder or hub id, as "
+                       "[NAME=]SOURCE[:A,B]; repeat it to serve several models (see docs/serving.md)")
     serve.add_argument("--cuts", type=_cuts, help="cut points A,B: the trunk holds blocks A..B-1")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     serve.add_argument("--port", type=int, default=50051)
@@ -201,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on the trunk")
     serve.set_defaults(func=_serve)
+    from splitfed.cli_models import add_models_command, add_serve_options
+
+    add_serve_options(serve)
+    add_models_command(sub)
 
     gen = sub.add_parser("generate", help="generate text with a split model (the trunk's KV cache on a server)")
     gen.add_argument("--model", required=True, help="local folder, named LLM or hub id of a causal LM")
@@ -212,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--insecure", action="store_true", help="plaintext to --trunk (loopback and tests only)")
     gen.add_argument("--tls-ca", help="root CA that signs the trunk server's certificate (default: system roots)")
     gen.add_argument("--token", help="bearer token for a trunk server that requires one")
+    gen.add_argument("--trunk-model", default="", help="the model's name on a --trunk server that holds several")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample")
     gen.add_argument("--top-k", type=int)
     gen.add_argument("--top-p", type=float)

@@ -115,3 +115,18 @@ class CheckpointError(SplitFedError):
 
 class ClientFailedError(SplitFedError):
     """A client's round failed; the message is the original error's type and text."""
+
+
+class ModelExistsError(SplitFedError):
+    """A load names a model the server already holds; unload or reload it instead."""
+
+
+class ModelNotHeldError(SplitFedError, KeyError):
+    """A call names a model the server does not hold; the message lists the ones it holds."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class ModelBusyError(SplitFedError):
+    """A model is loading or being unloaded and cannot take this call now; retry when its state settles."""

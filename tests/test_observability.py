@@ -27,7 +27,9 @@ def _scrape(port: int) -> dict[tuple[str, tuple], float]:
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+            # An empty label value is no label (Prometheus' own rule): an unnamed model's series carry model="".
+            labels = {k: v for k, v in sample.labels.items() if v != ""}
+            out[(sample.name, tuple(sorted(labels.items())))] = sample.value
     return out
 
 

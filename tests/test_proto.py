@@ -6,7 +6,8 @@ import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-GENERATED = ("split_channel_pb2.py", "split_channel_pb2.pyi", "split_channel_pb2_grpc.py")
+GENERATED = ("split_channel_pb2.py", "split_channel_pb2.pyi", "split_channel_pb2_grpc.py",
+             "admin/model_admin_pb2.py", "admin/model_admin_pb2.pyi", "admin/model_admin_pb2_grpc.py")
 
 
 def test_generated_code_is_current(tmp_path: Path) -> None:

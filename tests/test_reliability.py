@@ -266,6 +266,6 @@ def test_streamed_calls_are_used_above_the_unary_limit_and_retried_exactly_once(
     for (name, a), b in zip(clean.state_dict().items(), faulty.state_dict().values()):
         assert torch.equal(a, b), name
     body = urllib.request.urlopen(f"http://127.0.0.1:{clean_server.metrics_port}/metrics").read().decode()
-    assert 'splitfed_rpc_total{code="OK",method="ForwardStream"} 3.0' in body
-    assert 'splitfed_rpc_total{code="OK",method="BackwardStream"} 3.0' in body
-    assert 'splitfed_rpc_total{code="OK",method="Forward"} 0.0' in body
+    assert 'splitfed_rpc_total{code="OK",method="ForwardStream",model=""} 3.0' in body
+    assert 'splitfed_rpc_total{code="OK",method="BackwardStream",model=""} 3.0' in body
+    assert 'splitfed_rpc_total{code="OK",method="Forward",model=""} 0.0' in body

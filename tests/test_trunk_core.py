@@ -274,7 +274,7 @@ def test_a_cancelled_call_is_counted_as_cancelled_quietly(trunk_server, caplog) 
     while 'code="CANCELLED"' not in body and time.monotonic() < deadline:
         body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
         time.sleep(0.1)
-    assert 'splitfed_rpc_total{code="CANCELLED",method="Backward"} 1.0' in body
+    assert 'splitfed_rpc_total{code="CANCELLED",method="Backward",model=""} 1.0' in body
     assert 'code="INTERNAL"' not in body
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("splitfed")]
 

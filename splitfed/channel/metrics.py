@@ -2,7 +2,10 @@
 
 Names follow Prometheus conventions (``splitfed_`` prefix, ``_total`` counters,
 ``_seconds`` and ``_bytes`` units). Labels have bounded cardinality: RPC method,
-status code, direction, wire dtype, gradient outcome. Client ids are never labels.
+status code, direction, wire dtype, gradient outcome, and ``model``: the name of
+the model a series is about, on a server that holds several (only names the
+server holds or held; empty for a server's only unnamed model and for calls that
+name no model it holds). Client ids are never labels.
 
 * An interceptor counts every RPC by method and status and times it.
 * The servicer reports tensor bytes received and sent per wire dtype.
@@ -18,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -33,6 +36,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from splitfed.channel.limits import MODEL_KEY
+
 log = logging.getLogger(__name__)
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -40,53 +45,72 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 
 
 class TrunkMetrics:
-    """The trunk server's metrics in their own registry; :meth:`serve` exposes them over HTTP."""
+    """The trunk server's metrics in their own registry; :meth:`serve` exposes them over HTTP.
+
+    ``model_of(metadata)`` names the model a call is for (its ``model`` label); by default the
+    ``x-splitfed-model`` metadata. A server holding several models sets it to a lookup that answers only names
+    it holds, so that clients cannot mint labels.
+    """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds
-        self.rpcs = Counter("splitfed_rpc", "RPCs handled, by method and status code", ["method", "code"],
-                            registry=r)
-        self.rpc_seconds = Histogram("splitfed_rpc_seconds", "RPC handling time, by method", ["method"],
-                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.rpcs = Counter("splitfed_rpc", "RPCs handled, by method, status code and model",
+                            ["method", "code", "model"], registry=r)
+        self.rpc_seconds = Histogram("splitfed_rpc_seconds", "RPC handling time, by method and model",
+                                     ["method", "model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.wire_bytes = Counter("splitfed_wire_bytes", "Tensor payload bytes on the split channel",
-                                  ["direction", "dtype"], registry=r)
-        self.retries = Counter("splitfed_retried_requests", "Requests that arrived as gRPC retries", ["method"],
-                               registry=r)
+                                  ["direction", "dtype", "model"], registry=r)
+        self.retries = Counter("splitfed_retried_requests", "Requests that arrived as gRPC retries",
+                               ["method", "model"], registry=r)
         self.sync_wait = Histogram("splitfed_step_wait_seconds", "Time a gradient waited for its step "
-                                   "(sync barrier or quorum)", buckets=_LATENCY_BUCKETS, registry=r)
+                                   "(sync barrier or quorum)", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.bucket_size = Histogram("splitfed_step_gradients", "Gradients combined per trunk step (quorum size)",
-                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
+                                     ["model"], buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
         self.staleness = Histogram("splitfed_gradient_staleness", "Trunk versions between a forward and its "
-                                   "gradient's update", buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32), registry=r)
-        for method in ("Forward", "Backward", "ForwardStream", "BackwardStream"):  # export zeros from the start
-            self.retries.labels(method)
-            self.rpcs.labels(method, "OK")
+                                   "gradient's update", ["model"], buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
+                                   registry=r)
         self.epsilon = Gauge("splitfed_dp_epsilon", "Differential-privacy epsilon spent so far (max over clients; "
                              "NaN when DP is off)", registry=r)
         self.epsilon.set(float("nan"))
+        self.model_of: Callable[[Mapping[str, str]], str] = lambda md: md.get(MODEL_KEY, "")
+        self._watched = _RuntimeCollector()
+        r.register(self._watched)
         self._http: Any = None
 
     # -- wiring ---------------------------------------------------------------------------------
-    def observe_aggregator(self, kind: str, value: float) -> None:
+    def for_model(self, model: str) -> ModelMetrics:
+        """The servicer's and the aggregator's hooks for one model's series."""
+        return ModelMetrics(self, model)
+
+    def observe_aggregator(self, kind: str, value: float, model: str = "") -> None:
         """The aggregator's observer callback."""
         if kind == "wait_seconds":
-            self.sync_wait.observe(value)
+            self.sync_wait.labels(model).observe(value)
         elif kind == "bucket_size":
-            self.bucket_size.observe(value)
+            self.bucket_size.labels(model).observe(value)
         elif kind == "staleness":
-            self.staleness.observe(value)
+            self.staleness.labels(model).observe(value)
 
-    def tensors(self, direction: str, encs: Iterable[Any]) -> None:
+    def tensors(self, direction: str, encs: Iterable[Any], model: str = "") -> None:
         """Count the payload bytes of encoded tensors (``direction``: received or sent)."""
         for enc in encs:
             self.wire_bytes.labels(direction, enc.dtype.name.lower() if hasattr(enc.dtype, "name")
-                                   else str(enc.dtype)).inc(getattr(enc, "wire_nbytes", len(enc.data)))
+                                   else str(enc.dtype), model).inc(getattr(enc, "wire_nbytes", len(enc.data)))
 
-    def watch(self, runtime: Any, sessions: Any = None) -> None:
-        """Expose the runtime's (and the session manager's) state at scrape time."""
-        self.registry.register(_RuntimeCollector(runtime, sessions))
+    def watch(self, runtime: Any, sessions: Any = None, model: str = "") -> None:
+        """Expose the runtime's (and the session manager's) state at scrape time, labelled ``model``."""
+        for method in ("Forward", "Backward", "ForwardStream", "BackwardStream"):  # export zeros from the start
+            self.retries.labels(method, model)
+            self.rpcs.labels(method, "OK", model)
+        for histogram in (self.sync_wait, self.bucket_size, self.staleness):
+            histogram.labels(model)
+        self._watched.add(model, runtime, sessions)
+
+    def unwatch(self, model: str) -> None:
+        """Stop exposing ``model``'s runtime state (it was unloaded); its counters keep their last values."""
+        self._watched.remove(model)
 
     def set_epsilon(self, value: float) -> None:
         """Report the privacy spent so far (set by the ServerApp from the clients' round metrics)."""
@@ -111,6 +135,22 @@ class TrunkMetrics:
         return _MetricsInterceptor(self)
 
 
+class ModelMetrics:
+    """One model's view of :class:`TrunkMetrics`: what its servicer and aggregator report, labelled."""
+
+    def __init__(self, metrics: TrunkMetrics, model: str) -> None:
+        self.metrics = metrics
+        self.model = model
+
+    def tensors(self, direction: str, encs: Iterable[Any]) -> None:
+        """Count the payload bytes of encoded tensors (``direction``: received or sent)."""
+        self.metrics.tensors(direction, encs, self.model)
+
+    def observe_aggregator(self, kind: str, value: float) -> None:
+        """The aggregator's observer callback."""
+        self.metrics.observe_aggregator(kind, value, self.model)
+
+
 class _MetricsInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: TrunkMetrics) -> None:
         self.metrics = metrics
@@ -121,10 +161,11 @@ class _MetricsInterceptor(grpc.aio.ServerInterceptor):
             return None
         method = details.method.rsplit("/", 1)[-1]
         metrics = self.metrics
-        md = dict(details.invocation_metadata or ())
+        md = {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
+        model = metrics.model_of(md)
         attempts = md.get("grpc-previous-rpc-attempts") or md.get("x-splitfed-retry")
         if attempts not in (None, "", "0"):
-            metrics.retries.labels(method).inc()
+            metrics.retries.labels(method, model).inc()
             log.warning("retried request: %s (previous attempts: %s)", method, attempts)
 
         def record(context: Any, start: float, outcome: str) -> None:
@@ -137,8 +178,8 @@ class _MetricsInterceptor(grpc.aio.ServerInterceptor):
                 name = "OK" if outcome == "ok" else "UNKNOWN"
             else:
                 name = code.name
-            metrics.rpcs.labels(method, name).inc()
-            metrics.rpc_seconds.labels(method).observe(time.perf_counter() - start)
+            metrics.rpcs.labels(method, name, model).inc()
+            metrics.rpc_seconds.labels(method, model).observe(time.perf_counter() - start)
 
         if handler.unary_unary is not None:
             inner = handler.unary_unary
@@ -178,50 +219,77 @@ class _MetricsInterceptor(grpc.aio.ServerInterceptor):
 
 
 class _RuntimeCollector(Collector):
-    """Reads the trunk runtime's state when Prometheus scrapes."""
+    """Reads each watched model's runtime state when Prometheus scrapes: one family per metric, one sample per
+    model."""
 
-    def __init__(self, runtime: Any, sessions: Any = None) -> None:
-        self.runtime = runtime
-        self.sessions = sessions
+    def __init__(self) -> None:
+        self._models: dict[str, tuple[Any, Any]] = {}
+
+    def add(self, model: str, runtime: Any, sessions: Any = None) -> None:
+        self._models = {**self._models, model: (runtime, sessions)}  # replaced whole: scrapes read a snapshot
+
+    def remove(self, model: str) -> None:
+        self._models = {k: v for k, v in self._models.items() if k != model}
+
+    def describe(self) -> Iterator[Any]:
+        return iter(())  # families appear with the first model
 
     def collect(self) -> Iterator[Any]:
-        rt = self.runtime
-        yield GaugeMetricFamily("splitfed_saved_forwards", "Forwards held for their backward", value=len(rt.store))
-        yield GaugeMetricFamily("splitfed_saved_forward_bytes", "Bytes held by saved forwards",
-                                value=rt.store.forward_bytes)
-        held = GaugeMetricFamily("splitfed_held_bytes", "Bytes the trunk holds between requests, by kind (all "
-                                 "count against the saved-state budget)", labels=["kind"])
-        held.add_metric(["forwards"], rt.store.forward_bytes)
-        held.add_metric(["frozen-weights"], rt.store.frozen_bytes)
-        held.add_metric(["answers"], rt.store.done_bytes)
-        yield held
-        yield CounterMetricFamily("splitfed_evictions", "Saved forwards evicted (TTL or client left)",
-                                  value=rt.store.evicted)
-        yield GaugeMetricFamily("splitfed_trunk_version", "Optimizer steps the trunk has taken", value=rt.version)
-        agg = rt.aggregator
-        yield CounterMetricFamily("splitfed_trunk_steps", "Trunk optimizer steps", value=agg.stats.get("steps", 0))
-        outcomes = CounterMetricFamily("splitfed_gradients", "Client gradients by outcome", labels=["outcome"])
-        for name in ("applied", "downweighted", "rejected-stale", "rejected-guard"):
-            outcomes.add_metric([name], agg.stats.get(name, 0))
-        yield outcomes
-        yield CounterMetricFamily("splitfed_dropped_members", "Clients dropped from a step after its timeout",
-                                  value=agg.stats.get("dropped-members", 0))
-        yield CounterMetricFamily("splitfed_failed_steps", "Trunk steps that failed (none of their gradients "
-                                  "applied)", value=agg.stats.get("failed-steps", 0))
-        yield GaugeMetricFamily("splitfed_step_group_members", "Clients in the trunk's step group",
-                                value=len(agg.members))
-        yield CounterMetricFamily("splitfed_forwards", "Trunk forwards (training and evaluation)",
-                                  value=rt.stats.get("forwards", 0))
-        yield CounterMetricFamily("splitfed_recomputed_forwards", "Stale forwards recomputed on the weights they saw",
-                                  value=rt.stats.get("recomputed", 0))
-        sessions = self.sessions
-        if sessions is not None:
-            state = sessions.describe()
-            yield GaugeMetricFamily("splitfed_inference_sessions", "Open inference sessions", value=state["open"])
-            yield GaugeMetricFamily("splitfed_kv_cache_bytes", "Bytes held by inference KV caches",
-                                    value=state["bytes_held"])
-            yield CounterMetricFamily("splitfed_inference_steps", "Inference session steps", value=state["steps"])
-            yield CounterMetricFamily("splitfed_sessions_evicted", "Inference sessions evicted when idle",
-                                      value=state["evicted_idle"])
-            yield CounterMetricFamily("splitfed_batched_decode_steps", "Session steps run in batched decode calls",
-                                      value=state.get("batched_steps", 0))
+        models = self._models
+        if not models:
+            return
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=[*labels, "model"])
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, labels=[*labels, "model"])
+
+        saved = gauge("splitfed_saved_forwards", "Forwards held for their backward")
+        saved_bytes = gauge("splitfed_saved_forward_bytes", "Bytes held by saved forwards")
+        held = gauge("splitfed_held_bytes", "Bytes the trunk holds between requests, by kind (all count against "
+                     "the saved-state budget)", ("kind",))
+        evictions = counter("splitfed_evictions", "Saved forwards evicted (TTL or client left)")
+        version = gauge("splitfed_trunk_version", "Optimizer steps the trunk has taken")
+        steps = counter("splitfed_trunk_steps", "Trunk optimizer steps")
+        outcomes = counter("splitfed_gradients", "Client gradients by outcome", ("outcome",))
+        dropped = counter("splitfed_dropped_members", "Clients dropped from a step after its timeout")
+        failed = counter("splitfed_failed_steps", "Trunk steps that failed (none of their gradients applied)")
+        members = gauge("splitfed_step_group_members", "Clients in the trunk's step group")
+        forwards = counter("splitfed_forwards", "Trunk forwards (training and evaluation)")
+        recomputed = counter("splitfed_recomputed_forwards", "Stale forwards recomputed on the weights they saw")
+        sessions_open = gauge("splitfed_inference_sessions", "Open inference sessions")
+        kv = gauge("splitfed_kv_cache_bytes", "Bytes held by inference KV caches")
+        session_steps = counter("splitfed_inference_steps", "Inference session steps")
+        evicted = counter("splitfed_sessions_evicted", "Inference sessions evicted when idle")
+        batched = counter("splitfed_batched_decode_steps", "Session steps run in batched decode calls")
+        any_sessions = False
+        for model, (rt, sessions) in models.items():
+            saved.add_metric([model], len(rt.store))
+            saved_bytes.add_metric([model], rt.store.forward_bytes)
+            held.add_metric(["forwards", model], rt.store.forward_bytes)
+            held.add_metric(["frozen-weights", model], rt.store.frozen_bytes)
+            held.add_metric(["answers", model], rt.store.done_bytes)
+            evictions.add_metric([model], rt.store.evicted)
+            version.add_metric([model], rt.version)
+            agg = rt.aggregator
+            steps.add_metric([model], agg.stats.get("steps", 0))
+            for name in ("applied", "downweighted", "rejected-stale", "rejected-guard"):
+                outcomes.add_metric([name, model], agg.stats.get(name, 0))
+            dropped.add_metric([model], agg.stats.get("dropped-members", 0))
+            failed.add_metric([model], agg.stats.get("failed-steps", 0))
+            members.add_metric([model], len(agg.members))
+            forwards.add_metric([model], rt.stats.get("forwards", 0))
+            recomputed.add_metric([model], rt.stats.get("recomputed", 0))
+            if sessions is not None:
+                any_sessions = True
+                state = sessions.describe()
+                sessions_open.add_metric([model], state["open"])
+                kv.add_metric([model], state["bytes_held"])
+                session_steps.add_metric([model], state["steps"])
+                evicted.add_metric([model], state["evicted_idle"])
+                batched.add_metric([model], state.get("batched_steps", 0))
+        yield from (saved, saved_bytes, held, evictions, version, steps, outcomes, dropped, failed, members, forwards,
+                    recomputed)
+        if any_sessions:
+            yield from (sessions_open, kv, session_steps, evicted, batched)

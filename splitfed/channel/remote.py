@@ -78,7 +78,8 @@ class RemoteTrunk(nn.Module):
     eval mode or under ``torch.no_grad()``, forwards are evaluation-only.
 
     Args:
-        client: a :class:`TrunkClient`, or an address (then ``client_kwargs`` build one).
+        client: a :class:`TrunkClient`, or an address (then ``client_kwargs`` build one; ``model="name"``
+            picks a model on a server that holds several).
     """
 
     def __init__(self, client: TrunkClient | str, **client_kwargs: Any) -> None:

@@ -1,12 +1,21 @@
-"""The trunk server: the split channel's gRPC service (asyncio) around a trunk runtime and its scheduler.
+"""The trunk server: the split channel's gRPC service (asyncio) in front of one or several models.
 
 :class:`TrunkServer` runs a ``grpc.aio`` server on an event loop of its own
 thread, so callers keep a plain synchronous API (``start``, ``stop``,
-``wait``). Handlers (:mod:`splitfed.channel.servicer`) await the futures of
-the trunk's scheduler (:mod:`splitfed.trunk.scheduler`), whose single device
-thread runs every forward, backward and optimizer step: waiting for a sync
-step costs no thread, however many clients wait. The server also exposes
-gRPC's standard health service and server reflection.
+``wait``, ``load``, ``unload``). Each model is a unit
+(:mod:`splitfed.channel.units`): its trunk runtime, its scheduler, whose single
+device thread runs every forward, backward and optimizer step of that model,
+its servicer, sessions and shared-memory regions. Handlers await the
+scheduler's futures: waiting for a sync step costs no thread, however many
+clients wait. A generic handler (:mod:`splitfed.channel.dispatch`) hands each
+call to the model its ``x-splitfed-model`` metadata names (a server holding one
+model also serves calls that name none). The models share the port, the TLS
+credentials, the clients' token check, gRPC's health service (each model is
+its own service, ``splitfed.v1.SplitChannel/<model>``, SERVING once loaded),
+server reflection, and the metrics endpoint (series labelled ``model``). The
+model admin service (:mod:`splitfed.channel.admin`, a token of its own) lists,
+loads, unloads and reloads models while the others serve
+(:mod:`splitfed.channel.registry`).
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import grpc
@@ -22,40 +31,58 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from torch import nn
 
-from splitfed.channel.handlers import method_handlers, status_for
-from splitfed.channel.regions import RegionTable
-from splitfed.channel.regions import available as regions_available
+from splitfed.channel.admin.service import SERVICE as ADMIN_SERVICE
+from splitfed.channel.admin.service import AdminServicer, admin_handlers, check_admin_token
+from splitfed.channel.dispatch import ModelDispatch
+from splitfed.channel.handlers import status_for
+from splitfed.channel.hosts import is_loopback
 from splitfed.channel.limits import (
     CLIENT_ID_KEY,
+    MODEL_KEY,
     RETRY_KEYS,
     SERVICE_NAME,
     ChannelLimits,
 )
-from splitfed.channel.servicer import SplitChannelServicer
-from splitfed.errors import ConfigError, TrunkBusyError
-from splitfed.optim import make_optimizer
+from splitfed.channel.registry import Entry, ModelRegistry
+from splitfed.channel.units import ModelState, ModelUnit, ServerOptions, build_unit
+from splitfed.errors import ConfigError
+from splitfed.serving.memory import MemoryBudget
+from splitfed.serving.spec import ModelSpec
 from splitfed.trunk.aggregation import TrunkAggregator
 from splitfed.trunk.runtime import GradientGuard, TrunkRuntime
 from splitfed.trunk.scheduler import TrunkScheduler
-from splitfed.trunk.sessions import SessionLimits, SessionManager, supports_sessions
+from splitfed.trunk.sessions import SessionLimits
 from splitfed.trunk.store import StoreLimits
 from splitfed.tuning import tune_malloc
 
-__all__ = ["CLIENT_ID_KEY", "RETRY_KEYS", "SERVICE_NAME", "ChannelLimits", "TrunkServer", "status_for"]
+__all__ = ["CLIENT_ID_KEY", "MODEL_KEY", "RETRY_KEYS", "SERVICE_NAME", "ChannelLimits", "TrunkServer", "status_for"]
 
 log = logging.getLogger(__name__)
 
+_HEALTH = health_pb2.HealthCheckResponse
+
+
+def health_name(model: str) -> str:
+    """The health-checking service name of one model."""
+    return f"{SERVICE_NAME}/{model}"
+
 
 class TrunkServer:
-    """Serves a trunk over the split channel.
+    """Serves one model's trunk, or several models, over the split channel.
 
     Quickstart::
 
         server = TrunkServer(parts.trunk, lr=0.01, port=50051, insecure=True).start()
         server.wait()
 
+    Several models::
+
+        server = TrunkServer(models=[ModelSpec("mnist-cnn"), ModelSpec("/models/llama", cuts=(2, 10))],
+                             insecure=True, admin_token=token, max_memory={"cpu": 8 << 30}).start()
+
     Args:
-        trunk: the trunk module, or a ready :class:`TrunkRuntime`.
+        trunk: a trunk module or a ready :class:`TrunkRuntime`, served as the model ``model_name``;
+            None: only the models of ``models`` (and those loaded later).
         host, port: where to listen (port 0 picks a free one; see :attr:`port`).
         insecure: serve plaintext; required unless ``credentials`` are given.
         credentials: ``grpc.ServerCredentials`` for TLS.
@@ -67,15 +94,24 @@ class TrunkServer:
         batch_window_ms, max_batch_tokens: cross-client batching of trunk forwards
             (see :class:`~splitfed.trunk.scheduler.TrunkScheduler`; 0 = off).
         checkpointing: activation checkpointing of the trunk (when ``trunk`` is a module).
+        model_name, cuts: the name and cuts of ``trunk`` (reported by Info; the name is what clients ask for).
+        authenticate: the clients' token check, shared by every model.
         interceptors: ``grpc.aio.ServerInterceptor`` instances.
         sessions: serves inference sessions (default: a :class:`SessionManager` with
             ``session_limits`` for trunks that can hold a KV cache).
+        metrics_port, metrics_host: the Prometheus endpoint (None: none).
         shared_memory_bytes: bytes of shared memory each client on this host may map for its tensors
             (:mod:`splitfed.channel.regions`; 0: none, every tensor travels over the socket).
-        shared_memory_total_bytes: bytes of shared memory all clients may map together.
+        shared_memory_total_bytes: bytes of shared memory all clients of one model may map together.
+        models: models to load when the server starts (each on the loader thread; :meth:`start` returns once
+            all are READY and raises if one fails).
+        admin_token: the model admin service's token (at least 16 characters; never a client's). None: the
+            service refuses every call. Off loopback, only with TLS.
+        max_memory: bytes per device (``cpu``, ``cuda:N``, ``*`` for any) the models may take; a load whose
+            estimate does not fit is refused with RESOURCE_EXHAUSTED before anything is allocated.
     """
 
-    def __init__(self, trunk: nn.Module | TrunkRuntime, *, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, trunk: nn.Module | TrunkRuntime | None = None, *, host: str = "127.0.0.1", port: int = 0,
                  insecure: bool = False, credentials: grpc.ServerCredentials | None = None,
                  optimizer: str = "sgd", lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0,
                  aggregator: TrunkAggregator | None = None, limits: ChannelLimits = ChannelLimits(),
@@ -87,65 +123,50 @@ class TrunkServer:
                  interceptors: list[Any] | None = None,
                  session_limits: SessionLimits = SessionLimits(), metrics_port: int | None = None,
                  metrics_host: str = "127.0.0.1", shared_memory_bytes: int = 256 << 20,
-                 shared_memory_total_bytes: int = 4 << 30) -> None:
+                 shared_memory_total_bytes: int = 4 << 30, models: Iterable[ModelSpec] = (),
+                 admin_token: str | None = None, max_memory: Mapping[str, int] | None = None) -> None:
         tune_malloc()
         if credentials is None and not insecure:
             raise ConfigError("the trunk server needs TLS credentials, or insecure=True to serve plaintext "
                               "(for loopback and tests)")
         if max_concurrent_rpcs < 1:
             raise ConfigError(f"max_concurrent_rpcs must be >= 1, got {max_concurrent_rpcs}")
-        if isinstance(trunk, TrunkRuntime):
-            self.runtime = trunk
-        else:
-            trainable = [p for p in trunk.parameters() if p.requires_grad]
-            opt = make_optimizer(optimizer, trainable, lr, momentum=momentum,
-                                 weight_decay=weight_decay) if trainable else None
-            self.runtime = TrunkRuntime(trunk, opt, aggregator=aggregator, limits=store_limits, guard=guard,
-                                        checkpointing=checkpointing)
-        # Replies leave from host memory: small ones copied on the device thread, large ones on a GPU by the copy
-        # engine while the device thread goes on (see TrunkRuntime.handed).
-        self.runtime.host_outputs = True
-        if sessions is None and supports_sessions(self.runtime.trunk):
-            sessions = SessionManager.from_limits(self.runtime, session_limits)
+        self._admin_token = check_admin_token(admin_token)
+        if self._admin_token is not None and credentials is None and not is_loopback(host):
+            raise ConfigError(f"the admin service's token would cross the network in the clear on {host}: serve "
+                              "with TLS (--tls-cert, --tls-key) or bind a loopback address")
         self.limits = limits
         self.host = host
         self._requested_port = port
         self._credentials = credentials
-        period = max(min(self.runtime.store.limits.ttl_s / 4, 10.0), 0.05)
-        self.scheduler = TrunkScheduler(self.runtime, batch_window_ms=batch_window_ms,
-                                        max_batch_tokens=max_batch_tokens, sweep_period_s=period,
-                                        on_sweep=None if sessions is None else sessions.sweep)
-        self.runtime.defer = self._defer  # a batch's backward runs on the device thread
-        self.servicer = SplitChannelServicer(self.runtime, self.scheduler, limits, model_name=model_name, cuts=cuts,
-                                             authenticate=authenticate, sessions=sessions)
-        if shared_memory_bytes > 0 and shared_memory_total_bytes > 0 and regions_available():
-            self.servicer.regions = RegionTable(shared_memory_bytes, shared_memory_total_bytes,
-                                                pin=self.runtime.device.type == "cuda")
         self._interceptors = list(interceptors or [])
         self._max_concurrent_rpcs = max_concurrent_rpcs
+        self.health: Any = None
+        self._updates: set[asyncio.Future[None]] = set()
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: Any = None
+        self._stopped = threading.Event()
         self.metrics: Any = None
         self._metrics_port, self._metrics_host, self.metrics_port = metrics_port, metrics_host, 0
         if metrics_port is not None:
             from splitfed.channel.metrics import TrunkMetrics
 
             self.metrics = TrunkMetrics()
-            self.metrics.watch(self.runtime, sessions)
-            self.runtime.aggregator.observer = self.metrics.observe_aggregator
-            self.servicer.metrics = self.metrics
             self._interceptors.insert(0, self.metrics.interceptor())
-        self.health: Any = None
-        self.port = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._server: Any = None
-        self._stopped = threading.Event()
-
-    def _defer(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` on the device thread (its failures are logged: the work reports its own errors)."""
-        def done(future: Any) -> None:
-            if future.exception() is not None and not isinstance(future.exception(), TrunkBusyError):
-                log.error("deferred trunk work failed: %r", future.exception())
-        self.scheduler.call(fn).add_done_callback(done)
+        self.options = ServerOptions(limits, authenticate, shared_memory_total_bytes, session_limits)
+        self.registry = ModelRegistry(self.options, MemoryBudget(max_memory), on_state=self._on_state,
+                                      on_ready=self._on_ready)
+        if self.metrics is not None:
+            self.metrics.model_of = self.registry.label
+        self._initial = list(models)
+        if trunk is not None:
+            self.registry.add(build_unit(
+                model_name, trunk, self.options, optimizer=optimizer, lr=lr, momentum=momentum,
+                weight_decay=weight_decay, aggregator=aggregator, store_limits=store_limits, guard=guard,
+                checkpointing=checkpointing, cuts=cuts, batch_window_ms=batch_window_ms,
+                max_batch_tokens=max_batch_tokens, sessions=sessions, shared_memory_bytes=shared_memory_bytes))
 
     @property
     def address(self) -> str:
@@ -153,36 +174,116 @@ class TrunkServer:
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         return f"{host}:{self.port}"
 
+    # -- the models ------------------------------------------------------------------------
+    def unit(self, name: str | None = None) -> ModelUnit:
+        """Model ``name``'s unit (None: the only model's); ConfigError when there is no such READY unit."""
+        entries = self.registry.entries
+        if name is None:
+            if len(entries) != 1:
+                raise ConfigError(f"this server holds {len(entries)} models ({', '.join(sorted(entries))}); name one: "
+                                  "server.unit(name)")
+            (entry,) = entries.values()
+        else:
+            found = entries.get(name)
+            if found is None:
+                raise ConfigError(f"this server does not hold model {name!r}; it holds {sorted(entries)}")
+            entry = found
+        if entry.unit is None:
+            raise ConfigError(f"model {entry.name!r} is {entry.state.value}, not loaded")
+        return entry.unit
+
+    @property
+    def runtime(self) -> TrunkRuntime:
+        """The only model's trunk runtime."""
+        return self.unit().runtime
+
+    @property
+    def scheduler(self) -> TrunkScheduler:
+        """The only model's scheduler."""
+        return self.unit().scheduler
+
+    @property
+    def servicer(self) -> Any:
+        """The only model's split-channel servicer."""
+        return self.unit().servicer
+
+    def models(self) -> dict[str, ModelState]:
+        """Each model's state, by name."""
+        return {name: entry.state for name, entry in sorted(self.registry.entries.items())}
+
+    def load(self, spec: ModelSpec, *, wait: bool = True, timeout: float | None = None) -> Entry:
+        """Load a model while serving the others (see :meth:`ModelRegistry.load`)."""
+        return self._run(self.registry.load(spec, wait=wait), timeout)
+
+    def unload(self, name: str, *, drain_timeout_s: float = 30.0) -> Entry:
+        """Unload a model: its calls in flight finish, new ones get UNAVAILABLE, its sessions are closed."""
+        return self._run(self.registry.unload(name, drain_timeout_s=drain_timeout_s))
+
+    def reload(self, name: str, spec: ModelSpec | None = None, *, wait: bool = True) -> Entry:
+        """Unload a model and load it again from its source (or ``spec``)."""
+        return self._run(self.registry.reload(name, spec, wait=wait))
+
+    def _on_ready(self, unit: ModelUnit) -> None:
+        if self.metrics is not None:
+            unit.attach_metrics(self.metrics)
+
+    def _on_state(self, name: str, state: ModelState | None) -> None:
+        if self.health is not None and self._loop is not None and self._loop.is_running():
+            update = asyncio.ensure_future(self._health_update(name, state))
+            self._updates.add(update)  # the loop keeps only weak references to tasks
+            update.add_done_callback(self._updates.discard)
+
+    async def _health_update(self, name: str, state: ModelState | None) -> None:
+        if name:
+            status = _HEALTH.SERVICE_UNKNOWN if state is None else \
+                _HEALTH.SERVING if state is ModelState.READY else _HEALTH.NOT_SERVING
+            await self.health.set(health_name(name), status)
+        ready = any(e.state is ModelState.READY for e in self.registry.entries.values())
+        await self.health.set(SERVICE_NAME, _HEALTH.SERVING if ready else _HEALTH.NOT_SERVING)
+
     # -- lifecycle -------------------------------------------------------------------------
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
-        assert self._loop is not None
+        if self._loop is None:
+            coro.close()
+            raise ConfigError("the trunk server is not started; call start() first")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def start(self) -> TrunkServer:
-        """Bind, start serving and mark the service SERVING; returns self."""
+        """Bind, start serving, mark the service SERVING and load ``models``; returns self."""
+        if self._admin_token is not None:  # models may load while it serves: their libraries' first import now
+            from splitfed.serving.build import preload_libraries
+
+            preload_libraries()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="splitfed-trunk-grpc", daemon=True)
         self._thread.start()
-        self.scheduler.start()
+        for entry in self.registry.entries.values():
+            if entry.unit is not None:
+                entry.unit.start()
         try:
             self._run(self._start())
+            if self.metrics is not None:
+                self.metrics_port = self.metrics.serve(self._metrics_port or 0, self._metrics_host)
+            for spec in self._initial:
+                self.load(spec)
         except BaseException:
-            self._shutdown_loop()
-            self.scheduler.stop()
+            self.stop(grace=0)
             raise
-        if self.metrics is not None:
-            self.metrics_port = self.metrics.serve(self._metrics_port or 0, self._metrics_host)
-        log.info("trunk server listening on %s (%s, %s)", self.address,
-                 "TLS" if self._credentials is not None else "plaintext", self.runtime.aggregator.describe())
+        log.info("trunk server listening on %s (%s), models: %s", self.address,
+                 "TLS" if self._credentials is not None else "plaintext",
+                 "; ".join(f"{name or '(unnamed)'}: {e.unit.runtime.aggregator.describe()}"
+                           for name, e in sorted(self.registry.entries.items()) if e.unit is not None) or "none")
         return self
 
     async def _start(self) -> None:
         server = grpc.aio.server(options=self.limits.grpc_options(), interceptors=self._interceptors,
                                  maximum_concurrent_rpcs=self._max_concurrent_rpcs)
-        server.add_generic_rpc_handlers((method_handlers(self.servicer),))
+        server.add_generic_rpc_handlers((ModelDispatch(self.registry.route),
+                                         admin_handlers(AdminServicer(self.registry, self._admin_token))))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        reflection.enable_server_reflection((SERVICE_NAME, ADMIN_SERVICE, health.SERVICE_NAME,
+                                             reflection.SERVICE_NAME), server)
         target = f"{self.host}:{self._requested_port}" if ":" not in self.host else \
             f"[{self.host.strip('[]')}]:{self._requested_port}"
         try:
@@ -195,23 +296,23 @@ class TrunkServer:
         if not self.port:
             raise ConfigError(f"could not bind the trunk server to {target}; is the port in use?")
         await server.start()
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._server = server
+        await self.health.set("", _HEALTH.SERVING)
+        await self.health.set(SERVICE_NAME, _HEALTH.NOT_SERVING)
+        for name, entry in list(self.registry.entries.items()):
+            await self._health_update(name, entry.state)
 
     def stop(self, grace: float | None = 1.0) -> None:
-        """Mark NOT_SERVING and stop; in-flight RPCs get ``grace`` seconds."""
+        """Mark NOT_SERVING and stop; in-flight RPCs get ``grace`` seconds, then every model stops."""
         if self._loop is None or self._stopped.is_set():
             return
         try:
             if self._server is not None:
                 self._run(self._stop(grace))
+            else:
+                self._run(self.registry.close())
         finally:
-            self.scheduler.stop()
             self._shutdown_loop()
-            self.servicer.close()
-            if self.servicer.regions is not None:
-                self.servicer.regions.close_all()
             if self.metrics is not None:
                 self.metrics.stop()
             self._stopped.set()
@@ -219,6 +320,7 @@ class TrunkServer:
     async def _stop(self, grace: float | None) -> None:
         await self.health.enter_graceful_shutdown()
         await self._server.stop(grace)
+        await self.registry.close()
 
     def _shutdown_loop(self) -> None:
         loop, thread = self._loop, self._thread

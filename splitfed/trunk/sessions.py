@@ -353,6 +353,17 @@ class SessionManager:
                      s.length)
         return len(stale)
 
+    def close_all(self, why: str) -> int:
+        """Close every session (the model is going away); a later step on one is told ``why``. Returns how many."""
+        with self._lock:
+            ids = list(self._sessions)
+            for session_id in ids:
+                self._end(session_id, why)
+            self.stats["closed"] += len(ids)
+        if ids:
+            log.info("closed %d inference sessions: they %s", len(ids), why)
+        return len(ids)
+
     def describe(self) -> dict[str, int]:
         """Counters, open sessions and bytes held, for logs and metrics."""
         with self._lock:
