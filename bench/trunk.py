@@ -59,8 +59,9 @@ class BenchError(RuntimeError):
     """A benchmark could not do its job (a client died or failed, or it timed out)."""
 
 
-#: The server's ``max_batch_tokens`` (``--max-batch-tokens``): positions one batched trunk call may hold.
-MAX_BATCH_TOKENS = {"value": 1 << 22}
+#: The server's settings from the command line: ``max_batch_tokens`` (``--max-batch-tokens``, positions one
+#: batched trunk call may hold) and ``frontends`` (``--frontends``, front-end processes taking its calls in).
+SERVER = {"max_batch_tokens": 1 << 22, "frontends": 0}
 
 
 def _server(device: str, window_ms: float, replicas: int = 1) -> Any:
@@ -76,7 +77,8 @@ def _server(device: str, window_ms: float, replicas: int = 1) -> Any:
     runtime = TrunkRuntime(trunk, torch.optim.SGD(trunk.parameters(), lr=1e-4),
                            aggregator=aggregator, limits=StoreLimits(max_bytes=1 << 40),
                            autocast_dtype=torch.bfloat16 if core.SPLIT_STEP["bf16"] else None)
-    return TrunkServer(runtime, insecure=True, batch_window_ms=window_ms, max_batch_tokens=MAX_BATCH_TOKENS["value"])
+    return TrunkServer(runtime, insecure=True, batch_window_ms=window_ms, max_batch_tokens=SERVER["max_batch_tokens"],
+                       frontends=SERVER["frontends"] if replicas == 1 else 0)
 
 
 def _replica(rank: int, device: str, window_ms: float, replicas: int, settings: dict[str, int]) -> Any:
@@ -279,6 +281,7 @@ def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat
             out[f"trunk_ceiling_fraction_{n}_one_at_a_time{suffix}"] = one_at_a_time / roof["sequential"]
     out["client_cores"] = client_cores or len(os.sched_getaffinity(0))
     out["transport"] = "socket" if socket else "shared memory"
+    out["frontends"] = SERVER["frontends"]
     utils = [r.gpu_util for r in batched if r.gpu_util]
     if utils:
         out[f"gpu_util_mean_{n}_batched"] = statistics.median(u["mean"] for u in utils)
@@ -347,6 +350,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed sync steps per run (default 5)")
     parser.add_argument("--max-batch-tokens", type=int, default=1 << 22,
                         help="positions one batched trunk call may hold (smaller: several batches per step)")
+    parser.add_argument("--frontends", type=int, default=0,
+                        help="front-end processes that take the server's calls in (default 0: its event loop does)")
     parser.add_argument("--client-cores", type=int, default=0,
                         help="pin the client processes to the last K cores (default 0: all cores)")
     parser.add_argument("--socket", action="store_true", help="clients send over the socket, not shared memory")
@@ -359,7 +364,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    MAX_BATCH_TOKENS["value"] = args.max_batch_tokens
+    SERVER.update(max_batch_tokens=args.max_batch_tokens, frontends=args.frontends)
     for item in args.config.split():
         key, _, value = item.partition("=")
         if key not in core.SPLIT_STEP:

@@ -109,6 +109,11 @@ class TrunkServer:
             service refuses every call. Off loopback, only with TLS.
         max_memory: bytes per device (``cpu``, ``cuda:N``, ``*`` for any) the models may take; a load whose
             estimate does not fit is refused with RESOURCE_EXHAUSTED before anything is allocated.
+        frontends: take calls in with this many front-end processes (:mod:`splitfed.channel.frontend`) sharing
+            the port, each handing its calls to this process's handlers over a local link: gRPC's per-call work
+            then runs on several cores (0: this process's event loop takes every call in).
+        frontend_tls: with ``frontends`` and TLS, the server's key and certificate chain and the CA whose client
+            certificates it requires (PEM bytes; None for none): the front-ends build their credentials from them.
     """
 
     def __init__(self, trunk: nn.Module | TrunkRuntime | None = None, *, host: str = "127.0.0.1", port: int = 0,
@@ -124,13 +129,22 @@ class TrunkServer:
                  session_limits: SessionLimits = SessionLimits(), metrics_port: int | None = None,
                  metrics_host: str = "127.0.0.1", shared_memory_bytes: int = 256 << 20,
                  shared_memory_total_bytes: int = 4 << 30, models: Iterable[ModelSpec] = (),
-                 admin_token: str | None = None, max_memory: Mapping[str, int] | None = None) -> None:
+                 admin_token: str | None = None, max_memory: Mapping[str, int] | None = None,
+                 frontends: int = 0, frontend_tls: tuple[bytes, bytes, bytes | None] | None = None) -> None:
         tune_malloc()
         if credentials is None and not insecure:
             raise ConfigError("the trunk server needs TLS credentials, or insecure=True to serve plaintext "
                               "(for loopback and tests)")
         if max_concurrent_rpcs < 1:
             raise ConfigError(f"max_concurrent_rpcs must be >= 1, got {max_concurrent_rpcs}")
+        if frontends < 0:
+            raise ConfigError(f"frontends must be >= 0, got {frontends}")
+        if frontends and credentials is not None and frontend_tls is None:
+            raise ConfigError("front-end processes serve TLS from PEM files: pass frontend_tls=(key, chain, client_ca) "
+                              "with the credentials (splitfed serve does)")
+        self._frontend_count = frontends
+        self._frontend_tls = frontend_tls
+        self.frontends: Any = None
         self._admin_token = check_admin_token(admin_token)
         if self._admin_token is not None and credentials is None and not is_loopback(host):
             raise ConfigError(f"the admin service's token would cross the network in the clear on {host}: serve "
@@ -276,11 +290,14 @@ class TrunkServer:
         return self
 
     async def _start(self) -> None:
+        handlers = (ModelDispatch(self.registry.route), admin_handlers(AdminServicer(self.registry, self._admin_token)))
+        self.health = health.aio.HealthServicer()
+        if self._frontend_count:
+            await self._start_frontends(handlers)
+            return
         server = grpc.aio.server(options=self.limits.grpc_options(), interceptors=self._interceptors,
                                  maximum_concurrent_rpcs=self._max_concurrent_rpcs)
-        server.add_generic_rpc_handlers((ModelDispatch(self.registry.route),
-                                         admin_handlers(AdminServicer(self.registry, self._admin_token))))
-        self.health = health.aio.HealthServicer()
+        server.add_generic_rpc_handlers(handlers)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, ADMIN_SERVICE, health.SERVICE_NAME,
                                              reflection.SERVICE_NAME), server)
@@ -297,6 +314,24 @@ class TrunkServer:
             raise ConfigError(f"could not bind the trunk server to {target}; is the port in use?")
         await server.start()
         self._server = server
+        await self._health_start()
+
+    async def _start_frontends(self, handlers: tuple[grpc.GenericRpcHandler, ...]) -> None:
+        """Serve through front-end processes: they take the calls in, this process's handlers run them."""
+        from splitfed.channel.enginelink import EngineDispatch
+        from splitfed.channel.frontend import Frontends
+
+        dispatch, collected = EngineDispatch.collecting()
+        collected.add_generic_rpc_handlers(handlers)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, collected)
+        dispatch.interceptors = list(self._interceptors)
+        self.frontends = Frontends(self._frontend_count, self.host, self._requested_port, self.limits.grpc_options(),
+                                   self._max_concurrent_rpcs, (SERVICE_NAME, ADMIN_SERVICE),
+                                   self.limits.max_tensor_bytes + self.limits.max_message_bytes, self._frontend_tls)
+        self.port = await self.frontends.start(dispatch)
+        await self._health_start()
+
+    async def _health_start(self) -> None:
         await self.health.set("", _HEALTH.SERVING)
         await self.health.set(SERVICE_NAME, _HEALTH.NOT_SERVING)
         for name, entry in list(self.registry.entries.items()):
@@ -307,7 +342,7 @@ class TrunkServer:
         if self._loop is None or self._stopped.is_set():
             return
         try:
-            if self._server is not None:
+            if self._server is not None or self.frontends is not None:
                 self._run(self._stop(grace))
             else:
                 self._run(self.registry.close())
@@ -319,7 +354,10 @@ class TrunkServer:
 
     async def _stop(self, grace: float | None) -> None:
         await self.health.enter_graceful_shutdown()
-        await self._server.stop(grace)
+        if self.frontends is not None:
+            await self.frontends.stop()
+        if self._server is not None:
+            await self._server.stop(grace)
         await self.registry.close()
 
     def _shutdown_loop(self) -> None:

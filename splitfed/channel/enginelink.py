@@ -1,0 +1,342 @@
+"""The link between a trunk server's front-end processes and its engine: calls handed over a Unix socket.
+
+A front-end (:mod:`splitfed.channel.frontend`) takes gRPC calls in on the server's port and hands each one,
+still as the bytes gRPC received, to the engine (the process that owns the trunks and their device). The
+engine runs the call with the very handlers its own gRPC server would (the split channel's dispatch, the
+admin service, health), through :class:`EngineCall`, a stand-in for gRPC's servicer context, and hands the
+reply's bytes back. gRPC's own per-call work runs in the front-ends, on cores of their own; the engine's event
+loop only reads frames and runs the handlers.
+
+A frame is a JSON header and a body of bytes: ``!II`` (header bytes, body bytes), the header, the body. A call's
+header carries its id, method, metadata, peer and deadline; a streamed call's body holds all its messages, their
+sizes in the header. Nothing is unpickled. The socket lies in a directory only the server's user can enter, and
+a front-end proves itself with a random secret before its first call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import json
+import logging
+import struct
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+_LENGTHS = struct.Struct("!II")
+#: The largest header a side accepts (metadata is small; a larger one is a broken or hostile peer).
+MAX_HEADER_BYTES = 1 << 20
+
+#: Methods whose requests and replies are streams.
+STREAMED = frozenset({"ForwardStream", "BackwardStream"})
+
+
+class LinkClosed(ConnectionError):
+    """The other end of the link went away."""
+
+
+async def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any], parts: Sequence[bytes] = ()) -> None:
+    """Send one frame (``parts`` concatenated as its body)."""
+    head = json.dumps(header, separators=(",", ":")).encode()
+    writer.write(_LENGTHS.pack(len(head), sum(len(p) for p in parts)))
+    writer.write(head)
+    for part in parts:
+        writer.write(part)
+    await writer.drain()
+
+
+async def read_frame(reader: asyncio.StreamReader, max_body: int) -> tuple[dict[str, Any], bytes]:
+    """Receive one frame; raises :class:`LinkClosed` at the end of the stream."""
+    try:
+        sizes = await reader.readexactly(_LENGTHS.size)
+        head_len, body_len = _LENGTHS.unpack(sizes)
+        if head_len > MAX_HEADER_BYTES or body_len > max_body:
+            raise LinkClosed(f"frame of {head_len} + {body_len} bytes is above the link's limits")
+        header = json.loads(await reader.readexactly(head_len))
+        body = await reader.readexactly(body_len) if body_len else b""
+    except (asyncio.IncompleteReadError, ConnectionError) as exc:
+        raise LinkClosed(str(exc)) from None
+    if not isinstance(header, dict):
+        raise LinkClosed("frame header is not an object")
+    return header, body
+
+
+def split_parts(body: bytes, sizes: Sequence[int]) -> list[bytes]:
+    """A streamed call's messages out of its frame's body."""
+    if sum(sizes) != len(body) or any(s < 0 for s in sizes):
+        raise ValueError("message sizes do not add up to the frame's body")
+    view, out, at = memoryview(body), [], 0
+    for size in sizes:
+        out.append(bytes(view[at: at + size]))
+        at += size
+    return out
+
+
+# -- the engine's side ------------------------------------------------------------------------------------------
+class EngineCall:
+    """What an aio handler sees of its call when it comes from a front-end (a stand-in for gRPC's context)."""
+
+    def __init__(self, method: str, metadata: Sequence[tuple[str, str]], peer: str) -> None:
+        self.method = method
+        self._metadata = tuple((str(k), str(v)) for k, v in metadata)
+        self._peer = peer
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+        self._cancelled = False
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
+        self._code, self._details = code, details
+        raise grpc.aio.AbortError()
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def set_trailing_metadata(self, trailing_metadata: Any) -> None:
+        """Trailing metadata does not cross the link."""
+
+    def auth_context(self) -> dict[str, Any]:
+        return {}
+
+
+class _Handlers:
+    """Collects generic handlers the way a gRPC server does (``add_*_handlers``), to look methods up."""
+
+    def __init__(self) -> None:
+        self.generic: list[grpc.GenericRpcHandler] = []
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self.generic.extend(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.generic.append(grpc.method_handlers_generic_handler(service, handlers))
+
+
+@dataclass
+class _Details:
+    method: str
+    invocation_metadata: tuple[tuple[str, str], ...]
+
+
+@dataclass
+class EngineDispatch:
+    """Runs calls handed over by front-ends with the engine's own handlers (and interceptors)."""
+
+    handlers: list[grpc.GenericRpcHandler]
+    interceptors: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def collecting(cls) -> tuple[EngineDispatch, _Handlers]:
+        """A dispatch, and the stand-in server to register its handlers on (``add_XServicer_to_server(s, it)``)."""
+        handlers = _Handlers()
+        return cls(handlers.generic), handlers
+
+    async def _handler(self, details: _Details) -> grpc.RpcMethodHandler | None:
+        async def lookup(d: Any) -> grpc.RpcMethodHandler | None:
+            for h in self.handlers:
+                found = h.service(d)
+                if found is not None:
+                    return found
+            return None
+
+        continuation: Callable[[Any], Any] = lookup
+        for interceptor in reversed(self.interceptors):
+            continuation = (lambda nxt, icp: (lambda d: icp.intercept_service(nxt, d)))(continuation, interceptor)
+        return await continuation(details)
+
+    async def run(self, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], list[bytes]]:
+        """One call: the reply's header (its status) and its messages' bytes."""
+        method = str(header.get("method", ""))
+        call = EngineCall(method, [tuple(kv) for kv in header.get("md", [])], str(header.get("peer", "")))
+        handler = await self._handler(_Details(method, call.invocation_metadata()))
+        if handler is None:
+            return {"code": grpc.StatusCode.UNIMPLEMENTED.name, "details": f"method {method} is not served"}, []
+        streamed = handler.request_streaming or handler.response_streaming
+        try:
+            if streamed:
+                messages = [handler.request_deserializer(m) if handler.request_deserializer else m
+                            for m in split_parts(body, header.get("parts", []))]
+
+                async def requests() -> AsyncIterator[Any]:
+                    for m in messages:
+                        yield m
+                behaviour = handler.stream_stream or handler.stream_unary or handler.unary_stream
+                source: Any = requests() if handler.request_streaming else messages[0]
+                result = behaviour(source, call)
+                replies = [r async for r in result] if handler.response_streaming else [await result]
+            else:
+                request = handler.request_deserializer(body) if handler.request_deserializer else body
+                replies = [await handler.unary_unary(request, call)]
+        except grpc.aio.AbortError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - the front-end answers with it; the engine keeps serving
+            log.exception("a call handed over by a front-end failed")
+            call.set_code(grpc.StatusCode.INTERNAL)
+            call.set_details(f"internal error in the trunk server: {exc!r}")
+        code = call.code()
+        if code is not None and code is not grpc.StatusCode.OK:
+            return {"code": code.name, "details": call.details()}, []
+        serialize = handler.response_serializer
+        return {"code": "OK", "parts": []}, [serialize(r) if serialize else r for r in replies]
+
+
+class EngineListener:
+    """The engine's end: accepts front-ends on a Unix socket and runs their calls with an :class:`EngineDispatch`."""
+
+    def __init__(self, path: str, secret: str, dispatch: EngineDispatch, max_body: int) -> None:
+        self.path = path
+        self.secret = secret
+        self.dispatch = dispatch
+        self.max_body = max_body
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.stats: dict[str, int] = {"calls": 0, "front-ends": 0}
+
+    async def start(self) -> None:
+        """Listen (on the running event loop)."""
+        self._server = await asyncio.start_unix_server(self._connection, path=self.path)
+
+    async def stop(self) -> None:
+        """Stop listening and cancel the calls in flight."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            hello, _ = await read_frame(reader, 0)
+            if not hmac.compare_digest(str(hello.get("secret", "")), self.secret):
+                log.warning("a process without the front-ends' secret tried the engine link; closed")
+                return
+            self.stats["front-ends"] += 1
+            lock = asyncio.Lock()
+            calls: dict[int, asyncio.Task[Any]] = {}
+            while True:
+                header, body = await read_frame(reader, self.max_body)
+                if header.get("cancel") is not None:
+                    task = calls.get(int(header["cancel"]))
+                    if task is not None:
+                        task.cancel()
+                    continue
+                call_id = int(header.get("id", -1))
+                task = asyncio.ensure_future(self._serve(call_id, header, body, writer, lock))
+                calls[call_id] = task
+                self._tasks.add(task)
+                task.add_done_callback(lambda t, i=call_id: (calls.pop(i, None), self._tasks.discard(t)))
+        except LinkClosed:
+            pass
+        finally:
+            writer.close()
+
+    async def _serve(self, call_id: int, header: dict[str, Any], body: bytes, writer: asyncio.StreamWriter,
+                     lock: asyncio.Lock) -> None:
+        self.stats["calls"] += 1
+        deadline = header.get("timeout")
+        try:
+            run = self.dispatch.run(header, body)
+            reply, parts = await (asyncio.wait_for(run, deadline) if deadline else run)
+        except asyncio.TimeoutError:
+            reply, parts = {"code": grpc.StatusCode.DEADLINE_EXCEEDED.name, "details": "deadline exceeded"}, []
+        except asyncio.CancelledError:
+            reply, parts = {"code": grpc.StatusCode.CANCELLED.name, "details": "cancelled by the client"}, []
+        reply["id"] = call_id
+        reply["parts"] = [len(p) for p in parts]
+        async with lock:
+            try:
+                await write_frame(writer, reply, parts)
+            except ConnectionError:
+                pass
+
+
+# -- the front-end's side ---------------------------------------------------------------------------------------
+class EngineLink:
+    """A front-end's end: hands calls to the engine and awaits their replies."""
+
+    def __init__(self, path: str, secret: str, max_body: int) -> None:
+        self.path = path
+        self.secret = secret
+        self.max_body = max_body
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
+        self._ids = itertools.count()
+        self._lock = asyncio.Lock()
+        self._reader_task: asyncio.Task[None] | None = None
+        self.closed = asyncio.Event()
+
+    async def connect(self) -> None:
+        """Connect and prove this front-end with the secret."""
+        reader, self._writer = await asyncio.open_unix_connection(self.path)
+        await write_frame(self._writer, {"secret": self.secret})
+        self._reader_task = asyncio.ensure_future(self._read(reader))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                header, body = await read_frame(reader, self.max_body)
+                future = self._pending.pop(int(header.get("id", -1)), None)
+                if future is not None and not future.done():
+                    future.set_result((header, body))
+        except LinkClosed:
+            pass
+        finally:
+            self.closed.set()
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(LinkClosed("the trunk server's engine went away"))
+            self._pending.clear()
+
+    async def call(self, method: str, metadata: Sequence[tuple[str, str]], peer: str, messages: Sequence[bytes],
+                   timeout: float | None) -> tuple[dict[str, Any], list[bytes]]:
+        """Hand one call over: its reply's header and messages. Raises :class:`LinkClosed`."""
+        if self._writer is None or self.closed.is_set():
+            raise LinkClosed("the trunk server's engine is not reachable")
+        call_id = next(self._ids)
+        future: asyncio.Future[tuple[dict[str, Any], bytes]] = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = future
+        header: dict[str, Any] = {"id": call_id, "method": method, "md": [list(kv) for kv in metadata],
+                                  "peer": peer, "timeout": timeout, "parts": [len(m) for m in messages]}
+        try:
+            async with self._lock:
+                await write_frame(self._writer, header, messages)
+            reply, body = await future
+        except asyncio.CancelledError:
+            self._pending.pop(call_id, None)
+            if not self.closed.is_set():
+                async with self._lock:
+                    await write_frame(self._writer, {"cancel": call_id})
+            raise
+        return reply, split_parts(body, reply.get("parts", []))
+
+    async def close(self) -> None:
+        """Close the link."""
+        if self._writer is not None:
+            self._writer.close()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
