@@ -333,3 +333,32 @@ def test_small_tasks_run_inline_only_when_the_device_thread_is_idle() -> None:
         assert scheduler.stats["inline"] == 1
     finally:
         scheduler.stop()
+
+
+def test_a_waiter_that_gives_up_cancels_nothing_and_the_device_thread_lives_on() -> None:
+    """An asyncio call cancelled while it awaits trunk work (its client went away) stops waiting only: the work's
+    future is not cancelled, so the device thread that resolves it does not fail, and later work runs."""
+    import asyncio
+
+    from splitfed.trunk.scheduler import TrunkScheduler
+
+    scheduler = TrunkScheduler(TrunkRuntime(split_model(tiny_model("llama").train(), cuts=(1, 3)).trunk)).start()
+    try:
+        gate = threading.Event()
+        scheduler.call(lambda: gate.wait(10))  # keeps the device thread busy
+        queued = scheduler.call(lambda: 42)
+
+        async def give_up() -> None:
+            waiting = asyncio.ensure_future(asyncio.wrap_future(queued))
+            await asyncio.sleep(0.05)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+
+        asyncio.run(give_up())
+        assert not queued.cancelled()
+        gate.set()
+        assert queued.result(10) == 42
+        assert scheduler.call(lambda: 7).result(10) == 7  # the device thread is alive
+    finally:
+        scheduler.stop()

@@ -54,7 +54,7 @@ from splitfed.trunk.contributions import (
     Result,
     weighted_mean,
 )
-from splitfed.trunk.requests import resolved
+from splitfed.trunk.requests import Promise, resolved
 
 __all__ = ["AsyncAggregator", "Contribution", "CopyOptimizer", "Grads", "Outcome", "QuorumAggregator", "Result",
            "SyncAggregator", "TrunkAggregator", "make_aggregator", "weighted_mean"]
@@ -198,7 +198,7 @@ class TrunkAggregator:
             self._observe("staleness", staleness)
             if c.grads is not None and staleness and self.staleness_weight(staleness) is None:
                 return resolved(self._reject(c, staleness))  # it can only get staler
-            item = Offer(c, Future(), now)
+            item = Offer(c, Promise(), now)
             if self._bucket.opened is None:
                 self._bucket.opened = now
             self._bucket.items.append(item)

@@ -24,6 +24,7 @@ import torch
 
 from splitfed.split.base import CutState
 from splitfed.trunk.contributions import Result
+from splitfed.trunk.requests import Promise
 
 
 def batch_key(state: CutState) -> tuple[Any, ...] | None:
@@ -100,13 +101,13 @@ class ForwardGroup:
     replies: dict[int, Any] = field(default_factory=dict)  # where each member's input gradient goes (ReplySink)
     dropped: set[int] = field(default_factory=set)
     grad_in: list[Future[torch.Tensor]] = field(default_factory=list)
-    result: Future[Result] = field(default_factory=Future)
+    result: Future[Result] = field(default_factory=Promise)
     inputs: Any = None  # the trunk's input (hidden = ``leaf``), kept to recompute a rebased batch
     rng: Any = None  # the RNG state the forward ran with
     frozen: list[torch.Tensor] | None = None  # rebased: the weights the forward saw (the trunk has stepped)
 
     def __post_init__(self) -> None:
-        self.grad_in = [Future() for _ in self.clients]
+        self.grad_in = [Promise() for _ in self.clients]
 
     @property
     def complete(self) -> bool:

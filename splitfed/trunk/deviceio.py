@@ -34,8 +34,8 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from splitfed.finite import is_finite
+from splitfed.trunk.requests import Promise
 
 log = logging.getLogger(__name__)
 
@@ -328,7 +329,7 @@ class EventWaiter:
 
     def when_done(self, event: torch.cuda.Event, value: Any = None) -> Future[Any]:
         """A future that holds ``value`` once ``event`` completed (at once if it already has)."""
-        future: Future[Any] = Future()
+        future: Future[Any] = Promise()
         if event.query():
             future.set_result(value)
         else:

@@ -29,9 +29,22 @@ class PendingBackward:
     result: Future[Result]
 
 
+class Promise(Future):  # type: ignore[type-arg]
+    """A future that no waiter can cancel.
+
+    What the trunk hands out is shared (a batch's backward, a sync step's outcome) or already queued for the
+    device thread: one waiter giving up (an asyncio call cancelled by its client, whose ``wrap_future``
+    cancels what it wraps) must neither cancel it for the others nor make the thread that resolves it fail.
+    A waiter that gives up only stops waiting.
+    """
+
+    def cancel(self) -> bool:
+        return False
+
+
 def resolved(value: Any) -> Future[Any]:
     """A future that already holds ``value``."""
-    future: Future[Any] = Future()
+    future: Future[Any] = Promise()
     future.set_result(value)
     return future
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, TypeVar
 
 from splitfed.errors import TrunkBusyError
-from splitfed.trunk.requests import ForwardRequest
+from splitfed.trunk.requests import ForwardRequest, Promise
 from splitfed.trunk.runtime import TrunkRuntime
 from splitfed.trunk.timeline import TIMELINE
 
@@ -131,7 +131,7 @@ class TrunkScheduler:
     # -- submitting -------------------------------------------------------------------------
     def call(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn()`` on the device thread, in order with every other task."""
-        return self._put(_Task(fn, Future()))
+        return self._put(_Task(fn, Promise()))
 
     def wake(self) -> None:
         """Make the device thread look at the runtime's deadline again (it changed outside the thread)."""
@@ -146,7 +146,7 @@ class TrunkScheduler:
         """
         if small and not self._stopping and not self._queue and self._exec.acquire(blocking=False):
             try:
-                future: Future[T] = Future()
+                future: Future[T] = Promise()
                 self.stats["inline"] += 1
                 self._settle(future, fn)
                 return future
@@ -181,7 +181,7 @@ class TrunkScheduler:
         batchable = self.batch_window_s > 0 and self.runtime.can_batch(request)
         if not batchable:
             return self.now_or_queued(lambda: self.runtime.forward_request(request), small=small)
-        return self._put(_Task(None, Future(), forward=request, tokens=request.tokens))
+        return self._put(_Task(None, Promise(), forward=request, tokens=request.tokens))
 
     def batched(self, runner: BatchRunner, item: Any, tokens: int = 1, *, small: bool = False) -> Future[Any]:
         """``runner``'s work on ``item``, batched with its other items within the window.
@@ -190,7 +190,7 @@ class TrunkScheduler:
         """
         if self.batch_window_s <= 0:
             return self.now_or_queued(lambda: runner.run_one(item), small=small)
-        return self._put(_Task(None, Future(), tokens=tokens, runner=runner, item=item))
+        return self._put(_Task(None, Promise(), tokens=tokens, runner=runner, item=item))
 
     def _put(self, task: _Task) -> Future[Any]:
         with self._cond:

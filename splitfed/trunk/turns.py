@@ -33,6 +33,7 @@ from concurrent.futures import Future
 from splitfed.errors import PermissionDeniedError
 from splitfed.trunk.aggregation import TrunkAggregator
 from splitfed.trunk.contributions import Contribution, Result
+from splitfed.trunk.requests import Promise
 
 log = logging.getLogger(__name__)
 
@@ -105,12 +106,12 @@ class SequentialAggregator(TrunkAggregator):
             self._heard_from()
             if client_id == self._current:
                 self._since = self.clock()
-                done: Future[None] = Future()
+                done: Future[None] = Promise()
                 done.set_result(None)
                 return done
             future = self._waiting.get(client_id)
             if future is None or future.done():
-                future = Future()
+                future = Promise()
                 self._waiting[client_id] = future
             if client_id not in self._queue:
                 self._queue.append(client_id)  # not announced, or skipped earlier: after the others
