@@ -15,10 +15,12 @@ import torch
 from conftest import tiny_model
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitfed.channel import regionio, shared
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel.client import TrunkClient
 from splitfed.channel.enginelink import read_frame, write_frame
 from splitfed.channel.limits import CLIENT_ID_KEY, SERVICE_NAME
+from splitfed.channel.regions import SharedRegion
 from splitfed.channel.split_channel_pb2_grpc import SplitChannelStub
 from splitfed.split import CutState, split_model
 from splitfed.trunk.aggregation import make_aggregator
@@ -53,7 +55,16 @@ def _train(trunk_server, frontends: int, steps: int = 2):  # type: ignore[no-unt
     return split.trunk, server, outs
 
 
-def test_training_through_front_ends_equals_training_against_the_engine(trunk_server) -> None:
+@pytest.mark.parametrize("regions", [False, True])
+def test_training_through_front_ends_equals_training_against_the_engine(trunk_server, monkeypatch,
+                                                                        regions: bool) -> None:
+    opened: list[str] = []
+    if regions:  # the tiny tensors travel through shared-memory regions, which the engine reads itself
+        monkeypatch.setattr(shared, "MIN_REGION_TENSOR_BYTES", 1)
+        monkeypatch.setattr(regionio, "ARRIVAL_MIN_BYTES", 1)
+        create = SharedRegion.create
+        monkeypatch.setattr(SharedRegion, "create", classmethod(
+            lambda cls, nbytes: opened.append("region") or create(nbytes)))
     ref_trunk, _, ref_outs = _train(trunk_server, frontends=0)
     trunk, server, outs = _train(trunk_server, frontends=2)
     assert sorted(outs) == sorted(ref_outs) and len(outs) == 2 * len(LENGTHS)
@@ -66,6 +77,9 @@ def test_training_through_front_ends_equals_training_against_the_engine(trunk_se
     for (name, a), b in zip(ref_trunk.state_dict().items(), trunk.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-6), name
     assert server.runtime.version == 2
+    if regions:
+        assert len(opened) >= 2 * len(LENGTHS)  # each client had a region, with each server
+        assert server.runtime.io.stats["brought"] >= 2 * len(outs)  # every tensor was brought by the engine
 
 
 def test_statuses_health_and_streams_cross_a_front_end_unchanged(trunk_server) -> None:
