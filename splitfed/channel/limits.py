@@ -9,6 +9,8 @@ from splitfed.errors import ConfigError
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SplitChannel"].full_name
 CLIENT_ID_KEY = "x-splitfed-client"
+#: Call metadata naming the model a request is for (a server holding one model also takes requests without it).
+MODEL_KEY = "x-splitfed-model"
 RETRY_KEYS = ("grpc-previous-rpc-attempts", "x-splitfed-retry")
 
 
