@@ -26,7 +26,7 @@ from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel import split_channel_pb2_grpc as pb_grpc
 from splitfed.channel.lanes import Lane
-from splitfed.channel.limits import CLIENT_ID_KEY, ChannelLimits
+from splitfed.channel.limits import CLIENT_ID_KEY, MODEL_KEY, ChannelLimits
 from splitfed.channel.shared import SharedLane
 from splitfed.channel.retry import RetryPolicy
 from splitfed.channel.wire import (
@@ -92,6 +92,8 @@ class TrunkClient:
             socket when it cannot be mapped; ``on``: try whatever the address; ``off``: always the socket
             (see :mod:`splitfed.channel.regions`).
         shared_memory_bytes: size of that region.
+        model: the model this client's calls are for, on a server that holds several (sent as
+            ``x-splitfed-model`` metadata; empty: none is sent, and a server holding one model serves it).
     """
 
     def __init__(self, address: str, *, client_id: str | None = None, insecure: bool = False,
@@ -101,7 +103,7 @@ class TrunkClient:
                  options: Sequence[tuple[str, Any]] = (),
                  wire_compression: WireCompression | str | None = None,
                  cut: tuple[int, int] | None = None, channels: int = 1, max_in_flight: int = 4,
-                 shared_memory: str = "auto", shared_memory_bytes: int = 64 << 20) -> None:
+                 shared_memory: str = "auto", shared_memory_bytes: int = 64 << 20, model: str = "") -> None:
         tune_malloc()
         self.cut = (0, 0) if cut is None else (int(cut[0]), int(cut[1]))
         if credentials is None and not insecure:
@@ -136,7 +138,10 @@ class TrunkClient:
         self._turn = itertools.count()
         self.max_in_flight = max_in_flight
         self._pool: ThreadPoolExecutor | None = None
+        self.model = model
         self._metadata: list[tuple[str, str]] = [(CLIENT_ID_KEY, self.client_id)]
+        if model:
+            self._metadata.append((MODEL_KEY, model))
         if token is not None:
             self._metadata.append(("authorization", f"Bearer {token}"))
         self._reply_needs_stream = False
@@ -203,7 +208,7 @@ class TrunkClient:
 
     # -- RPCs ----------------------------------------------------------------------
     def info(self) -> pb.InfoReply:
-        """The server's model, cuts, trunk mode, version and limits."""
+        """The served model's name, cuts, trunk mode and version, and the server's limits."""
         return self._invoke("Info", self._stub.Info, pb.InfoRequest())
 
     def join(self) -> int:
