@@ -1,8 +1,8 @@
 """A router's connection to one trunk server: its gRPC channel, whether it lives, which models it holds, its load.
 
 Liveness is gRPC's health check of the backend (service ``""``): a backend is
-live while it answers SERVING, and down from the first probe that fails or times
-out. The models it holds come from its ``Info`` (a server holding one model
+live while it answers SERVING, and down from the first probe that finds it
+unreachable or not serving, or after :data:`MISSES` probes in a row that time out. The models it holds come from its ``Info`` (a server holding one model
 names it there) and, for a model a call names that no backend is known to
 hold, from the backend's per-model health service (``<SplitChannel>/<model>``,
 which a server holding several models reports). Where the backend exports
@@ -32,6 +32,9 @@ from splitfed.channel.routing.table import ANY_MODEL, BackendState
 log = logging.getLogger(__name__)
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
+#: Health checks in a row that may time out before a backend that answered before counts as down (a refused
+#: connection or NOT_SERVING counts at once).
+MISSES = 3
 
 
 def model_health_name(model: str) -> str:
@@ -79,6 +82,7 @@ class Backend:
         self._info: Any = None
         self._named: frozenset[str] = frozenset()  # the model its Info names
         self._probing: asyncio.Task[bool] | None = None
+        self._misses = 0
 
     def open(self) -> None:
         """Create the channel (on the router's event loop: aio channels belong to the loop that made them)."""
@@ -112,13 +116,13 @@ class Backend:
         return call
 
     # -- probes --------------------------------------------------------------------------------------
-    async def _check(self, service: str) -> int | None:
-        """The health status of ``service`` (None: the backend did not answer, or does not know the service)."""
+    async def _check(self, service: str) -> int | grpc.StatusCode:
+        """The health status of ``service``, or the status code of the check that failed."""
         try:
             reply = await self._health.Check(health_pb2.HealthCheckRequest(service=service),
                                              timeout=self.probe_timeout_s)
-        except grpc.aio.AioRpcError:
-            return None
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
         return int(reply.status)
 
     async def probe(self) -> bool:
@@ -130,7 +134,15 @@ class Backend:
 
     async def _probe(self) -> bool:
         state = self.state
-        live = await self._check("") == _SERVING
+        answer = await self._check("")
+        live = answer == _SERVING
+        if not live and state.live and answer is grpc.StatusCode.DEADLINE_EXCEEDED:
+            # slow, not gone (a loaded host): down only after MISSES probes in a row
+            self._misses += 1
+            if self._misses < MISSES:
+                log.debug("health check of %s timed out (%d of %d)", self.address, self._misses, MISSES)
+                return True
+        self._misses = 0
         if live and not state.live:
             self._named = await self._models()
             state.models = self._named

@@ -125,8 +125,7 @@ class Router:
             raise ConfigError(f"a backend is listed twice: {list(backends)}")
         metrics = dict(metrics or {})
         options = list(limits.grpc_options()) + list(backend_options)
-        self.backends = [Backend(a, i, credentials=backend_credentials, options=options, metrics_url=metrics.get(a),
-                                 probe_timeout_s=min(1.0, max(probe_interval_s, 0.1)))
+        self.backends = [Backend(a, i, credentials=backend_credentials, options=options, metrics_url=metrics.get(a))
                          for i, a in enumerate(backends)]
         self.table = RouteTable([b.state for b in self.backends], sticky_idle_s=sticky_idle_s)
         self.limits = limits
