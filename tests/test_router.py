@@ -103,6 +103,25 @@ def test_each_client_stays_on_its_backend_and_new_clients_spread(started: Callab
     assert [s["pinned"] for s in router.stats()] == [0, 0]
 
 
+def test_a_backward_follows_its_forward_when_the_loads_change(started: Callable[..., Any]) -> None:
+    # Prepare: c0's forward lands on backend 0; then backend 0 gets busier than backend 1
+    servers = [started(TrunkServer(_cnn_trunk(), insecure=True, aggregator=make_aggregator("async")))
+               for _ in range(2)]
+    router = _router(started, servers)
+    c0, c1, c2 = (TrunkClient(router.address, insecure=True, client_id=f"c{i}", retry=NO_RETRY) for i in range(3))
+    act, out = _act(c0)
+    c1.info()  # backend 1
+    c2.info()  # backend 0 (a tie goes to the first)
+    c1.leave()  # backend 1 has no client now
+    assert [s["pinned"] for s in router.stats()] == [2, 0]
+    # Execute
+    reply = c0.backward(act, torch.ones_like(out))
+    # Assert: c0's backward met its forward on backend 0 although backend 1 is idle
+    assert reply.outcome == "APPLIED" and servers[0].runtime.version == 1 and servers[1].runtime.version == 0
+    for c in (c0, c1, c2):
+        c.close()
+
+
 def test_pins_last_while_a_session_is_open_and_end_at_leave(started: Callable[..., Any]) -> None:
     # Prepare: a tiny Llama trunk on two backends
     model = tiny_model("llama").eval()
@@ -416,13 +435,17 @@ def test_shared_memory_regions_open_on_the_clients_backend(started: Callable[...
     # Prepare: two backends; the client's tensors cross the cut through a region
     servers = _servers(started, 2)
     router = _router(started, servers)
-    TrunkClient(router.address, insecure=True, client_id="first").info()  # takes backend 0: ours goes to 1
+    first = TrunkClient(router.address, insecure=True, client_id="first")
+    first.info()  # takes backend 0: ours goes to 1
     client = TrunkClient(router.address, insecure=True, client_id="shm", shared_memory="on")
-    # Execute: three training steps through the router
+    # Execute: three training steps through the router; after the first, both clients leave the step group
     outcomes = []
-    for _ in range(3):
+    for step in range(3):
         act, out = _act(client)
         outcomes.append(client.backward(act, torch.ones_like(out)).outcome)
+        if step == 0:  # the round ends for both: "shm" keeps its backend, where its region is
+            first.leave()
+            client.leave()
     # Assert: every tensor went through the region, which backend 1 (the client's) opened
     assert outcomes == ["APPLIED"] * 3 and client.shared.calls == 6
     assert router.backend_of("shm") == servers[1].address
@@ -430,3 +453,4 @@ def test_shared_memory_regions_open_on_the_clients_backend(started: Callable[...
     assert servers[1].servicer.regions.total_bytes > 0 and servers[0].servicer.regions.total_bytes == 0
     client.close()
     _wait(lambda: servers[1].servicer.regions.total_bytes == 0)  # CloseRegion reached it too
+    first.close()
