@@ -54,10 +54,13 @@ def serve_page(engine: ChatEngine, host: str = "127.0.0.1", port: int = 7860) ->
 
 
 def _chat(args: argparse.Namespace) -> int:
+    from splitfed.errors import MissingExtraError
+    from splitfed.extras import require
+
     try:
-        import gradio  # noqa: F401 - only to say what to install
-    except ImportError:
-        raise SystemExit("the chat page needs Gradio: pip install 'splitfed[ui]'") from None
+        require("gradio", "the chat page")
+    except MissingExtraError as exc:
+        raise SystemExit(str(exc)) from None
     from splitfed.chat.engine import ChatEngine, Connection
 
     connection = Connection(args.server, insecure=args.insecure, tls_ca=args.tls_ca, token=args.token,

@@ -12,6 +12,7 @@ from typing import Any
 
 from splitfed.chat.engine import ChatEngine
 from splitfed.errors import SplitFedError
+from splitfed.extras import require
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -21,7 +22,7 @@ PROMPT_ID, SEND_ID, CHAT_ID = "splitfed-prompt", "splitfed-send", "splitfed-chat
 
 def theme() -> Any:
     """Gradio's default theme with the browser's own fonts (the default fetches web fonts)."""
-    import gradio as gr
+    gr = require("gradio", "the chat page")
 
     return gr.themes.Default(font=["ui-sans-serif", "system-ui", "sans-serif"],
                              font_mono=["ui-monospace", "monospace"])
@@ -29,7 +30,7 @@ def theme() -> Any:
 
 def build_page(engine: ChatEngine, *, title: str = "splitfed chat") -> Any:
     """The page's ``gradio.Blocks`` (not launched)."""
-    import gradio as gr
+    gr = require("gradio", "the chat page")
 
     where = engine.connection.address
     with gr.Blocks(title=title, analytics_enabled=False) as page:
