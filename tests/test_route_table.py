@@ -49,7 +49,7 @@ def test_only_backends_holding_the_model_and_none_when_no_live_one_does() -> Non
 
 
 def test_leave_ends_a_pin_unless_a_session_or_region_is_open() -> None:
-    table, (b0, b1) = _table()
+    table, (b0, _) = _table()
     table.pick("a", "m")
     table.opened("a", "m")
     table.left("a", "m")
@@ -61,7 +61,7 @@ def test_leave_ends_a_pin_unless_a_session_or_region_is_open() -> None:
 
 def test_idle_pins_expire_unless_they_hold_something() -> None:
     clock = Clock()
-    table, (b0, _) = _table(sticky_idle_s=10.0, clock=clock)
+    table, _ = _table(sticky_idle_s=10.0, clock=clock)
     table.pick("idle", "m")
     table.pick("holder", "m")
     table.opened("holder", "m")

@@ -414,11 +414,10 @@ def test_backend_errors_and_tokens_pass_through_and_the_router_keeps_serving(sta
         bad.join()
     assert err.value.code == "UNAUTHENTICATED"
     # bytes that do not parse: the backend's INVALID_ARGUMENT
-    with grpc.insecure_channel(router.address) as channel:
-        with pytest.raises(grpc.RpcError) as raw:
-            channel.unary_unary(f"/{SERVICE_NAME}/Forward")(b"\xff\xff\xff", timeout=10,
-                                                             metadata=(("authorization", "Bearer " +
-                                                                        tokens.issue(3, 1)),))
+    with grpc.insecure_channel(router.address) as channel, pytest.raises(grpc.RpcError) as raw:
+        channel.unary_unary(f"/{SERVICE_NAME}/Forward")(b"\xff\xff\xff", timeout=10,
+                                                         metadata=(("authorization", "Bearer " +
+                                                                    tokens.issue(3, 1)),))
     assert raw.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     # Assert: the router still serves, and the token's client trains through it
     act, out = _act(good)

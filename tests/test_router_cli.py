@@ -23,6 +23,7 @@ from splitfed.channel.security import pinned_channel_credentials, server_credent
 from splitfed.channel.server import TrunkServer
 from splitfed.split import CutState, split_model
 
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -39,7 +39,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.limits import CLIENT_ID_KEY, MODEL_KEY, SERVICE_NAME, ChannelLimits
+from splitfed.channel.limits import (
+    CLIENT_ID_KEY,
+    MODEL_KEY,
+    SERVICE_NAME,
+    ChannelLimits,
+)
 from splitfed.channel.routing.backends import Backend, model_health_name
 from splitfed.channel.routing.table import ANY_MODEL, RouteTable
 from splitfed.errors import ConfigError
