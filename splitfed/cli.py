@@ -22,8 +22,8 @@ def _cuts(text: str) -> tuple[int, int]:
 
 
 def _build_server(rank: int, args: argparse.Namespace) -> Any:
-    """Replica ``rank``'s trunk server for ``splitfed serve`` (not started); rank r listens on ``--port`` + r and,
-    with several replicas and a GPU each, computes on ``cuda:r``."""
+    """Replica ``rank``'s trunk server for ``splitfed serve`` (not started); with several replicas, rank r listens on
+    ``--port`` + 1 + r (the router takes ``--port``) and, with a GPU each, computes on ``cuda:r``."""
     from splitfed.channel.server import TrunkServer
     from splitfed.config import RunConfig
     from splitfed.parts import build_parts, is_pretrained, model_cuts
@@ -52,7 +52,8 @@ def _build_server(rank: int, args: argparse.Namespace) -> Any:
         trunk = trunk.to(replica_device(rank, args.replicas))
     aggregator = (replica_aggregator if args.replicas > 1 else make_aggregator)(
         args.trunk_mode, quorum=args.quorum, max_staleness=args.max_staleness, timeout=args.trunk_timeout)
-    return TrunkServer(trunk, host=args.host, port=args.port + rank if args.port else 0, insecure=args.insecure,
+    port = args.port + rank + (1 if args.replicas > 1 else 0) if args.port else 0
+    return TrunkServer(trunk, host=args.host, port=port, insecure=args.insecure,
                        credentials=credentials, optimizer=args.optimizer, lr=args.lr, aggregator=aggregator,
                        model_name=args.model, cuts=cuts, batch_window_ms=args.batch_window_ms,
                        max_batch_tokens=args.max_batch_tokens, checkpointing=args.checkpointing,
@@ -66,16 +67,20 @@ def _serve(args: argparse.Namespace) -> int:
         return serve_models(args)  # one or several models on one port (and the admin service)
     args.model = args.model[0]
     server = _build_server(0, args).start()
-    replicas = None
+    replicas = router = None
     if args.replicas > 1:
+        from splitfed.cli_route import replica_router
         from splitfed.launcher import ReplicaSet
 
         replicas = ReplicaSet(server, args.replicas, _build_server, (args,), timeout_s=max(args.trunk_timeout * 2,
                                                                                              60.0)).start()
-    log.info("serving the trunk of %s on %s", args.model,
-             ", ".join(replicas.addresses) if replicas is not None else server.address)
+        router = replica_router(args, replicas.addresses).start()  # one address in front of the replicas
+    log.info("serving the trunk of %s on %s", args.model, server.address if router is None else
+             f"{router.address} (replicas: {', '.join(replicas.addresses)})")
 
     def stop(*_: object) -> None:
+        if router is not None:
+            router.stop()
         if replicas is not None:
             replicas.stop()
         server.stop()
@@ -205,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="positions (batch x length) one batched trunk call may hold")
     serve.add_argument("--replicas", type=int, default=1,
                        help="trunk replicas over torch.distributed (one per GPU when there are enough, else CPU "
-                            "processes); replica r listens on --port + r")
+                            "processes) behind a router on --port; replica r also listens on --port + 1 + r")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on the trunk")
     serve.set_defaults(func=_serve)
@@ -231,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="seed of the sampler")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.set_defaults(func=_generate)
+
+    from splitfed import chat, cli_route
+
+    cli_route.add_parser(sub)
+    chat.add_parser(sub)
 
     report = sub.add_parser("report", help="plots and a summary table from a run's history.json")
     report.add_argument("output_dir", help="the run's output-dir (holding history.json)")

@@ -1,7 +1,7 @@
 """Optional dependencies: import one where its feature is used, or say which extra installs it.
 
 ``pip install splitfed`` is what a deployed client and a trunk server need; each extra
-(``simulation``, ``data``, ``privacy``, ``plots``, ``llm``, ``tensorboard``, ``all``)
+(``simulation``, ``data``, ``privacy``, ``plots``, ``llm``, ``tensorboard``, ``ui``, ``all``)
 brings the packages of one feature. Modules never import an extra's package at import
 time; they call :func:`require` where the feature starts.
 """
@@ -16,7 +16,7 @@ from splitfed.errors import MissingExtraError
 #: Top-level package -> the extra that installs it.
 EXTRA_OF = {
     "ray": "simulation", "datasets": "data", "flwr_datasets": "data", "mlxtend": "data", "opacus": "privacy", "matplotlib": "plots",
-    "gguf": "llm", "accelerate": "llm", "peft": "llm", "tensorboard": "tensorboard",
+    "gguf": "llm", "accelerate": "llm", "peft": "llm", "tensorboard": "tensorboard", "gradio": "ui",
 }
 
 

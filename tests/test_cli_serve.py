@@ -45,30 +45,38 @@ def test_serve_refuses_plaintext_without_insecure() -> None:
     assert result.returncode != 0 and "--insecure" in result.stderr
 
 
-def _free_port_pair() -> int:
-    """A port P with P + 1 free too (replica 1 listens on --port + 1)."""
+def _free_ports(n: int) -> int:
+    """A port P with P + 1 .. P + n - 1 free too (replica r listens on --port + 1 + r)."""
     for _ in range(50):
         port = _free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
+        try:
+            for k in range(1, n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + k))
+        except OSError:
+            continue
         return port
-    raise RuntimeError("no two consecutive free ports")
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def test_serve_replicas_take_global_sync_steps() -> None:
-    """`splitfed serve --replicas 2`: replica r on --port + r; a sync step waits for the clients of both."""
+    """`splitfed serve --replicas 2`: one address (the router's) in front of both replicas, which also listen on
+    --port + 1 + r; the router puts two clients on different replicas, and a sync step waits for the clients of
+    both."""
     import threading
 
-    port = _free_port_pair()
+    port = _free_ports(3)
     proc = subprocess.Popen([sys.executable, "-m", "splitfed.cli", "serve", "--model", "mnist-cnn", "--cuts", "3,6",
                              "--port", str(port), "--insecure", "--replicas", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     outcome: list[object] = []
     try:
-        clients = [TrunkClient(f"127.0.0.1:{port + r}", insecure=True, client_id=f"c{r}") for r in range(2)]
+        for r in range(2):  # each replica's own port
+            direct = TrunkClient(f"127.0.0.1:{port + 1 + r}", insecure=True)
+            direct.wait_ready(120)
+            assert direct.info().model == "mnist-cnn"
+            direct.close()
+        clients = [TrunkClient(f"127.0.0.1:{port}", insecure=True, client_id=f"c{r}") for r in range(2)]
         for client in clients:
             client.wait_ready(120)
         acts = [uuid.uuid4().hex for _ in clients]
@@ -92,3 +100,4 @@ def test_serve_replicas_take_global_sync_steps() -> None:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out[-3000:]
+    assert f"on 127.0.0.1:{port} (replicas: 127.0.0.1:{port + 1}, 127.0.0.1:{port + 2})" in out, out[-3000:]
