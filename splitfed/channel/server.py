@@ -46,6 +46,22 @@ __all__ = ["CLIENT_ID_KEY", "RETRY_KEYS", "SERVICE_NAME", "ChannelLimits", "Trun
 log = logging.getLogger(__name__)
 
 
+def _bind_error(host: str, port: int) -> str:
+    """Why ``host:port`` cannot be bound, in words that say what to do."""
+    import errno
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host.strip("[]"), port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return (f"port {port} is in use (another trunk server?); stop what listens there or pick another port "
+                    "(0: a free one)")
+        return f"{exc.strerror or exc}; bind an address of this host (127.0.0.1, 0.0.0.0)"
+    return "gRPC refused the address; check the host and port"
+
+
 class TrunkServer:
     """Serves a trunk over the split channel.
 
@@ -73,6 +89,9 @@ class TrunkServer:
         shared_memory_bytes: bytes of shared memory each client on this host may map for its tensors
             (:mod:`splitfed.channel.regions`; 0: none, every tensor travels over the socket).
         shared_memory_total_bytes: bytes of shared memory all clients may map together.
+        reuse_port: let other processes of this same server listen on ``port`` too (``SO_REUSEPORT``: the
+            kernel spreads connections over them). Off (default), a port another process listens on is refused
+            at :meth:`start`, so two servers never share a port by accident.
     """
 
     def __init__(self, trunk: nn.Module | TrunkRuntime, *, host: str = "127.0.0.1", port: int = 0,
@@ -87,7 +106,7 @@ class TrunkServer:
                  interceptors: list[Any] | None = None,
                  session_limits: SessionLimits = SessionLimits(), metrics_port: int | None = None,
                  metrics_host: str = "127.0.0.1", shared_memory_bytes: int = 256 << 20,
-                 shared_memory_total_bytes: int = 4 << 30) -> None:
+                 shared_memory_total_bytes: int = 4 << 30, reuse_port: bool = False) -> None:
         tune_malloc()
         if credentials is None and not insecure:
             raise ConfigError("the trunk server needs TLS credentials, or insecure=True to serve plaintext "
@@ -108,6 +127,7 @@ class TrunkServer:
         self.limits = limits
         self.host = host
         self._requested_port = port
+        self._reuse_port = reuse_port
         self._credentials = credentials
         period = max(min(self.runtime.store.limits.ttl_s / 4, 10.0), 0.05)
         self.scheduler = TrunkScheduler(self.runtime, batch_window_ms=batch_window_ms,
@@ -167,7 +187,9 @@ class TrunkServer:
         return self
 
     async def _start(self) -> None:
-        server = grpc.aio.server(options=self.limits.grpc_options(), interceptors=self._interceptors,
+        # gRPC turns SO_REUSEPORT on by default: a second server on a busy port would bind and share it silently.
+        options = self.limits.grpc_options() + [("grpc.so_reuseport", int(self._reuse_port))]
+        server = grpc.aio.server(options=options, interceptors=self._interceptors,
                                  maximum_concurrent_rpcs=self._max_concurrent_rpcs)
         server.add_generic_rpc_handlers((method_handlers(self.servicer),))
         self.health = health.aio.HealthServicer()
@@ -183,7 +205,10 @@ class TrunkServer:
         except RuntimeError:
             self.port = 0
         if not self.port:
-            raise ConfigError(f"could not bind the trunk server to {target}; is the port in use?")
+            await server.stop(None)  # never started: release it on this loop, and drop it (the traceback would
+            del server               # keep this frame, and the server's __del__ would run at interpreter exit)
+            why = _bind_error(self.host, self._requested_port)
+            raise ConfigError(f"could not bind the trunk server to {target}: {why}")
         await server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
