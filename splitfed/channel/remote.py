@@ -127,5 +127,12 @@ class RemoteTrunk(nn.Module):
         return state.with_hidden(out.to(device=state.hidden.device, dtype=state.hidden.dtype))
 
     def close(self) -> None:
-        """Close the connection."""
+        """Leave the trunk's step group (when this client trained) and close the connection; ``with
+        RemoteTrunk(...) as trunk:`` does it on leaving the block."""
         self.client.close()
+
+    def __enter__(self) -> RemoteTrunk:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
