@@ -1,18 +1,20 @@
-"""A client that is done leaves the trunk's step group: the README's client, run twice as a user would, never
-waits for a timeout."""
+"""A client that is done leaves the trunk's step group, and a client cut elsewhere than the trunk is refused at
+its first call, naming both cuts; the README's client, run twice as a user would, never waits for a timeout."""
 
 from __future__ import annotations
 
 import threading
 import uuid
 
+import grpc
 import pytest
 import torch
 from doc_blocks import ROOT, python_blocks
 
 from splitfed.channel.client import RemoteTrunk, TrunkClient
 from splitfed.channel.server import TrunkServer
-from splitfed.models import mnist_cnn
+from splitfed.errors import ChannelError, SplitError
+from splitfed.models import build_model, mnist_cnn
 from splitfed.split import CutState, SplitModel, split_model
 from splitfed.trunk.aggregation import SyncAggregator
 
@@ -93,3 +95,49 @@ def test_the_readme_client_twice_does_not_wait_for_the_trunk_timeout() -> None:
         assert not errors and server.runtime.version == 2
     finally:
         server.stop(grace=0)
+
+
+def test_a_client_cut_elsewhere_is_refused_naming_both_cuts_and_the_server_keeps_serving() -> None:
+    server = _cnn_server((3, 6))
+    try:
+        before = {k: v.clone() for k, v in server.runtime.trunk.state_dict().items()}
+        wrong = split_model(mnist_cnn(), (2, 6))
+        with RemoteTrunk(server.address, insecure=True) as trunk:
+            model = SplitModel(wrong.bottom, trunk, wrong.top, task="classification")
+            with pytest.raises(ChannelError) as caught:
+                _step(model)
+        assert caught.value.code == "INVALID_ARGUMENT"
+        assert "cut at (2, 6)" in str(caught.value) and "[3, 6)" in str(caught.value)
+        assert all(torch.equal(v, server.runtime.trunk.state_dict()[k]) for k, v in before.items())
+        assert server.runtime.aggregator.members == frozenset()  # a refused client holds up nobody
+        right = split_model(mnist_cnn(), (3, 6))
+        with RemoteTrunk(server.address, insecure=True) as trunk:
+            _step(SplitModel(right.bottom, trunk, right.top, task="classification"))
+        assert server.runtime.version == 1
+    finally:
+        server.stop(grace=0)
+
+
+def test_a_transformer_client_cut_elsewhere_is_refused_though_the_shapes_match() -> None:
+    """Every GPT-2 block takes the same shape: without the cut on the wire the trunk would run the wrong blocks."""
+    torch.manual_seed(0)
+    server = TrunkServer(split_model(build_model("tiny-gpt2", vocab_size=64), (2, 4)).trunk, insecure=True).start()
+    try:
+        client = split_model(build_model("tiny-gpt2", vocab_size=64), (1, 4))
+        ids = torch.randint(0, 64, (2, 8))
+        with RemoteTrunk(server.address, insecure=True) as trunk:
+            model = SplitModel(client.bottom, trunk, client.top, task="causal-lm")
+            with pytest.raises(ChannelError, match=r"cut at \(1, 4\).*\[2, 4\)"):
+                model(ids, labels=ids)
+    finally:
+        server.stop(grace=0)
+
+
+def test_a_remote_trunk_given_another_cut_than_its_parts_is_refused_at_once() -> None:
+    parts = split_model(mnist_cnn(), (3, 6))
+    trunk = RemoteTrunk("127.0.0.1:1", insecure=True, cut=(1, 6))
+    try:
+        with pytest.raises(SplitError, match=r"cut=\(1, 6\).*\(3, 6\)"):
+            SplitModel(parts.bottom, trunk, parts.top, task="classification")
+    finally:
+        trunk.close()
