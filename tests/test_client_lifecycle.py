@@ -133,6 +133,18 @@ def test_a_transformer_client_cut_elsewhere_is_refused_though_the_shapes_match()
         server.stop(grace=0)
 
 
+def test_a_client_that_sends_no_cut_gets_the_trunk_cuts_in_the_shape_error() -> None:
+    server = _cnn_server((3, 6))
+    try:
+        with TrunkClient(server.address, insecure=True) as client:
+            with pytest.raises(ChannelError) as caught:
+                client.forward(CutState(torch.randn(2, 16, 14, 14)), train=True)
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT.name
+        assert "16 channels" in str(caught.value) and "cuts=(3, 6)" in str(caught.value)
+    finally:
+        server.stop(grace=0)
+
+
 def test_a_remote_trunk_given_another_cut_than_its_parts_is_refused_at_once() -> None:
     parts = split_model(mnist_cnn(), (3, 6))
     trunk = RemoteTrunk("127.0.0.1:1", insecure=True, cut=(1, 6))

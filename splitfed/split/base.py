@@ -159,6 +159,16 @@ def client_cut(bottom: nn.Module, top: nn.Module) -> tuple[int, int] | None:
     return None if low is None or high is None else (low[1], high[0])
 
 
+def input_mismatch_hint(trunk_range: tuple[int, int] | None) -> str:
+    """What to check when a trunk could not run a client's input: most often the client was split at other cuts
+    (and did not send them), so its activation has another shape than this trunk's first block takes."""
+    if trunk_range is None:
+        return ""
+    lo, hi = int(trunk_range[0]), int(trunk_range[1])
+    return (f"; this trunk holds blocks [{lo}, {hi}) (cuts {lo},{hi}): a client split at other cuts sends activations "
+            f"of another shape, so split the client's model at cuts=({lo}, {hi})")
+
+
 def with_client_cut(state: CutState, cut_start: int, cut_end: int, trunk_range: tuple[int, int] | None, *,
                     session: bool = False) -> CutState:
     """``state`` with the blocks a client's cut asks the trunk to run (see :func:`requested_blocks`).
