@@ -207,6 +207,13 @@ def main(argv: list[str] | None = None) -> int:
                         "client-cuts value, e.g. \"2,6 3,6\"")
     parser.add_argument("--extra", default="", help="run-config overrides for every run, e.g. \"local-steps=10\"")
     args = parser.parse_args(argv)
+    from splitfed.config import check_keys, override_keys
+    from splitfed.errors import ConfigError
+
+    try:  # before any run: Flower would only say "[code: 15] Invalid run configuration"
+        check_keys(override_keys(args.extra))
+    except ConfigError as exc:
+        parser.error(f"--extra: {exc}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the processes started are ended below
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
