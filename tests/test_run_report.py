@@ -29,8 +29,10 @@ def test_a_dp_language_model_run_reports_perplexity_and_epsilon_and_stays_quiet(
     assert 1 < float(columns["eval-ppl"]) < 8192 and 0 < float(columns["epsilon"]) <= 8.0
 
 
-def test_a_trunk_server_stopping_under_a_connected_client_writes_nothing_to_stderr(tmp_path: Path) -> None:
-    """gRPC logs below ERROR stay off stderr (GRPC_VERBOSITY defaults to ERROR once splitfed.channel loads)."""
+def test_trunk_servers_stopping_or_left_running_write_nothing_to_stderr(tmp_path: Path) -> None:
+    """A server stopped under a connected client, and one a script leaves running as it ends: nothing on stderr
+    (gRPC logs below ERROR stay off, GRPC_VERBOSITY defaulting to ERROR once splitfed.channel loads; a server still
+    running at exit is stopped before the interpreter tears gRPC down)."""
     script = (
         "import os, torch\n"
         "assert 'GRPC_VERBOSITY' not in os.environ\n"
@@ -46,6 +48,7 @@ def test_a_trunk_server_stopping_under_a_connected_client_writes_nothing_to_stde
         "server.stop(grace=0)\n"  # the client is still connected
         "trunk.close()\n"
         "assert os.environ['GRPC_VERBOSITY'] == 'ERROR'\n"
+        "left = TrunkServer(split_model(mnist_cnn(), (3, 6)).trunk, insecure=True).start()\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])

@@ -12,8 +12,10 @@ gRPC's standard health service and server reflection.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -60,6 +62,12 @@ def _bind_error(host: str, port: int) -> str:
                     "(0: a free one)")
         return f"{exc.strerror or exc}; bind an address of this host (127.0.0.1, 0.0.0.0)"
     return "gRPC refused the address; check the host and port"
+
+
+def _stop_at_exit(ref: weakref.ref[TrunkServer]) -> None:
+    server = ref()
+    if server is not None:
+        server.stop(grace=0)
 
 
 class TrunkServer:
@@ -182,6 +190,8 @@ class TrunkServer:
             raise
         if self.metrics is not None:
             self.metrics_port = self.metrics.serve(self._metrics_port or 0, self._metrics_host)
+        # A script that ends without stop(): stop before the interpreter tears gRPC down under a live server.
+        atexit.register(_stop_at_exit, weakref.ref(self))
         log.info("trunk server listening on %s (%s, %s)", self.address,
                  "TLS" if self._credentials is not None else "plaintext", self.runtime.aggregator.describe())
         return self
