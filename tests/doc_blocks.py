@@ -1,5 +1,5 @@
 """The Python blocks of README.md and docs/*.md, and running them as a reader would: a document's blocks in order,
-in one fresh Python process (so a later block sees what an earlier one defined), from a scratch folder.
+in one namespace (so a later block sees what an earlier one defined), from a scratch folder of its own.
 
 A block the tests cannot run is marked on the line before its fence with ``<!-- not-run: the reason -->`` (it
 needs a GPU, several GPUs, a remote host); the tests list and count those.
@@ -15,19 +15,31 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(.*?)\s*-->\s*$")
 
-# Runs each block in one namespace; a block's frames are named after its document and line.
+# Runs each document's blocks in order in a namespace of its own, from the document's own folder; a document whose
+# block fails is reported (its traceback) and the next document runs. Results go to a JSON file.
 _RUNNER = """
-import json, sys
-namespace = {"__name__": "__main__"}
-for label, code in json.load(open(sys.argv[1])):
-    print(f"--- {label}", flush=True)
-    exec(compile(code, label, "exec"), namespace)
-print("--- all blocks ran", flush=True)
+import json, os, sys, traceback
+documents = json.load(open(sys.argv[1]))
+results = {}
+for doc, folder, blocks in documents:
+    os.chdir(folder)
+    namespace = {"__name__": "__main__"}
+    results[doc] = {"ran": []}
+    for label, code in blocks:
+        print(f"--- {label}", flush=True)
+        try:
+            exec(compile(code, label, "exec"), namespace)
+        except BaseException:
+            results[doc]["error"] = traceback.format_exc()
+            break
+        results[doc]["ran"].append(label)
+json.dump(results, open(sys.argv[2], "w"))
 """
 
 
@@ -79,13 +91,16 @@ def substitute(blocks: Sequence[Block], substitutions: Sequence[tuple[str, str]]
     return out
 
 
-def run_blocks(blocks: Sequence[tuple[str, str]], workdir: Path, timeout: float = 600.0
-               ) -> subprocess.CompletedProcess[str]:
-    """Run ``(label, code)`` blocks in order in one fresh interpreter whose working directory is ``workdir`` and
-    which imports this checkout."""
-    program = workdir / "blocks.json"
-    program.write_text(json.dumps(list(blocks)))
+def run_documents(documents: Sequence[tuple[str, Path, Sequence[tuple[str, str]]]], workdir: Path,
+                  timeout: float = 1200.0) -> tuple[dict[str, dict[str, Any]], subprocess.CompletedProcess[str]]:
+    """Run each document's ``(label, code)`` blocks, in order, in one fresh interpreter that imports this checkout
+    (paying the imports once): every document in a namespace of its own, from its own folder. Returns, by
+    document, the labels of the blocks that ran and the traceback of the one that failed, and the process."""
+    program, results = workdir / "documents.json", workdir / "results.json"
+    program.write_text(json.dumps([(doc, str(folder), list(blocks)) for doc, folder, blocks in documents]))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-c", _RUNNER, str(program)], cwd=workdir, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    env.pop("GRPC_VERBOSITY", None)  # as a user's shell has it
+    process = subprocess.run([sys.executable, "-c", _RUNNER, str(program), str(results)], cwd=workdir, env=env,
+                             capture_output=True, text=True, timeout=timeout)
+    return (json.loads(results.read_text()) if results.exists() else {}), process
