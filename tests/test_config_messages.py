@@ -73,3 +73,20 @@ def test_lora_on_the_cnn_trains_the_layers_it_names_and_only_their_adapters() ->
     moved = {k for k in before if not torch.equal(before[k], after[k])}
     assert moved and all("lora_" in k for k in moved)
     assert any(k.startswith("trunk.") for k in moved) and any(k.startswith("top.") for k in moved)
+
+
+@pytest.mark.slow
+def test_flowers_code_15_names_the_key_in_the_superlink_log_the_readme_points_to(tmp_path) -> None:
+    """README: a key pyproject does not define gets Flower's "[code: 15] Invalid run configuration"; the key is
+    in $FLWR_HOME/local-superlink/superlink.log."""
+    from test_e2e_flwr import _env, _kill_tree_matching, flwr_run
+
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    try:
+        output = flwr_run([".", "local", "--stream", "--run-config", "num-server-round=2"], _env(home))
+    finally:
+        _kill_tree_matching(str(home))
+    assert "[code: 15]" in output and "Invalid run configuration" in output
+    log = (home / "local-superlink" / "superlink.log").read_text()
+    assert "Key 'num-server-round' is not present in the main dictionary" in log
