@@ -79,8 +79,9 @@ class RunIdentity:
         doc = meta.get(META_KEY)
         if not isinstance(doc, Mapping):
             return None
-        return cls(str(doc.get("app", "")), str(doc.get("model", "")), tuple(doc.get("cuts", (0, 0))),  # type: ignore[arg-type]
-                   str(doc.get("strategy", "")), dict(doc.get("settings", {})))
+        a, b = doc.get("cuts", (0, 0))
+        return cls(str(doc.get("app", "")), str(doc.get("model", "")), (int(a), int(b)), str(doc.get("strategy", "")),
+                   dict(doc.get("settings", {})))
 
     def differences(self, saved: RunIdentity) -> list[str]:
         """What differs between this run and the one that wrote ``saved``, in words (empty: the same run)."""

@@ -61,7 +61,8 @@ TRUNK_ADDRESS = _trunk_host.address  # stands in for trunk-host:50051
 SETUP: dict[str, tuple[Callable[[Path], None] | None, str, list[tuple[str, str]]]] = {
     "README.md": (lambda d: _tiny_bert(d / "tiny-bert"), "", [('"minilm-l6"', '"tiny-bert"')]),
     "docs/generation.md": (lambda d: _tiny_llama(d / "tiny-llama"), "", [
-        ('"smollm2-135m"', '"tiny-llama"'), ("(3, 27)", "(1, 3)"), ("+ 64", "+ 8"), ("max_new_tokens=64", "max_new_tokens=8")]),
+        ('"smollm2-135m"', '"tiny-llama"'), ("(3, 27)", "(1, 3)"), ("+ 64", "+ 8"),
+        ("max_new_tokens=64", "max_new_tokens=8")]),
     "docs/performance.md": (None, TRUNK_HOST, [('"trunk-host:50051"', "TRUNK_ADDRESS")]),
     "docs/privacy.md": (None, "", [("steps=30", "steps=3"), ('"image"), 30)', '"image"), 3)')]),
 }
