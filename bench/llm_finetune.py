@@ -41,16 +41,23 @@ def pretrained_perplexity(model_name: str, seq_len: int, batch_size: int) -> flo
     return math.exp(total / n)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    """The command's options."""
+    parser = argparse.ArgumentParser(prog="python -m bench.llm_finetune", description=__doc__)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--local-steps", type=int, default=8)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--out", default=str(ROOT / "docs" / "img" / "llm_finetune.json"))
-    args = parser.parse_args()
+    parser.add_argument("--out", default="outputs/llm_finetune.json",
+                        help="where to write the results (default: %(default)s; docs/img/llm_finetune.json is the "
+                             "committed one)")
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
 
     from splitfed.llm import NAMED_LLMS, load_parts, model_dir, parts_nbytes
 

@@ -1,4 +1,4 @@
-"""Compare the trunk variants on the main job: ``python -m bench.variants [--out docs/img]``.
+"""Compare the trunk variants on the main job: ``python -m bench.variants [--out outputs]``.
 
 Runs the MNIST CNN job with ``flwr run . local`` once per trunk mode -- sync,
 async, quorum, per-client (SplitFed V1) and sequential (SplitFed V2), plus a
@@ -196,17 +196,31 @@ def plot(runs: list[Run], out: Path) -> None:
         plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's options."""
     parser = argparse.ArgumentParser(prog="python -m bench.variants", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(ROOT / "docs" / "img"), help="folder for the plots, JSON and table")
+    parser.add_argument("--out", default="outputs", help="folder for the plots, JSON and table (default: "
+                        "%(default)s; --out docs/img replaces the committed ones)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", nargs="*", help="variant labels to run (default: all)")
     parser.add_argument("--partitions", nargs="*", choices=sorted(PARTITIONS), help="default: both")
     parser.add_argument("--client-cuts", default="", help="add a heterogeneous-cut run (sync) with this "
                         "client-cuts value, e.g. \"2,6 3,6\"")
     parser.add_argument("--extra", default="", help="run-config overrides for every run, e.g. \"local-steps=10\"")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    from splitfed.config import check_keys, override_keys
+    from splitfed.errors import ConfigError
+
+    try:  # before any run: Flower would only say "[code: 15] Invalid run configuration"
+        check_keys(override_keys(args.extra))
+    except ConfigError as exc:
+        parser.error(f"--extra: {exc}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the processes started are ended below
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

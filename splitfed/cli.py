@@ -10,6 +10,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from splitfed.errors import ConfigError, SplitFedError
+
 log = logging.getLogger("splitfed")
 
 
@@ -24,6 +26,9 @@ def _cuts(text: str) -> tuple[int, int]:
 def _build_server(rank: int, args: argparse.Namespace) -> Any:
     """Replica ``rank``'s trunk server for ``splitfed serve`` (not started); with several replicas, rank r listens on
     ``--port`` + 1 + r (the router takes ``--port``) and, with a GPU each, computes on ``cuda:r``."""
+    if not args.insecure and not (args.tls_cert and args.tls_key):  # before anything heavy loads
+        raise ConfigError("give --tls-cert and --tls-key (and --tls-client-ca for mutual TLS), or --insecure "
+                          "to serve plaintext")
     from splitfed.channel.server import TrunkServer
     from splitfed.config import RunConfig
     from splitfed.parts import build_parts, is_pretrained, model_cuts
@@ -31,20 +36,25 @@ def _build_server(rank: int, args: argparse.Namespace) -> Any:
     from splitfed.trunk.replicas import replica_aggregator
 
     cfg = RunConfig(model=args.model, cuts=args.cuts, seed=args.seed, lora_rank=args.lora_rank)
-    try:
-        cuts = model_cuts(cfg)
-    except Exception:
-        raise SystemExit("--cuts A,B is required for this model") from None
+    if cfg.cuts is None and is_pretrained(cfg):
+        from splitfed.llm import NAMED_LLMS, load_config
+
+        if cfg.model not in NAMED_LLMS:
+            load_config(cfg.model)  # ModelLoadError naming the named models when there is no such model
+            raise ConfigError(f"--cuts A,B is required for {cfg.model} (only named models have default cuts)")
+    cuts = model_cuts(cfg)
     # A pretrained model's trunk is read alone from the checkpoint (part-only loading).
     parts = build_parts(cfg, ("trunk",) if is_pretrained(cfg) else ("bottom", "trunk", "top"))
-    credentials = None
+    credentials = frontend_tls = None
     if not args.insecure:
         from splitfed.channel.security import server_credentials
 
-        if not (args.tls_cert and args.tls_key):
-            raise SystemExit("give --tls-cert and --tls-key (and --tls-client-ca for mutual TLS), or --insecure "
-                             "to serve plaintext")
         credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+        if args.frontends:
+            from splitfed.cli_models import read_pem
+
+            frontend_tls = (read_pem(args.tls_key), read_pem(args.tls_cert),
+                            read_pem(args.tls_client_ca) if args.tls_client_ca else None)
     trunk = parts.trunk
     if args.replicas > 1:
         from splitfed.launcher import replica_device
@@ -57,7 +67,8 @@ def _build_server(rank: int, args: argparse.Namespace) -> Any:
                        credentials=credentials, optimizer=args.optimizer, lr=args.lr, aggregator=aggregator,
                        model_name=args.model, cuts=cuts, batch_window_ms=args.batch_window_ms,
                        max_batch_tokens=args.max_batch_tokens, checkpointing=args.checkpointing,
-                       shared_memory_bytes=args.shared_memory_mib << 20)
+                       shared_memory_bytes=args.shared_memory_mib << 20, frontends=args.frontends,
+                       frontend_tls=frontend_tls)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -126,7 +137,13 @@ def _generate(args: argparse.Namespace) -> int:
     from splitfed.channel.client import TrunkClient
     from splitfed.channel.server import TrunkServer
     from splitfed.generation import RemoteSession, generate
+    from splitfed.models import NAMED
 
+    causal = [m.name for m in llm.NAMED_LLMS.values() if m.task == "causal-lm"]
+    if args.model in NAMED or (args.model in llm.NAMED_LLMS and args.model not in causal):
+        raise ConfigError(f"{args.model} cannot generate text: generate needs a pretrained causal LM with a "
+                          f"tokenizer, a named one ({', '.join(causal)}), a save_pretrained folder (e.g. a language "
+                          "model run's outputs/model) or a hub id")
     config = llm.load_config(args.model)
     n = int(config.num_hidden_layers)
     cuts = args.cuts or (llm.NAMED_LLMS[args.model].default_cuts if args.model in llm.NAMED_LLMS
@@ -149,8 +166,8 @@ def _generate(args: argparse.Namespace) -> int:
         served = tuple(client.info().cuts)
         if served and served != tuple(cuts):
             client.close()
-            raise SystemExit(f"the trunk server at {args.trunk} serves cuts {served[0]},{served[1]}; pass "
-                             f"--cuts {served[0]},{served[1]}")
+            raise ConfigError(f"the trunk server at {args.trunk} serves cuts {served[0]},{served[1]}; pass "
+                              f"--cuts {served[0]},{served[1]}")
     else:
         parts.trunk.requires_grad_(False)  # inference only: no trunk optimizer
         server = TrunkServer(parts.trunk, host="127.0.0.1", port=0, insecure=True, model_name=args.model,
@@ -180,7 +197,9 @@ def _generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``splitfed`` command."""
     parser = argparse.ArgumentParser(prog="splitfed", description="Split learning for Flower.")
-    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG shows every step)")
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                        help="logging level (DEBUG shows every step, and the traceback of an error; default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a model's trunk over the split channel")
@@ -188,17 +207,22 @@ def build_parser() -> argparse.ArgumentParser:
                        "[NAME=]SOURCE[:A,B]; repeat it to serve several models (see docs/serving.md)")
     serve.add_argument("--cuts", type=_cuts, help="cut points A,B: the trunk holds blocks A..B-1")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
-    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--port", type=int, default=50051,
+                       help="port to listen on (default: %(default)s; 0: a free one); a port in use is refused")
     serve.add_argument("--insecure", action="store_true", help="serve plaintext (loopback and tests only)")
     serve.add_argument("--tls-cert", help="server certificate chain (PEM)")
     serve.add_argument("--tls-key", help="server private key (PEM)")
     serve.add_argument("--tls-client-ca", help="CA that signs client certificates: require mutual TLS")
-    serve.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"])
-    serve.add_argument("--lr", type=float, default=0.01)
-    serve.add_argument("--trunk-mode", default="sync", choices=["sync", "async", "quorum"])
-    serve.add_argument("--quorum", type=int, default=1)
-    serve.add_argument("--max-staleness", type=int, default=4)
-    serve.add_argument("--trunk-timeout", type=float, default=60.0)
+    serve.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"],
+                       help="the trunk's optimizer (default: %(default)s)")
+    serve.add_argument("--lr", type=float, default=0.01, help="the trunk's learning rate (default: %(default)s)")
+    serve.add_argument("--trunk-mode", default="sync", choices=["sync", "async", "quorum"],
+                       help="when client gradients update the trunk (default: %(default)s)")
+    serve.add_argument("--quorum", type=int, default=1, help="quorum mode: gradients per step (default: %(default)s)")
+    serve.add_argument("--max-staleness", type=int, default=4,
+                       help="async and quorum: trunk versions a gradient may lag (default: %(default)s)")
+    serve.add_argument("--trunk-timeout", type=float, default=60.0,
+                       help="seconds of silence after which a client leaves the step group (default: %(default)s)")
     serve.add_argument("--batch-window-ms", type=float, default=0.0,
                        help="batch concurrent clients' trunk forwards arriving within this window (0: off)")
     serve.add_argument("--shared-memory-mib", type=int, default=256,
@@ -211,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--replicas", type=int, default=1,
                        help="trunk replicas over torch.distributed (one per GPU when there are enough, else CPU "
                             "processes) behind a router on --port; replica r also listens on --port + 1 + r")
-    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--seed", type=int, default=0, help="seed of a trunk built untrained (default: %(default)s)")
     serve.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on the trunk")
     serve.set_defaults(func=_serve)
     from splitfed.cli_models import add_models_command, add_serve_options
@@ -223,16 +247,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", required=True, help="local folder, named LLM or hub id of a causal LM")
     gen.add_argument("--cuts", type=_cuts, help="cut points A,B (default: the named model's cuts, else 1,N-1: "
                                                 "the first and last blocks on the client)")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--prompt", required=True, help="the text to continue (see --chat)")
+    gen.add_argument("--max-new-tokens", type=int, default=64,
+                     help="tokens to generate at most (default: %(default)s; fewer when the model ends the text)")
     gen.add_argument("--trunk", help="host:port of a trunk server (default: serve the trunk on 127.0.0.1)")
     gen.add_argument("--insecure", action="store_true", help="plaintext to --trunk (loopback and tests only)")
     gen.add_argument("--tls-ca", help="root CA that signs the trunk server's certificate (default: system roots)")
     gen.add_argument("--token", help="bearer token for a trunk server that requires one")
     gen.add_argument("--trunk-model", default="", help="the model's name on a --trunk server that holds several")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample")
-    gen.add_argument("--top-k", type=int)
-    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    gen.add_argument("--top-p", type=float, help="sample among the most likely tokens of this total probability")
     gen.add_argument("--seed", type=int, help="seed of the sampler")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.set_defaults(func=_generate)
@@ -249,11 +274,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed subcommand. An error ends it with one line on stderr (``splitfed <command>: error: ...``) and
+    exit status 1; ``--log-level DEBUG`` adds the traceback. Every subcommand runs through here."""
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the command's one line; the traceback with DEBUG
+        if log.isEnabledFor(logging.DEBUG):
+            log.exception("splitfed %s failed", args.command)
+        # A KeyError's str() quotes its message.
+        message = exc.args[0] if isinstance(exc, KeyError) and len(exc.args) == 1 else str(exc)
+        if not isinstance(exc, (SplitFedError, OSError)):
+            message = f"{type(exc).__name__}: {message} (a bug? --log-level DEBUG shows where)"
+        sys.stderr.write(f"splitfed {args.command}: error: {' '.join(str(message).split())}\n")
+        return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``splitfed`` console command."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return int(args.func(args) or 0)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_command(args)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,10 @@ def add_serve_options(serve: argparse.ArgumentParser) -> None:
                        help="bytes the models may take per device: DEVICE=SIZE (cpu=8GiB, cuda:0=20GiB) or SIZE "
                             "for every device; repeatable")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free one)")
+    serve.add_argument("--frontends", type=int, default=0,
+                       help="take calls in with this many front-end processes sharing --port, so gRPC's per-call "
+                            "work runs on several cores (many clients on one GPU; default: %(default)s, the "
+                            "server's own event loop); see docs/performance.md")
 
 
 def spec_from_flag(text: str, args: argparse.Namespace) -> Any:
@@ -72,6 +76,15 @@ def read_token(args: argparse.Namespace) -> str | None:
     return getattr(args, "admin_token", None) or os.environ.get(TOKEN_ENV) or None
 
 
+def read_pem(path: str) -> bytes:
+    """The bytes of a PEM file named on the command line (exits saying why it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise SystemExit(f"cannot read {path}: {exc.strerror}") from None
+
+
 def serve_models(args: argparse.Namespace) -> int:
     """``splitfed serve``: every ``--model`` and ``--models-file`` model on one port, until SIGTERM."""
     from splitfed.channel.server import TrunkServer
@@ -89,7 +102,7 @@ def serve_models(args: argparse.Namespace) -> int:
         if len(set(names)) != len(names):
             raise SystemExit(f"two models are named {sorted({n for n in names if names.count(n) > 1})}; name them "
                              "apart with --model NAME=SOURCE")
-        credentials = None
+        credentials = frontend_tls = None
         if not args.insecure:
             from splitfed.channel.security import server_credentials
 
@@ -97,9 +110,15 @@ def serve_models(args: argparse.Namespace) -> int:
                 raise SystemExit("give --tls-cert and --tls-key (and --tls-client-ca for mutual TLS), or --insecure "
                                  "to serve plaintext")
             credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+            if args.frontends:
+                frontend_tls = (read_pem(args.tls_key), read_pem(args.tls_cert),
+                                read_pem(args.tls_client_ca) if args.tls_client_ca else None)
+        if args.frontends < 0:
+            raise SystemExit(f"--frontends must be 0 or more, not {args.frontends}")
         server = TrunkServer(host=args.host, port=args.port, insecure=args.insecure, credentials=credentials,
                              models=specs, admin_token=read_token(args), max_memory=parse_budget(args.max_memory),
-                             metrics_port=args.metrics_port, metrics_host=args.host).start()
+                             metrics_port=args.metrics_port, metrics_host=args.host, frontends=args.frontends,
+                             frontend_tls=frontend_tls).start()
     except SplitFedError as exc:
         raise SystemExit(f"splitfed serve: {exc}") from None
     log.info("serving %s on %s", ", ".join(names), server.address)

@@ -8,7 +8,9 @@ and names the offending key in its error.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import difflib
+import shlex
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,10 +133,9 @@ class RunConfig:
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
         """Build from run-config values (kebab-case keys); unknown keys and bad values raise ConfigError."""
         fields = {_key(f.name): f for f in dataclasses.fields(cls)}
+        check_keys(values)
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
-            if key not in fields:
-                raise ConfigError(f"unknown run-config key {key!r}; known keys: {', '.join(sorted(fields))}")
             f = fields[key]
             kwargs[f.name] = _coerce(key, f, value)
         config = cls(**kwargs)
@@ -224,6 +225,26 @@ class RunConfig:
         PrivacyConfig.from_mapping(self.to_mapping())  # ConfigError naming the privacy key
 
 
+def known_keys() -> list[str]:
+    """Every run-config key, sorted."""
+    return sorted(_key(f.name) for f in dataclasses.fields(RunConfig))
+
+
+def check_keys(keys: Iterable[str]) -> None:
+    """Raise ConfigError naming the first key that is not a run-config key, and the closest one that is."""
+    known = known_keys()
+    for key in keys:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"unknown run-config key {key!r}; {hint}known keys: {', '.join(known)}")
+
+
+def override_keys(text: str) -> list[str]:
+    """The keys of a ``flwr run --run-config`` string (``"key=value key='text' ..."``)."""
+    return [token.split("=", 1)[0].strip() for token in shlex.split(text) if token.strip()]
+
+
 def parse_client_cuts(text: str) -> list[tuple[int, int]]:
     """Parse ``client-cuts`` ("a,b a,b ..."): one (bottom end, top start) pair per entry, 0 < a < b.
 
@@ -248,8 +269,14 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
 
 
+#: What a value of each field type must look like, in the words of an error message.
+_EXPECTED = {"tuple": "two integers A,B (e.g. \"3,6\")", "bool": "true or false", "int": "an integer",
+             "float": "a number", "str": "a string"}
+
+
 def _coerce(key: str, f: dataclasses.Field[Any], value: Any) -> Any:
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    expected = next((v for k, v in _EXPECTED.items() if kind.startswith(k)), kind)
     try:
         if kind.startswith("tuple"):
             if value in ("", None):
@@ -257,7 +284,7 @@ def _coerce(key: str, f: dataclasses.Field[Any], value: Any) -> Any:
             parts = [int(v) for v in str(value).split(",")] if not isinstance(value, (list, tuple)) else \
                 [int(v) for v in value]
             if len(parts) != 2:
-                raise ValueError("two integers")
+                raise ValueError(expected)
             return tuple(parts)
         if kind == "bool":
             if isinstance(value, bool):
@@ -266,18 +293,18 @@ def _coerce(key: str, f: dataclasses.Field[Any], value: Any) -> Any:
                 return True
             if str(value).lower() in ("false", "0", "no"):
                 return False
-            raise ValueError("true or false")
+            raise ValueError(expected)
         if kind == "int":
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError("an integer")
+                raise ValueError(expected)
             return int(value)
         if kind == "float":
             if isinstance(value, bool):
-                raise ValueError("a number")
+                raise ValueError(expected)
             return float(value)
         return str(value)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"run-config key {key!r} = {value!r} is not valid: expected {exc}") from None
+    except (TypeError, ValueError):
+        raise ConfigError(f"run-config key {key!r} = {value!r} is not valid: {key} must be {expected}") from None
 
 
-__all__ = ["RunConfig", "parse_client_cuts"]
+__all__ = ["RunConfig", "check_keys", "known_keys", "override_keys", "parse_client_cuts"]

@@ -113,6 +113,11 @@ class CheckpointError(SplitFedError):
     """No usable checkpoint where one is needed (resume), or one could not be written."""
 
 
+class CheckpointMismatchError(SplitFedError):
+    """``resume = true`` found a checkpoint that another run made (another app, model, cuts, strategy or
+    settings); the message names what differs."""
+
+
 class ClientFailedError(SplitFedError):
     """A client's round failed; the message is the original error's type and text."""
 

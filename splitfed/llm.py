@@ -120,10 +120,17 @@ def model_dir(name_or_path: str) -> Path:
         return Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
                                                                     "tokenizer*"]))
     except Exception as exc:  # offline, unknown repo, no network
-        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        import difflib
+
+        from splitfed.models import NAMED
+
+        named = [*NAMED, *NAMED_LLMS]
+        close = difflib.get_close_matches(name_or_path, named, n=1)
+        offline = " (HF_HUB_OFFLINE=1)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ModelLoadError(
-            f"cannot find model {name_or_path!r}: not a named model ({', '.join(NAMED_LLMS)}), not a local "
-            f"folder, and the hub lookup failed{' (HF_HUB_OFFLINE=1)' if offline else ''}: {exc}") from exc
+            f"no model {name_or_path!r}{f' (did you mean {close[0]!r}?)' if close else ''}: not a named model "
+            f"({', '.join(named)}), not a local folder, and the hub lookup failed{offline}: {reason}") from exc
 
 
 def task_of_config(config: Any) -> str:

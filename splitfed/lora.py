@@ -9,8 +9,9 @@ server. :func:`merge_lora` folds the adapters into the base weights for export.
 
 from __future__ import annotations
 
+import copy
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -27,6 +28,44 @@ TARGETS: dict[str, list[str]] = {
 }
 
 
+#: Layer types peft's LoRA adapts (``Conv1D`` is GPT-2's), by class name.
+LORA_LAYER_TYPES = frozenset({"Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D"})
+
+
+def sequential_layers(parts: Iterable[nn.Module]) -> dict[str, str]:
+    """An ``nn.Sequential`` model's layers that LoRA can adapt, among those ``parts`` hold: the full model's
+    layer index (what ``print(model)`` shows, and what ``lora-targets`` names) -> the layer's type."""
+    out: dict[str, str] = {}
+    for part in parts:
+        for name, module in part.named_modules():
+            if name and type(module).__name__ in LORA_LAYER_TYPES:
+                out[part.spec.full_key(name + ".")[:-1]] = type(module).__name__
+    return dict(sorted(out.items(), key=lambda kv: [int(x) if x.isdigit() else x for x in kv[0].split(".")]))
+
+
+def check_sequential_targets(model: str, parts: Sequence[nn.Module], targets: list[str] | None,
+                             every_part: bool) -> None:
+    """Refuse ``lora-targets`` of an ``nn.Sequential`` model that name no LoRA-able layer, listing the ones there
+    are (only layers of ``parts`` are known; ``every_part``: the parts are the whole model)."""
+    layers = sequential_layers(parts)
+    listing = ", ".join(f"{name} ({kind})" for name, kind in layers.items())
+    example = ",".join(list(layers)[-2:])
+    if not targets:
+        raise ConfigError(f"{model} is an nn.Sequential model, with no default LoRA targets: set lora-targets to "
+                          f"the indices of the layers to adapt, among {listing} (e.g. lora-targets = "
+                          f"\"{example}\")")
+    held = {k for part in parts for k in _sequential_indices(part)}
+    bad = [t for t in targets if t not in layers and (t in held or every_part)]
+    if bad:
+        raise ConfigError(f"lora-targets {', '.join(map(repr, bad))} name no layer of {model} that LoRA can "
+                          f"adapt; it has {listing} (e.g. lora-targets = \"{example}\")")
+
+
+def _sequential_indices(part: nn.Module) -> list[str]:
+    """The full model's layer indices a part of an ``nn.Sequential`` model holds."""
+    return [theirs[:-1] for _, theirs in part.spec.prefixes]
+
+
 def lora_config(arch: str, rank: int, alpha: float | None = None, dropout: float = 0.0,
                 targets: list[str] | None = None) -> object:
     """A peft ``LoraConfig`` for ``arch`` (GPT-2's Conv1D layers need ``fan_in_fan_out``)."""
@@ -38,14 +77,15 @@ def lora_config(arch: str, rank: int, alpha: float | None = None, dropout: float
         raise ConfigError(f"lora-rank must be >= 1 to use LoRA (0 means full fine-tuning), got {rank}")
     if targets is None:
         if arch not in TARGETS:
-            raise ConfigError(f"no default LoRA target modules for {arch!r}; set lora-targets")
+            raise ConfigError(f"no default LoRA target modules for {arch!r}; set lora-targets to the names of "
+                              "its Linear (or Conv1d/Conv2d, Embedding) modules")
         targets = TARGETS[arch]
     return LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=dropout,
                       target_modules=targets, fan_in_fan_out=(arch == "gpt2"), bias="none")
 
 
 def _has_targets(part: nn.Module, targets: list[str]) -> bool:
-    return any(name.rsplit(".", 1)[-1] in targets for name, _ in part.named_modules())
+    return any(name.rsplit(".", 1)[-1] in targets or name in targets for name, _ in part.named_modules())
 
 
 def apply_lora(part: nn.Module, config: object, seed: int | None = None) -> int:
@@ -57,6 +97,12 @@ def apply_lora(part: nn.Module, config: object, seed: int | None = None) -> int:
     from peft import inject_adapter_in_model
 
     targets = list(config.target_modules)  # type: ignore[attr-defined]
+    spec = getattr(part, "spec", None)
+    if spec is not None and spec.arch == "sequential":  # targets are the full model's layer indices
+        local = [ours[:-1] for ours, theirs in spec.prefixes if theirs[:-1] in targets]
+        config = copy.deepcopy(config)
+        config.target_modules = local  # type: ignore[attr-defined]
+        targets = local
     if _has_targets(part, targets):
         if seed is not None:
             torch.manual_seed(seed)

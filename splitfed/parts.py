@@ -55,11 +55,19 @@ def lora_setup(cfg: RunConfig, split: SplitModel) -> object | None:
     """The run's LoRA config for this model, or None for full fine-tuning."""
     if cfg.lora_rank == 0:
         return None
-    from splitfed.lora import lora_config
+    from splitfed.lora import check_sequential_targets, lora_config
 
     arch = split.bottom.spec.arch
     targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()] or None
+    if arch == "sequential":  # the CNN: lora-targets are the model's layer indices
+        held = [p for p in (split.bottom, split.trunk, split.top) if not _on_meta(p)]
+        check_sequential_targets(cfg.model, held, targets, every_part=len(held) == 3)
     return lora_config(arch, cfg.lora_rank, cfg.lora_alpha or None, cfg.lora_dropout, targets)
+
+
+def _on_meta(part: nn.Module) -> bool:
+    """Whether a part was left unread (its tensors on the meta device)."""
+    return any(t.is_meta for t in part.parameters())
 
 
 def build_parts(cfg: RunConfig, roles: Iterable[str] = ALL_ROLES) -> SplitModel:

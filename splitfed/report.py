@@ -86,15 +86,23 @@ def plot(history: dict[str, Any], out_dir: str | Path) -> list[Path]:
 
 
 def summary_table(history: dict[str, Any]) -> str:
-    """A plain-text table: round, train loss, eval loss, eval accuracy, bytes, seconds, failed clients.
+    """A plain-text table: round, train loss, eval loss, eval accuracy, (eval perplexity of a language model, the
+    epsilon spent with DP), bytes, seconds, failed clients.
 
-    ``failed`` is the clients that failed training / were sent training (``-`` for rounds recorded
-    before failures were counted); a failed round's first error follows the table.
+    The perplexity and epsilon columns appear when a round recorded them (``eval-perplexity``;
+    ``train-epsilon`` for DP-SGD, ``train-cut-epsilon`` for noise at the cut). ``failed`` is the clients that
+    failed training / were sent training (``-`` for rounds recorded before failures were counted); a failed
+    round's first error follows the table.
     """
-    header = f"{'round':>5}  {'train-loss':>10}  {'eval-loss':>9}  {'eval-acc':>8}  {'MB sent':>8}  {'MB recv':>8}" \
-             f"  {'seconds':>7}  {'failed':>6}"
+    rounds = sorted(history.get("rounds", []), key=lambda r: r["round"])
+    # Optional columns: (title, section, key, format), shown when any round has the key.
+    optional = [(title, section, key, fmt) for title, section, key, fmt in _OPTIONAL
+                if any(key in r.get(section, {}) for r in rounds)]
+    header = f"{'round':>5}  {'train-loss':>10}  {'eval-loss':>9}  {'eval-acc':>8}" + \
+        "".join(f"  {title:>{len(title)}}" for title, *_ in optional) + \
+        f"  {'MB sent':>8}  {'MB recv':>8}  {'seconds':>7}  {'failed':>6}"
     lines = [header, "-" * len(header)]
-    for r in sorted(history.get("rounds", []), key=lambda r: r["round"]):
+    for r in rounds:
         t, e = r.get("train", {}), r.get("evaluate", {})
 
         def num(d: dict[str, Any], k: str, fmt: str) -> str:
@@ -102,16 +110,22 @@ def summary_table(history: dict[str, Any]) -> str:
 
         sent = (t.get("train-bytes-sent", 0) + e.get("eval-bytes-sent", 0)) / 1e6
         recv = (t.get("train-bytes-received", 0) + e.get("eval-bytes-received", 0)) / 1e6
+        extra = "".join(f"  {num(r.get(section, {}), key, fmt):>{len(title)}}" for title, section, key, fmt in optional)
         lines.append(f"{r['round']:>5}  {num(t, 'train-loss', '10.4f'):>10}  {num(e, 'eval-loss', '9.4f'):>9}  "
-                     f"{num(e, 'eval-accuracy', '8.4f'):>8}  {sent:8.2f}  {recv:8.2f}  {r.get('seconds', 0):7.1f}  "
-                     f"{_failed(r):>6}")
-    for r in sorted(history.get("rounds", []), key=lambda r: r["round"]):
+                     f"{num(e, 'eval-accuracy', '8.4f'):>8}{extra}  {sent:8.2f}  {recv:8.2f}  "
+                     f"{r.get('seconds', 0):7.1f}  {_failed(r):>6}")
+    for r in rounds:
         first = r.get("failures", {}).get("first-error")
         if first:
             lines.append(f"round {r['round']} first failure: {first}")
     if history.get("error"):
         lines.append(f"run failed: {history['error']}")
     return "\n".join(lines)
+
+
+#: Columns of :func:`summary_table` shown only for runs that record them.
+_OPTIONAL = (("eval-ppl", "evaluate", "eval-perplexity", "8.2f"), ("epsilon", "train", "train-epsilon", "7.3f"),
+             ("cut-epsilon", "train", "train-cut-epsilon", "11.4g"))
 
 
 def _failed(record: dict[str, Any]) -> str:

@@ -19,8 +19,7 @@ from typing import Any
 import torch
 
 from splitfed.config import RunConfig
-from splitfed.checkpoint import Checkpoint, flatten, read_checkpoint, unflatten, write_checkpoint
-from splitfed.errors import ModelLoadError
+from splitfed.checkpoint import CURRENT, STATE, Checkpoint, flatten, read_checkpoint, unflatten, write_checkpoint
 from splitfed.messages import SERVER_ROUND, TRUNK_ADDRESS, TRUNK_CA, TRUNK_TOKEN
 from splitfed.parts import (
     ALL_ROLES,
@@ -32,6 +31,7 @@ from splitfed.parts import (
     model_cuts,
     trainable_state,
 )
+from splitfed.provenance import META_KEY, RunIdentity
 from splitfed.tensorboard import RoundWriter
 from splitfed.trunk.aggregation import TrunkAggregator
 from splitfed.workload import tokenizer_for
@@ -60,10 +60,13 @@ class ServerRunner:
         run_id: Flower's run id (tokens of other runs are refused).
         output_dir: where checkpoints, the history and the exported model go.
         aggregator: the trunk's aggregator (default: the one ``trunk-mode`` names; see ``docs/research.md``).
+        app, strategy_class: the Flower app (FAB id) and the class of the strategy that aggregates the client
+            parts, recorded in every checkpoint with the run's settings: ``resume = true`` continues only the run
+            that made a checkpoint (:mod:`splitfed.provenance`).
     """
 
     def __init__(self, cfg: RunConfig, run_id: str = "0", output_dir: str | Path | None = None,
-                 aggregator: TrunkAggregator | None = None) -> None:
+                 aggregator: TrunkAggregator | None = None, *, app: str = "", strategy_class: str = "") -> None:
         from splitfed.auth import TokenIssuer
         from splitfed.channel.server import TrunkServer
         from splitfed.hetero import server_config
@@ -95,8 +98,11 @@ class ServerRunner:
         #: Each client's privacy accountants (JSON-able), by client key (its partition id).
         self.privacy_states: dict[str, dict[str, Any]] = {}
         self.tensorboard = RoundWriter.for_run(cfg.tensorboard_dir, self.output_dir)
+        self.identity = RunIdentity.of(cfg, self.cuts, app=app, strategy_class=strategy_class)
         if cfg.resume:
             self._resume()
+        else:
+            self._warn_of_another_run()
         from splitfed.channel.transport import ServerTransport
 
         # Plaintext on loopback, else TLS: the operator's certificate, or one issued now (again on every restart).
@@ -239,19 +245,27 @@ class ServerRunner:
         optimizer: dict[str, torch.Tensor] = {}
         optimizer_doc = flatten(state["optimizer"], optimizer)
         meta = {"trunk-version": state["version"], "model": self.cfg.model, "cuts": list(self.cuts),
-                "optimizer": optimizer_doc, "privacy": self.privacy_states,
+                META_KEY: self.identity.to_meta(), "optimizer": optimizer_doc, "privacy": self.privacy_states,
                 "history": [r.__dict__ for r in self.history]}
         tensors = {"trunk": dict(trunk_state), "clients": dict(self.client_state), "optimizer": optimizer,
                    "strategy": dict(self.strategy_state)}
         return write_checkpoint(self.output_dir, server_round, Checkpoint(tensors, meta))
 
-    def _resume(self) -> None:
-        def same_model(meta: dict[str, Any]) -> None:
-            if meta.get("model") != self.cfg.model or tuple(meta.get("cuts", ())) != tuple(self.cuts):
-                raise ModelLoadError(f"the checkpoint in {self.output_dir} is for model {meta.get('model')} cut at "
-                                     f"{meta.get('cuts')}; use another output-dir or set resume = false")
+    def _warn_of_another_run(self) -> None:
+        """A fresh run whose output-dir holds another run's checkpoint says so: its first round replaces it."""
+        try:
+            meta = json.loads((self.output_dir / CURRENT / STATE).read_text())
+        except (OSError, ValueError):
+            return
+        saved = RunIdentity.from_meta(meta)
+        diffs = [] if saved is None else self.identity.differences(saved)
+        if diffs:
+            log.warning("%s holds the checkpoint of another run (%s); this run's rounds replace it (set output-dir "
+                        "to keep both)", self.output_dir, "; ".join(diffs[:3]) + ("; ..." if len(diffs) > 3 else ""))
 
-        saved = read_checkpoint(self.output_dir, accept=same_model)
+    def _resume(self) -> None:
+        saved = read_checkpoint(self.output_dir, accept=lambda meta: self.identity.check_resume(meta,
+                                                                                                self.output_dir))
         meta = saved.meta
         optimizer = unflatten(meta["optimizer"], saved.tensors.get("optimizer", {}))
         self.runtime.load_state_dict({"trunk": saved.tensors["trunk"], "optimizer": optimizer,

@@ -105,7 +105,7 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "outputs"
     _runner(out, resume=False).checkpoint(1)
     cfg = RunConfig.from_mapping(default_run_config(output_dir=str(out), resume=True, cuts="2,6"))
-    with pytest.raises(Exception, match="cut at"):
+    with pytest.raises(Exception, match="cuts 3,6 there, 2,6 here"):
         ServerRunner(cfg)
 
 

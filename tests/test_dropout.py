@@ -45,7 +45,14 @@ def test_a_client_dying_after_its_first_forward_is_dropped_and_the_round_goes_on
                 return out
 
             trunk.forward = forward_once
-            trunk.client.leave = lambda: 0  # a crashed process never says goodbye
+            trunk.client.leave = lambda: 0  # a crashed process never says goodbye,
+            real_close = trunk.client.close
+
+            def close_without_goodbye() -> None:  # not even when its channels close (close() leaves the group)
+                trunk.client.member = False
+                real_close()
+
+            trunk.client.close = close_without_goodbye
         return trunk
 
     monkeypatch.setattr(client_app, "connect_trunk", connect)

@@ -24,6 +24,7 @@ from bench.processes import end_processes_of
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 RAY_START_FLAKE = "timed out during startup"  # Ray's raylet must register within a fixed 30 s
+SUPERLINK_START_FLAKE = "Failed to start local SuperLink within"  # `flwr run` waits a fixed 15 s for it
 
 
 def _free_port() -> int:
@@ -63,13 +64,13 @@ def flwr_home(tmp_path: Path) -> Iterator[Path]:
 
 
 def flwr_run(args: list[str], env: dict[str, str]) -> str:
-    """``flwr run ...``; returns its output. Retried once when Ray's raylet missed its 30 s start-up
-    window (it happens on a loaded 2-core machine and says nothing about splitfed)."""
+    """``flwr run ...``; returns its output. Retried once when Ray's raylet missed its 30 s start-up window, or
+    the local SuperLink its 15 s (it happens on a loaded 2-core machine and says nothing about splitfed)."""
     for attempt in range(2):
         result = subprocess.run([str(BIN / "flwr"), "run", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                                 timeout=900)
         output = result.stdout + result.stderr
-        if RAY_START_FLAKE not in output or attempt:
+        if not (RAY_START_FLAKE in output or SUPERLINK_START_FLAKE in output) or attempt:
             return output
         time.sleep(5)
     raise AssertionError("unreachable")

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -110,3 +113,63 @@ def test_cut_policy_client_app_trains_each_node_at_its_own_depth(tmp_path) -> No
     assert [c.node_config["cuts"] for c in grid.contexts.values()] == ["3,6", "1,6"]
     (record,) = json.loads((out / "history.json").read_text())["rounds"]
     assert record["train"]["train-steps"] == 4 and record["evaluate"]["num-examples"] > 0
+
+
+def _research_components() -> dict[str, str]:
+    """The ``serverapp = ...`` / ``clientapp = ...`` recipes of docs/research.md."""
+    text = (ROOT / "docs" / "research.md").read_text()
+    found = dict(re.findall(r'`(serverapp|clientapp) = "([\w.]+:\w+)"`', text))
+    assert set(found) == {"serverapp", "clientapp"}, found
+    return found
+
+
+def test_the_research_guides_flower_components_resolve_as_flower_resolves_them() -> None:
+    """What `flwr run` does with ``serverapp = "examples.custom_strategy:app"``: Flower's own check and load, in a
+    fresh interpreter, with opacus' top-level ``examples`` package installed (as ``.[all]`` installs it)."""
+    pytest.importorskip("opacus")
+    refs = list(_research_components().values())
+    check = ("import sys\nfrom flwr.supercore.object_ref import load_app, validate\n"
+             "for ref in sys.argv[2:]:\n"
+             "    ok, why = validate(ref, project_dir=sys.argv[1])\n"
+             "    assert ok, why\n"
+             "    print(ref, type(load_app(ref, ValueError, project_dir=sys.argv[1])).__name__)\n")
+    result = subprocess.run([sys.executable, "-c", check, str(ROOT), *refs], cwd="/", capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == [refs[0], "ServerApp", refs[1], "ClientApp"]
+
+
+@pytest.mark.slow
+def test_the_research_guides_recipes_run_through_flwr_run(tmp_path: Path) -> None:
+    """docs/research.md's recipes as a user applies them to the project's pyproject: the example ServerApp
+    (its strategy) and the example ClientApp (the cut policy) in one `flwr run . local` with client-cuts."""
+    from test_e2e_flwr import _env, _kill_tree_matching, _run_id, _status, flwr_run
+
+    project = tmp_path / "project"
+    for name in ("splitfed", "strategies", "apps", "examples"):
+        shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
+    components = _research_components()
+    text = (ROOT / "pyproject.toml").read_text()
+    text = text.replace('serverapp = "apps.server_app:app"', f'serverapp = "{components["serverapp"]}"')
+    text = text.replace('clientapp = "apps.client_app:app"', f'clientapp = "{components["clientapp"]}"')
+    text = text.replace('"apps/*.py"]', '"apps/*.py", "examples/*.py"]')  # as the guide says
+    assert text.count("examples") == 3
+    (project / "pyproject.toml").write_text(text)
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    out = tmp_path / "outputs"
+    try:
+        env = _env(home)
+        output = flwr_run([str(project), "local", "--stream", "--run-config",
+                           f"num-server-rounds=1 local-steps=3 client-cuts='3,6 1,6' output-dir='{out}'",
+                           "--federation-config", "num-supernodes=2 client-resources-num-cpus=1"], env)
+        assert _status("local", _run_id(output), env) == "finished:completed", output[-4000:]
+    finally:
+        _kill_tree_matching(str(home))
+        ray = home / "ray-tmpdir"
+        if ray.exists():
+            _kill_tree_matching(ray.read_text())
+    (record,) = json.loads((out / "history.json").read_text())["rounds"]
+    # Simulated nodes report no memory-gb: the policy gives them the shallow cut (1, 6), whose activations
+    # (32 x 28 x 28 per image) are 4x the shared cut's: evaluation alone sends more than the shared cut could.
+    assert record["evaluate"]["eval-bytes-sent"] > 2 * 1000 * 32 * 14 * 14 * 4

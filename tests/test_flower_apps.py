@@ -81,7 +81,8 @@ def test_resume_continues_from_the_last_completed_round(tmp_path) -> None:
     saved = load_file(str(out / "checkpoint" / "trunk.safetensors"))
     version_one = json.loads((out / "checkpoint" / "state.json").read_text())["trunk-version"]
     # A restarted server starts from the checkpointed trunk, optimizer and round.
-    cfg = RunConfig.from_mapping(default_run_config(output_dir=str(out), resume=True, num_server_rounds=3))
+    cfg = RunConfig.from_mapping(default_run_config(output_dir=str(out), resume=True, num_server_rounds=3,
+                                                    local_steps=4))  # the run's own settings
     runner = ServerRunner(cfg, output_dir=out)
     assert runner.round_offset == 1 and runner.rounds_left == 2 and runner.runtime.version == version_one
     assert all(torch.equal(v, runner.runtime.trunk.state_dict()[k]) for k, v in saved.items())

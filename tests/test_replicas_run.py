@@ -63,7 +63,8 @@ def test_the_apps_run_with_two_trunk_replicas_and_resume_with_them(tmp_path: Pat
     saved = json.loads((out / "checkpoint" / "state.json").read_text())
     assert saved["round"] == 2 and saved["trunk-version"] == rounds[1]["trunk"]["trunk-version"]
     # Execute: a restarted server resumes with 2 replicas and takes a sync step with a client on each.
-    settings = {"output_dir": str(out), "trunk_replicas": 2, "auth": False, "resume": True, "num_server_rounds": 3}
+    settings = {"output_dir": str(out), "trunk_replicas": 2, "auth": False, "resume": True, "num_server_rounds": 3,
+                "local_steps": 8}  # the run's own settings
     cfg = RunConfig.from_mapping(default_run_config(**settings))
     assert cfg.momentum > 0  # the trunk's SGD has momentum: optimizer state in the checkpoint
     resumed = ServerRunner(cfg).start()

@@ -90,7 +90,7 @@ def test_resumed_strategy_state_is_the_checkpointed_one(tmp_path: Path, strategy
 
     _, out = run_apps(tmp_path, num_nodes=2, concurrency=2, num_server_rounds=1, local_steps=2, strategy=strategy)
     cfg = RunConfig.from_mapping(default_run_config(output_dir=str(out), resume=True, num_server_rounds=2,
-                                                    strategy=strategy))
+                                                    local_steps=2, strategy=strategy))  # the run's own settings
     runner = ServerRunner(cfg)
     saved = runner.strategy_state
     expected = {"v_t", "m_t"} if strategy != "fedavgm" else {"momentum_vector"}

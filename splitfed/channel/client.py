@@ -53,6 +53,18 @@ PART_OUTCOME = _OUTCOME_NAMES[pb.UPDATE_OUTCOME_UNSPECIFIED]
 
 T = TypeVar("T")
 
+#: How long :meth:`TrunkClient.close` tries to leave the step group.
+LEAVE_TIMEOUT_S = 5.0
+
+
+def _channel_error(name: str, address: str, code: grpc.StatusCode, details: str | None) -> ChannelError:
+    """The error of a failed call; one that found no server says how to start one."""
+    hint = ""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        hint = (f" (is a trunk server running at {address}? Start one with `splitfed serve --model ... --port ...` "
+                "or TrunkServer(...).start(), and check the host and port)")
+    return ChannelError(f"{name} to trunk server {address} failed with {code.name}: {details}{hint}", code=code.name)
+
 
 @dataclass
 class BackwardReply:
@@ -151,6 +163,9 @@ class TrunkClient:
         self.bytes_received = 0
         self.calls = 0
         self.shared = SharedLane(self, shared_memory, shared_memory_bytes)
+        #: Whether this client may be in the trunk's step group (it joined, or sent a training forward, which
+        #: joins); :meth:`close` then leaves, so a sync step never waits for a client that is done.
+        self.member = False
 
     # -- plumbing ------------------------------------------------------------------
     def set_token(self, token: str | None) -> None:
@@ -166,8 +181,7 @@ class TrunkClient:
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
             details = exc.details() if hasattr(exc, "details") else str(exc)
-            raise ChannelError(f"{name} to trunk server {self.address} failed with {code.name}: {details}",
-                               code=code.name) from None
+            raise _channel_error(name, self.address, code, details) from None
 
     def _account(self, sent: int, received: int) -> None:
         with self._lock:
@@ -193,8 +207,7 @@ class TrunkClient:
                                        list(extra) + marker)
                 return assemble(replies, reply_field, self.limits.max_tensor_bytes)
             except grpc.RpcError as exc:
-                error = ChannelError(f"{name} to trunk server {self.address} failed with {exc.code().name}: "
-                                     f"{exc.details()}", code=exc.code().name)
+                error = _channel_error(name, self.address, exc.code(), exc.details())
             except ChannelError as exc:
                 error = exc
             attempt += 1
@@ -213,11 +226,14 @@ class TrunkClient:
 
     def join(self) -> int:
         """Enter the trunk's step group; returns the group size."""
+        self.member = True
         return self._invoke("Join", self._stub.Join, pb.JoinRequest()).group_size
 
     def leave(self) -> int:
         """Leave the trunk's step group; returns the group size."""
-        return self._invoke("Leave", self._stub.Leave, pb.LeaveRequest()).group_size
+        size = self._invoke("Leave", self._stub.Leave, pb.LeaveRequest()).group_size
+        self.member = False
+        return size
 
     def forward(self, state: CutState, *, activation_id: str | None = None, train: bool = True,
                 num_examples: int | None = None, session_id: str = "", owned: bool = False,
@@ -230,6 +246,8 @@ class TrunkClient:
         carries it: no host waits for the GPU).
         """
         activation_id = activation_id or os.urandom(16).hex()
+        if train and not session_id:
+            self.member = True  # a training forward joins the step group
         act = self.wire_compression.activations
         n = int(num_examples if num_examples is not None else state.hidden.shape[0])
         req = pb.ForwardRequest(activation_id=activation_id, train=train, reply_dtype=int(self.wire_dtype),
@@ -339,7 +357,15 @@ class TrunkClient:
         return self._lanes[next(self._turn) % len(self._lanes)]
 
     def close(self) -> None:
-        """Close the underlying gRPC channels (and the call threads, and the shared-memory region)."""
+        """Leave the trunk's step group (when this client trained), then close the gRPC channels, the call
+        threads and the shared-memory region. A server that is gone costs at most a few seconds here."""
+        if self.member:
+            try:
+                self._stub.Leave(pb.LeaveRequest(), timeout=min(self.retry.timeout_s, LEAVE_TIMEOUT_S),
+                                 metadata=self._metadata)
+                self.member = False
+            except grpc.RpcError as exc:  # the server drops a silent member after its trunk-timeout anyway
+                log.debug("leaving the step group of %s on close failed: %s", self.address, exc.code())
         self.shared.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from splitfed.channel.client import PART_OUTCOME, BackwardReply, TrunkClient
+from splitfed.errors import SplitError
 from splitfed.split.base import CutState
 
 
@@ -127,6 +128,23 @@ class RemoteTrunk(nn.Module):
         self.last_version = version
         return state.with_hidden(out.to(device=state.hidden.device, dtype=state.hidden.dtype))
 
+    def use_cut(self, cut: tuple[int, int]) -> None:
+        """Send ``cut``, the cut of the client's parts, with every Forward (:class:`~splitfed.split.SplitModel`
+        calls this), so a trunk server cut elsewhere refuses the first call naming both cuts instead of failing
+        inside the model or, for same-shaped cuts, computing the wrong blocks."""
+        cut = (int(cut[0]), int(cut[1]))
+        if self.client.cut not in ((0, 0), cut):
+            raise SplitError(f"this RemoteTrunk was given cut={self.client.cut}, but the client's parts are cut at "
+                             f"{cut}; build both from the same cuts")
+        self.client.cut = cut
+
     def close(self) -> None:
-        """Close the connection."""
+        """Leave the trunk's step group (when this client trained) and close the connection; ``with
+        RemoteTrunk(...) as trunk:`` does it on leaving the block."""
         self.client.close()
+
+    def __enter__(self) -> RemoteTrunk:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -21,8 +21,10 @@ loads, unloads and reloads models while the others serve
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -65,6 +67,28 @@ _HEALTH = health_pb2.HealthCheckResponse
 def health_name(model: str) -> str:
     """The health-checking service name of one model."""
     return f"{SERVICE_NAME}/{model}"
+
+
+def _bind_error(host: str, port: int, probe_only: bool = False) -> str:
+    """Why ``host:port`` cannot be bound, in words that say what to do ("" with ``probe_only`` when it can)."""
+    import errno
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host.strip("[]"), port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return (f"port {port} is in use (another trunk server?); stop what listens there or pick another port "
+                    "(0: a free one)")
+        return f"{exc.strerror or exc}; bind an address of this host (127.0.0.1, 0.0.0.0)"
+    return "" if probe_only else "gRPC refused the address; check the host and port"
+
+
+def _stop_at_exit(ref: weakref.ref[TrunkServer]) -> None:
+    server = ref()
+    if server is not None:
+        server.stop(grace=0)
 
 
 class TrunkServer:
@@ -114,6 +138,9 @@ class TrunkServer:
             then runs on several cores (0: this process's event loop takes every call in).
         frontend_tls: with ``frontends`` and TLS, the server's key and certificate chain and the CA whose client
             certificates it requires (PEM bytes; None for none): the front-ends build their credentials from them.
+        reuse_port: let other processes of this same server listen on ``port`` too (``SO_REUSEPORT``: the
+            kernel spreads connections over them). Off (default), a port another process listens on is refused
+            at :meth:`start`, so two servers never share a port by accident.
     """
 
     def __init__(self, trunk: nn.Module | TrunkRuntime | None = None, *, host: str = "127.0.0.1", port: int = 0,
@@ -130,7 +157,8 @@ class TrunkServer:
                  metrics_host: str = "127.0.0.1", shared_memory_bytes: int = 256 << 20,
                  shared_memory_total_bytes: int = 4 << 30, models: Iterable[ModelSpec] = (),
                  admin_token: str | None = None, max_memory: Mapping[str, int] | None = None,
-                 frontends: int = 0, frontend_tls: tuple[bytes, bytes, bytes | None] | None = None) -> None:
+                 frontends: int = 0, frontend_tls: tuple[bytes, bytes, bytes | None] | None = None,
+                 reuse_port: bool = False) -> None:
         tune_malloc()
         if credentials is None and not insecure:
             raise ConfigError("the trunk server needs TLS credentials, or insecure=True to serve plaintext "
@@ -152,6 +180,7 @@ class TrunkServer:
         self.limits = limits
         self.host = host
         self._requested_port = port
+        self._reuse_port = reuse_port
         self._credentials = credentials
         self._interceptors = list(interceptors or [])
         self._max_concurrent_rpcs = max_concurrent_rpcs
@@ -283,6 +312,8 @@ class TrunkServer:
         except BaseException:
             self.stop(grace=0)
             raise
+        # A script that ends without stop(): stop before the interpreter tears gRPC down under a live server.
+        atexit.register(_stop_at_exit, weakref.ref(self))
         log.info("trunk server listening on %s (%s), models: %s", self.address,
                  "TLS" if self._credentials is not None else "plaintext",
                  "; ".join(f"{name or '(unnamed)'}: {e.unit.runtime.aggregator.describe()}"
@@ -295,7 +326,9 @@ class TrunkServer:
         if self._frontend_count:
             await self._start_frontends(handlers)
             return
-        server = grpc.aio.server(options=self.limits.grpc_options(), interceptors=self._interceptors,
+        # gRPC turns SO_REUSEPORT on by default: a second server on a busy port would bind and share it silently.
+        options = self.limits.grpc_options() + [("grpc.so_reuseport", int(self._reuse_port))]
+        server = grpc.aio.server(options=options, interceptors=self._interceptors,
                                  maximum_concurrent_rpcs=self._max_concurrent_rpcs)
         server.add_generic_rpc_handlers(handlers)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -311,7 +344,10 @@ class TrunkServer:
         except RuntimeError:
             self.port = 0
         if not self.port:
-            raise ConfigError(f"could not bind the trunk server to {target}; is the port in use?")
+            await server.stop(None)  # never started: release it on this loop, and drop it (the traceback would
+            del server               # keep this frame, and the server's __del__ would run at interpreter exit)
+            why = _bind_error(self.host, self._requested_port)
+            raise ConfigError(f"could not bind the trunk server to {target}: {why}")
         await server.start()
         self._server = server
         await self._health_start()
@@ -321,6 +357,10 @@ class TrunkServer:
         from splitfed.channel.enginelink import EngineDispatch
         from splitfed.channel.frontend import Frontends
 
+        if self._requested_port and not self._reuse_port:
+            why = _bind_error(self.host, self._requested_port, probe_only=True)
+            if why:  # the front-ends bind with SO_REUSEPORT among themselves: refuse a port someone else holds
+                raise ConfigError(f"could not bind the trunk server to {self.host}:{self._requested_port}: {why}")
         dispatch, collected = EngineDispatch.collecting()
         collected.add_generic_rpc_handlers(handlers)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, collected)

@@ -47,7 +47,7 @@ from splitfed.errors import (
     SessionNotFoundError,
     SplitFedError,
 )
-from splitfed.split.base import part_range, with_client_cut
+from splitfed.split.base import input_mismatch_hint, part_range, with_client_cut
 from splitfed.trunk.aggregation import Outcome
 from splitfed.trunk.decoding import SessionStep
 from splitfed.trunk.microsteps import StepPart
@@ -127,8 +127,9 @@ class SplitChannelServicer(RegionService, CutIO):
             await context.abort(code, str(exc))
         except (RuntimeError, ValueError, IndexError) as exc:
             # Raised by the trunk's forward for inputs that passed the codec but do not fit the model.
-            log.warning("INVALID_ARGUMENT: the trunk could not process the input: %s", exc)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the trunk could not process the input: {exc}")
+            message = f"the trunk could not process the input: {exc}" + input_mismatch_hint(self._trunk_range())
+            log.warning("INVALID_ARGUMENT: %s", message)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         except asyncio.CancelledError:
             log.debug("call cancelled by the client")
             raise
@@ -136,6 +137,10 @@ class SplitChannelServicer(RegionService, CutIO):
             log.exception("internal error while serving a request")
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in the trunk server: {exc!r}")
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _trunk_range(self) -> tuple[int, int] | None:
+        """The model blocks this trunk holds: the cuts it is served at, else its part's range."""
+        return self.cuts or part_range(self.runtime.trunk)
 
     async def _turn(self, client: str) -> None:
         """Wait (holding no thread) until the aggregator lets ``client`` train (sequential mode's turns)."""
@@ -170,7 +175,7 @@ class SplitChannelServicer(RegionService, CutIO):
             tensors = await self._arrive(tensors, "hidden", ready, arrivals)
         with TIMELINE.host("decode"):
             state = with_client_cut(decode_state(tensors, self.tensor_limits, ready), req.cut_start, req.cut_end,
-                                    self.cuts or part_range(self.runtime.trunk), session=bool(req.session_id))
+                                    self._trunk_range(), session=bool(req.session_id))
         small = state.hidden.numel() <= INLINE_MAX_ELEMENTS
         sink = None
         if req.session_id:

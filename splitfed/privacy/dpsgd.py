@@ -18,6 +18,7 @@ buffers (BatchNorm).
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -30,6 +31,11 @@ from splitfed.errors import ConfigError, PrivacyBudgetError, UnsupportedModelErr
 from splitfed.privacy.accounting import Accountant, StateValue, noise_for_epsilon
 
 log = logging.getLogger(__name__)
+
+#: torch warns when a full backward hook fires on a module none of whose inputs needs a gradient: opacus' hooks on
+#: a client's first layer, whose input is the data. The per-example gradients of its weights are computed from its
+#: input and output gradient all the same (``tests/test_privacy.py`` checks them), so the warning says nothing.
+_FIRST_LAYER_HOOK_WARNING = "Full backward hook is firing when gradients are computed with respect to module outputs"
 
 Unsupported = Literal["error", "freeze"]
 
@@ -193,6 +199,8 @@ class PrivateTraining:
         self.generator = generator or torch.Generator()
         if generator is None:
             self.generator.seed()
+        # Process-wide (backward may run on another thread), and only this message.
+        warnings.filterwarnings("ignore", message=_FIRST_LAYER_HOOK_WARNING, category=UserWarning)
         self._hooks = GradSampleHooks(parts, loss_reduction=loss_reduction, strict=False)
         self.expected_batch_size = self.sample_rate * dataset_size
         names = {id(p): n for n, p in parts.named_parameters()}

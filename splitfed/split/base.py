@@ -120,10 +120,10 @@ def requested_blocks(cut_start: int, cut_end: int, trunk_range: tuple[int, int])
                          "for a client whose bottom ends at cut_start and whose top starts at cut_end; send them "
                          "in that order")
     if cut_start < lo or cut_end > hi:
-        raise SplitError(f"cut ({cut_start}, {cut_end}) is outside this trunk's blocks [{lo}, {hi}): it serves "
-                         f"clients whose cuts (a, b) satisfy {lo} <= a <= b <= {hi}; give the node cuts inside "
-                         "that range (client-cuts, or node-config cuts) or restart the server with client-cuts "
-                         "that include this cut")
+        raise SplitError(f"the client is cut at ({cut_start}, {cut_end}), outside this trunk's blocks [{lo}, {hi}) "
+                         f"(a trunk served at cuts {lo},{hi}): split the client's model at cuts=({lo}, {hi}) (or at "
+                         f"cuts (a, b) with {lo} <= a <= b <= {hi}), or serve a trunk that holds blocks "
+                         f"[{cut_start}, {cut_end}) (with heterogeneous cuts: client-cuts that include this cut)")
     return int(cut_start), int(cut_end)
 
 
@@ -150,6 +150,23 @@ def part_range(module: nn.Module) -> tuple[int, int] | None:
     """The model blocks ``[first, end)`` a part holds, or None for a module without a :class:`PartSpec`."""
     spec = getattr(module, "spec", None)
     return None if spec is None else (spec.first_layer, spec.first_layer + spec.num_layers)
+
+
+def client_cut(bottom: nn.Module, top: nn.Module) -> tuple[int, int] | None:
+    """The cut ``(a, b)`` of a client holding ``bottom`` (blocks ``[0, a)``) and ``top`` (blocks ``[b, n)``), or
+    None when the parts do not carry their block ranges."""
+    low, high = part_range(bottom), part_range(top)
+    return None if low is None or high is None else (low[1], high[0])
+
+
+def input_mismatch_hint(trunk_range: tuple[int, int] | None) -> str:
+    """What to check when a trunk could not run a client's input: most often the client was split at other cuts
+    (and did not send them), so its activation has another shape than this trunk's first block takes."""
+    if trunk_range is None:
+        return ""
+    lo, hi = int(trunk_range[0]), int(trunk_range[1])
+    return (f"; this trunk holds blocks [{lo}, {hi}) (cuts {lo},{hi}): a client split at other cuts sends activations "
+            f"of another shape, so split the client's model at cuts=({lo}, {hi})")
 
 
 def with_client_cut(state: CutState, cut_start: int, cut_end: int, trunk_range: tuple[int, int] | None, *,
@@ -235,6 +252,9 @@ class SplitModel(nn.Module):
         self.bottom = bottom
         self.trunk = trunk
         self.top = top
+        cut = client_cut(bottom, top)
+        if cut is not None and callable(getattr(trunk, "use_cut", None)):
+            trunk.use_cut(cut)  # a remote trunk sends it, so the server refuses a trunk cut elsewhere
         self.task = task
         self.config = config
         #: Micro-batches per batch: more than one pipelines the step across the cut
