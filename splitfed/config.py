@@ -58,6 +58,7 @@ class RunConfig:
     fraction_evaluate: float = 1.0
     min_train_nodes: int = 2  # a round with fewer successful train replies fails the run
     accept_failures: float = 0.5  # fraction of a round's sampled clients that may fail before the run fails
+    node_wait_timeout: float = 120.0  # seconds a round waits for enough SuperNodes before the run fails
     proximal_mu: float = 0.01  # fedprox
     server_lr: float = 0.01  # fedadam, fedadagrad, fedyogi (eta)
     server_momentum: float = 0.9  # fedavgm
@@ -210,6 +211,7 @@ class RunConfig:
         if self.trunk_batch_window_ms < 0:
             raise ConfigError(f"trunk-batch-window-ms must be >= 0, got {self.trunk_batch_window_ms}")
         for key, value in [("lr", self.lr), ("trunk-timeout", self.trunk_timeout),
+                           ("node-wait-timeout", self.node_wait_timeout),
                            ("dirichlet-alpha", self.dirichlet_alpha), ("token-ttl", self.token_ttl)]:
             if not value > 0:
                 raise ConfigError(f"{key} must be > 0, got {value}")

@@ -122,9 +122,11 @@ ast.parse = _serial_ast_parse
 
 
 def run_apps(tmp_path: Path, num_nodes: int = 4, concurrency: int = 2,
-             node_configs: dict[int, dict[str, Any]] | None = None, **overrides: Any) -> tuple[ThreadGrid, Path]:
+             node_configs: dict[int, dict[str, Any]] | None = None, on_grid: Any = None,
+             **overrides: Any) -> tuple[ThreadGrid, Path]:
     """Run the ServerApp with :class:`ThreadGrid`; returns the grid and the output folder. ``node_configs``: what
-    each partition's SuperNode adds to its node config (``--node-config``)."""
+    each partition's SuperNode adds to its node config (``--node-config``); ``on_grid`` is called with the grid
+    before the ServerApp starts."""
     from apps.client_app import app as client_app
     from apps.server_app import app as server_app
 
@@ -135,6 +137,8 @@ def run_apps(tmp_path: Path, num_nodes: int = 4, concurrency: int = 2,
                       run_config=config)
     # What Flower's runtime sets in a ServerApp process.
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = grid.run_id, SUPERLINK_NODE, 1
+    if on_grid is not None:
+        on_grid(grid)
     try:
         server_app(grid, context)
     finally:
