@@ -73,7 +73,7 @@ def _privacy_state(msg: Message, context: Context, client_key: str) -> dict[str,
 
 
 def _setup(msg: Message, context: Context) -> tuple[RunConfig, dict, object, object, int]:
-    cfg = RunConfig.from_mapping(context.run_config)
+    cfg = RunConfig.from_mapping(context.run_config).for_node(context.node_config)  # its own certificate files
     setup_logging(cfg.log_level, json_lines=cfg.log_json, run_id=context.run_id, client=f"node-{context.node_id}")
     trunk_record = msg.content[SPLITFED_RECORD]
     partition_id = int(context.node_config["partition-id"])

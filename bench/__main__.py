@@ -23,12 +23,25 @@ SUITES: dict[str, Callable[..., dict[str, float]]] = {
     "gen_batching": gen_batching.gen_batching,
 }
 
+#: ``--quick``: a tiny model and one repetition of everything (a smoke run: the figures mean nothing).
+QUICK_SPLIT_STEP = {"layers": 3, "hidden": 32, "heads": 2, "vocab": 64, "batch": 2, "seq": 8}
+QUICK: dict[str, dict[str, object]] = {
+    "split_step": {"repeat": 1},
+    "channel": {"sizes": (4 << 10, 64 << 10), "repeat": 1},
+    "codec": {"size_mib": 1, "repeat": 1},
+    "compression": {"repeat": 2},
+    "generation": {"new_tokens": 4, "prompt_len": 4, "repeat": 1},
+    "gen_batching": {"sessions": 2, "new_tokens": 4, "repeat": 1},
+}
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--only", nargs="*", choices=sorted(SUITES), help="run only these suites")
     parser.add_argument("--device", default="cpu", help="device for model benchmarks (cpu, cuda)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny model and one repetition of everything: checks that every suite runs")
     parser.add_argument("--split-config", default="", help='split-step model and batch, e.g. "layers=12 hidden=768 '
                         'heads=12 vocab=50257 batch=16 seq=512 bf16=1" (default: the tiny GPT-2)')
     parser.add_argument("--micro-batches", nargs="*", type=int, default=[1],
@@ -42,6 +55,8 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     tune_malloc()  # as the trunk server and client do; applies to both sides of every comparison
+    if args.quick:
+        core.SPLIT_STEP.update(QUICK_SPLIT_STEP)
     for item in args.split_config.split():
         key, _, value = item.partition("=")
         if key not in core.SPLIT_STEP:
@@ -54,6 +69,8 @@ def main() -> int:
     for name in args.only or list(SUITES):
         fn = SUITES[name]
         kwargs = {"device": args.device} if "device" in fn.__code__.co_varnames else {}
+        if args.quick:
+            kwargs.update(QUICK[name])
         if "micro_batches" in fn.__code__.co_varnames:
             kwargs["micro_batches"] = tuple(args.micro_batches)
         if "wire_compression" in fn.__code__.co_varnames:

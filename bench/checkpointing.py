@@ -45,8 +45,15 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--config", default="", help='the model, as bench.trunk\'s --config (default: GPT-2 small, '
+                        '"layers=12 hidden=768 heads=12 vocab=50257")')
     args = parser.parse_args()
     core.SPLIT_STEP.update(layers=12, hidden=768, heads=12, vocab=50257, seq=args.seq)
+    for item in args.config.split():
+        key, _, value = item.partition("=")
+        if key not in core.SPLIT_STEP:
+            parser.error(f"--config: unknown key {key!r}; known: {', '.join(core.SPLIT_STEP)}")
+        core.SPLIT_STEP[key] = int(value)
     plain = measure(False, args.batch, args.seq, args.repeat, args.device)
     ckpt = measure(True, args.batch, args.seq, args.repeat, args.device)
     print(json.dumps({"saved_forward_bytes": plain[0], "saved_forward_bytes_checkpointing": ckpt[0],

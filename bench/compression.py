@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
+from bench.flower import flwr_run
+
+__all__ = ["LLM_JOB", "SETTINGS", "flwr_run", "main", "summarize"]
 
 #: name -> run-config overrides.
 SETTINGS: dict[str, str] = {
@@ -39,43 +36,6 @@ SETTINGS: dict[str, str] = {
 LLM_JOB = ("model='smollm2-135m' cuts='3,27' lora-rank=8 optimizer='adamw' lr=0.0005 momentum=0.0 max-seq-len=128 "
            "batch-size=4 local-steps=8 num-server-rounds=3 partitioner='pathological' classes-per-partition=1 "
            "min-train-nodes=2 trunk-timeout=600.0")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _end_processes_of(marker: str) -> None:
-    """End the processes this run started: those whose command line or environment names ``marker``."""
-    from bench.processes import end_processes_of
-
-    end_processes_of(marker)
-
-
-def flwr_run(overrides: str, out: Path, supernodes: int = 4) -> dict:
-    """One ``flwr run . local`` of the main job with run-config ``overrides``; returns its history."""
-    home = Path(tempfile.mkdtemp(prefix="flwr-home-"))
-    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
-               FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1", RAY_TMPDIR=ray_tmp,
-               FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(_free_port()), FLWR_LOCAL_CONTROL_API_PORT=str(_free_port()),
-               PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    cmd = [str(BIN / "flwr"), "run", ".", "local", "--stream", "--run-config", f"{overrides} output-dir='{out}'",
-           "--federation-config", f"num-supernodes={supernodes} client-resources-num-cpus=1"]
-    try:
-        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-        history = out / "history.json"
-        if not history.exists():
-            tail = (result.stdout + result.stderr)[-3000:]
-            raise RuntimeError(f"flwr run wrote no history; its output ends:\n{tail}")
-        return json.loads(history.read_text())
-    finally:
-        _end_processes_of(str(home))
-        _end_processes_of(ray_tmp)
-        shutil.rmtree(home, ignore_errors=True)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def summarize(history: dict) -> dict[str, float]:
@@ -106,6 +66,8 @@ def main() -> int:
     parser.add_argument("--job", choices=("mnist", "llm"), default="mnist", help="the main job or the LLM fine-tune")
     parser.add_argument("--json", default="", help="also write the results to this file")
     parser.add_argument("--out", default="", help="keep each run's outputs in a folder here (default: a temporary one)")
+    parser.add_argument("--extra", default="", help="run-config overrides for every run, e.g. \"num-server-rounds=1\"")
+    parser.add_argument("--supernodes", type=int, default=4, help="SuperNodes of each run (default 4)")
     args = parser.parse_args()
     results: dict[str, dict] = {}
     job = ""
@@ -118,7 +80,7 @@ def main() -> int:
         for name in args.only or list(SETTINGS):
             start = time.perf_counter()
             out = Path(args.out or tmp) / name.replace(" ", "-").replace("+", "and")
-            results[name] = summarize(flwr_run(job + SETTINGS[name], out))
+            results[name] = summarize(flwr_run(f"{job}{SETTINGS[name]} {args.extra}".strip(), out, args.supernodes))
             results[name]["seconds"] = time.perf_counter() - start
             results[name]["run_config"] = SETTINGS[name]
             sys.stdout.write(f"{name:<24} {json.dumps(results[name])}\n")

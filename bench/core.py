@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from bench.processes import check_alive, end_children, get_from
+
 MiB = 1 << 20
 
 
@@ -151,7 +153,8 @@ def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple
     in_process = _trunk_server(device, settings)
     out: dict[str, float] = {}
     try:
-        addresses = {"": in_process.address, "_process": f"127.0.0.1:{port_queue.get(timeout=120)}"}
+        port = get_from(port_queue, [proc], 120, "the trunk server process port")
+        addresses = {"": in_process.address, "_process": f"127.0.0.1:{port}"}
         ref = _gpt2().to(device)
         opt_ref = torch.optim.SGD(ref.parameters(), lr=1e-3)
         ids = torch.randint(0, settings["vocab"], (batch, seq), device=device)
@@ -204,11 +207,12 @@ def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple
                     remote.client.shared.calls, 1)
             remote.client.leave()  # the next client must not wait for this one in the trunk's sync step
             remote.close()
+        check_alive([proc], "the trunk server")
         return out
     finally:
         in_process.stop(grace=0)
         stop.set()
-        proc.join(30)
+        end_children([proc])
 
 
 # -- channel vs bare gRPC -------------------------------------------------------------
@@ -268,7 +272,7 @@ def channel_vs_grpc(sizes: tuple[int, ...] = (4 << 10, 1 << 20, 16 << 20), repea
     proc.start()
     out: dict[str, float] = {}
     try:
-        echo_port, trunk_port = port_queue.get(timeout=120)
+        echo_port, trunk_port = get_from(port_queue, [proc], 120, "the echo and trunk servers' ports")
         echo_channel = grpc.insecure_channel(f"127.0.0.1:{echo_port}", options=limits.grpc_options())
         echo = echo_channel.unary_unary("/bench.Echo/Echo")
         address = f"127.0.0.1:{trunk_port}"
@@ -292,9 +296,10 @@ def channel_vs_grpc(sizes: tuple[int, ...] = (4 << 10, 1 << 20, 16 << 20), repea
         client.close()
         shared.close()
         echo_channel.close()
+        check_alive([proc], "the echo and trunk servers")
     finally:
         stop.set()
-        proc.join(30)
+        end_children([proc])
     return out
 
 
@@ -331,8 +336,8 @@ def codec_speedup(size_mib: int = 4, repeat: int = 5) -> dict[str, float]:
 
     assert torch.equal(codec(), t) and torch.equal(repeated(), t)
     t_codec, t_rep = timeit(codec, repeat * 4), timeit(repeated, repeat, warmup=1)
-    return {"codec_speedup_vs_repeated_float": t_rep / t_codec, "codec_roundtrip_4MiB_ms": t_codec * 1e3,
-            "repeated_float_roundtrip_4MiB_ms": t_rep * 1e3}
+    return {"codec_speedup_vs_repeated_float": t_rep / t_codec, f"codec_roundtrip_{size_mib}MiB_ms": t_codec * 1e3,
+            f"repeated_float_roundtrip_{size_mib}MiB_ms": t_rep * 1e3}
 
 
 # -- compression at the cut -------------------------------------------------------------------

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from bench.core import print_results
+from bench.processes import end_children, get_from
 
 #: name -> (layers, hidden, heads, vocab, cuts)
 MODELS: dict[str, tuple[int, int, int, int, tuple[int, int]]] = {
@@ -113,7 +114,7 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
                 try:
                     for q in jobs:
                         q.put(server.address)
-                    got = [results.get(timeout=600) for _ in range(sessions)]
+                    got = [get_from(results, procs, 600, "a generating client's tokens") for _ in range(sessions)]
                     if window:
                         stats = dict(server.servicer.sessions.stats)
                 finally:
@@ -124,10 +125,7 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
     finally:
         for q in jobs:
             q.put(None)
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.terminate()
+        end_children(procs)
     batched, alone = statistics.median(rates[window_ms]), statistics.median(rates[0.0])
     return {
         "gen_batched_speedup": batched / alone,
@@ -194,10 +192,10 @@ def batched_decode_trunk(sessions: int = 8, steps: int = 64, prompt_len: int = 1
             "gen_trunk_decode_tokens_per_s": sessions * steps / batched_s}
 
 
-def gen_batching(device: str = "cpu") -> dict[str, float]:
+def gen_batching(device: str = "cpu", sessions: int = 8, new_tokens: int = 64, repeat: int = 2) -> dict[str, float]:
     """The suite ``python -m bench`` runs: the trunk alone, then concurrent clients over the channel."""
-    out = batched_decode_trunk(device=device)
-    out.update(batched_generation(device=device))
+    out = batched_decode_trunk(sessions, new_tokens, repeat=repeat + 1, device=device)
+    out.update(batched_generation(sessions, new_tokens, repeat=repeat, device=device))
     return out
 
 

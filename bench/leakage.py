@@ -367,20 +367,18 @@ def run_lm(task: Task, seed: int = 0) -> list[dict[str, Any]]:
 
 # -- federated DP-SGD run through `flwr run` ------------------------------------------------------------------
 def run_federated(rounds: int, local_steps: int, num_nodes: int = 4, **overrides: Any) -> dict[str, Any]:
-    """The main job through ``flwr run . local`` with run-config ``overrides``; returns its per-round numbers."""
-    import subprocess
+    """The main job through ``flwr run . local`` with run-config ``overrides``; returns its per-round numbers.
 
-    env = dict(os.environ, FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1", FLWR_TELEMETRY_ENABLED="0",
-               FLWR_DISABLE_UPDATE_CHECK="1")
+    Raises:
+        BenchError: the run did not complete.
+    """
+    from bench.flower import flwr_run
+
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "out"
-        values = {"num-server-rounds": rounds, "local-steps": local_steps, "output-dir": str(out), **overrides}
+        values = {"num-server-rounds": rounds, "local-steps": local_steps, **overrides}
         config = " ".join(f"{k}='{v}'" if isinstance(v, str) else f"{k}={v}" for k, v in values.items())
         started = time.perf_counter()
-        subprocess.run(["flwr", "run", ".", "local", "--stream", "--run-config", config, "--federation-config",
-                        f"num-supernodes={num_nodes} client-resources-num-cpus=1"], cwd=ROOT, env=env, check=True,
-                       stdout=subprocess.DEVNULL)
-        history = json.loads((out / "history.json").read_text())
+        history = flwr_run(config, Path(tmp) / "out", num_nodes)
     rounds_ = sorted(history["rounds"], key=lambda r: r["round"])
     return {"rounds": rounds, "local-steps": local_steps, "clients": num_nodes,
             "eval-accuracy": [r["evaluate"].get("eval-accuracy") for r in rounds_],
@@ -420,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local-steps", type=int, default=30)
     parser.add_argument("--dp-lr", type=float, default=0.2, help="client learning rate of the DP-SGD run")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=0, help="training steps per setting (default: the task's)")
+    parser.add_argument("--attack-steps", type=int, default=0, help="inversion decoder steps (default: the task's)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: robust on a shared 2-core machine; more oversubscribes there)")
     args = parser.parse_args(argv)
@@ -444,10 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows: list[dict[str, Any]] = []
         started = time.perf_counter()
+        budget = {k: v for k, v in (("steps", args.steps), ("attack_steps", args.attack_steps)) if v}
         if not args.only or "mnist" in args.only:
-            rows += run_mnist(mnist_task(args.quick), args.seed)
+            rows += run_mnist(replace(mnist_task(args.quick), **budget), args.seed)
         if not args.only or "lm" in args.only:
-            rows += run_lm(lm_task(args.quick), args.seed)
+            rows += run_lm(replace(lm_task(args.quick), **budget), args.seed)
         out.update({"rows": rows, "seconds": time.perf_counter() - started,
                     "command": "python -m bench.leakage" + (" --quick" if args.quick else "")})
         text = table(rows) + f"\n\n{out['machine']}; {out['seconds']:.0f} s"

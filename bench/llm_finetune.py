@@ -14,15 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.flower import flwr_run
 
 
 def pretrained_perplexity(model_name: str, seq_len: int, batch_size: int) -> float:
@@ -50,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--cuts", default="", help="A,B (default: the named model's cuts)")
     parser.add_argument("--out", default="outputs/llm_finetune.json",
                         help="where to write the results (default: %(default)s; docs/img/llm_finetune.json is the "
                              "committed one)")
@@ -57,26 +56,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> int:
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
 
     from splitfed.llm import NAMED_LLMS, load_parts, model_dir, parts_nbytes
 
+    if args.cuts:
+        a, b = (int(x) for x in args.cuts.split(","))
+        cuts = (a, b)
+    elif args.model in NAMED_LLMS:
+        cuts = NAMED_LLMS[args.model].default_cuts
+    else:
+        parser.error(f"--cuts A,B is needed for {args.model!r}, which is not a named model")
     model_dir(args.model)  # convert the GGUF once, before the clients race for it
     before = pretrained_perplexity(args.model, args.seq_len, args.batch_size)
-    cuts = NAMED_LLMS[args.model].default_cuts if args.model in NAMED_LLMS else (2, -2)
     full_bytes = parts_nbytes(load_parts(args.model, cuts, ("bottom", "top")), ("bottom", "top"))
-    env = dict(os.environ, FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1", FLWR_TELEMETRY_ENABLED="0",
-               FLWR_DISABLE_UPDATE_CHECK="1")
     with tempfile.TemporaryDirectory() as tmp:
-        out_dir = Path(tmp) / "outputs"
         overrides = (f"model='{args.model}' cuts='{cuts[0]},{cuts[1]}' lora-rank=8 optimizer='adamw' lr=0.0005 "
                      f"momentum=0.0 max-seq-len={args.seq_len} batch-size={args.batch_size} "
                      f"local-steps={args.local_steps} num-server-rounds={args.rounds} partitioner='pathological' "
-                     f"classes-per-partition=1 min-train-nodes=2 trunk-timeout=600.0 output-dir='{out_dir}'")
-        subprocess.run(["flwr", "run", ".", "local", "--stream", "--run-config", overrides, "--federation-config",
-                        f"num-supernodes={args.clients} client-resources-num-cpus=1"], cwd=ROOT, env=env, check=True,
-                       stdout=subprocess.DEVNULL)
-        history = json.loads((out_dir / "history.json").read_text())
+                     f"classes-per-partition=1 min-train-nodes=2 trunk-timeout=600.0")
+        history = flwr_run(overrides, Path(tmp) / "outputs", args.clients)
     rounds = sorted(history["rounds"], key=lambda r: r["round"])
     result = {
         "model": args.model, "cuts": list(cuts), "pretrained_perplexity": before,

@@ -5,6 +5,7 @@ thread runs forward/backward steps (a 2-layer Llama trunk, batch 2 x 16 tokens);
 trunk server runs in its own process. Prints errors, latency percentiles of a whole
 step (forward + backward round trips, server compute included), throughput, the
 server's peak RSS and its RSS at the end (saved forwards must not accumulate).
+Exits non-zero when a client failed or the server process died.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any
 
 import torch
 
+from bench.processes import check_alive, end_children, get_from
+
 
 def _serve(port_queue: Any, stop: Any, mode: str) -> None:
     from splitfed.channel.server import TrunkServer
@@ -32,7 +35,7 @@ def _serve(port_queue: Any, stop: Any, mode: str) -> None:
     cfg = LlamaConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=97)
     trunk = split_model(LlamaForCausalLM(cfg), (1, 3)).trunk
-    server = TrunkServer(trunk, insecure=True, lr=1e-3, max_workers=64,
+    server = TrunkServer(trunk, insecure=True, lr=1e-3,
                          aggregator=make_aggregator(mode, quorum=8, max_staleness=64, timeout=30)).start()
     port_queue.put(server.port)
     stop.wait()
@@ -48,8 +51,12 @@ def _rss_kb(pid: int, field: str) -> int:
 
 
 def run(clients: int = 32, steps: int = 500, mode: str = "async") -> dict[str, float]:
-    """Run the load; returns the figures."""
-    from splitfed.channel.client import TrunkClient
+    """Run the load; returns the figures.
+
+    Raises:
+        BenchError: the server process died (at start or during the run) or never said its port.
+    """
+    from splitfed.channel.client import RetryPolicy, TrunkClient
     from splitfed.split import CutState
 
     ctx = mp.get_context("spawn")
@@ -60,16 +67,16 @@ def run(clients: int = 32, steps: int = 500, mode: str = "async") -> dict[str, f
     errors: list[str] = []
     lock = threading.Lock()
     try:
-        address = f"127.0.0.1:{port_queue.get(timeout=120)}"
+        address = f"127.0.0.1:{get_from(port_queue, [proc], 120, 'the trunk server process port')}"
         rss_start = _rss_kb(proc.pid, "VmRSS")
         barrier = threading.Barrier(clients)
 
         def client(i: int) -> None:
-            c = TrunkClient(address, insecure=True, client_id=f"load-{i}")
+            c = TrunkClient(address, insecure=True, client_id=f"load-{i}", retry=RetryPolicy(timeout_s=120.0))
             mine: list[float] = []
             try:
                 c.join()
-                barrier.wait()
+                barrier.wait(timeout=120)
                 for _ in range(steps):
                     hidden = torch.randn(2, 16, 32)
                     start = time.perf_counter()
@@ -79,6 +86,7 @@ def run(clients: int = 32, steps: int = 500, mode: str = "async") -> dict[str, f
                     mine.append(time.perf_counter() - start)
                 c.leave()
             except Exception as exc:  # counted and reported
+                barrier.abort()  # the others stop waiting for this one
                 with lock:
                     errors.append(f"{type(exc).__name__}: {exc}")
             finally:
@@ -94,18 +102,20 @@ def run(clients: int = 32, steps: int = 500, mode: str = "async") -> dict[str, f
             t.join()
         wall = time.perf_counter() - start
         time.sleep(0.5)
+        check_alive([proc], "the trunk server")
         peak = _rss_kb(proc.pid, "VmHWM")
         end = _rss_kb(proc.pid, "VmRSS")
     finally:
         stop.set()
-        proc.join(30)
+        end_children([proc])
     lat = sorted(latencies)
 
     def pct(q: float) -> float:
         return lat[min(int(q * len(lat)), len(lat) - 1)] * 1e3 if lat else float("nan")
 
     return {"clients": clients, "steps_per_client": steps, "steps_done": len(lat), "errors": len(errors),
-            "step_p50_ms": pct(0.50), "step_p99_ms": pct(0.99), "step_mean_ms": statistics.fmean(lat) * 1e3,
+            "step_p50_ms": pct(0.50), "step_p99_ms": pct(0.99),
+            "step_mean_ms": statistics.fmean(lat) * 1e3 if lat else float("nan"),
             "steps_per_s": len(lat) / wall, "wall_s": wall, "server_rss_start_mib": rss_start / 1024,
             "server_rss_peak_mib": peak / 1024, "server_rss_end_mib": end / 1024,
             "first_error": errors[0] if errors else ""}

@@ -10,25 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.flower import ROOT, flwr_run
 
-
-def flwr_run(overrides: str, out: Path, supernodes: int = 4) -> dict:
-    """One ``flwr run . local`` with run-config overrides; returns its history."""
-    env = dict(os.environ, FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1", FLWR_TELEMETRY_ENABLED="0",
-               FLWR_DISABLE_UPDATE_CHECK="1")
-    cmd = ["flwr", "run", ".", "local", "--stream", "--run-config", f"{overrides} output-dir='{out}'",
-           "--federation-config", f"num-supernodes={supernodes} client-resources-num-cpus=1"]
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
-    return json.loads((out / "history.json").read_text())
+#: key -> (label, run-config overrides) of the SplitFed runs.
+RUNS = {"iid": ("SplitFed, 4 IID clients", "partitioner='iid'"),
+        "dirichlet": ("SplitFed, 4 clients, Dirichlet(0.1)", "partitioner='dirichlet' dirichlet-alpha=0.1")}
 
 
 def centralized(rounds: int, steps_per_round: int, batch_size: int, lr: float, momentum: float,
@@ -65,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.mnist_curves", description=__doc__)
     parser.add_argument("--out", default="outputs", help="folder for mnist_curves.png/.json (default: %(default)s; "
                         "--out docs/img replaces the README's figure)")
+    parser.add_argument("--only", nargs="*", choices=sorted(RUNS), help="SplitFed runs to make (default: both)")
+    parser.add_argument("--rounds", type=int, default=0, help="rounds (default: pyproject's num-server-rounds)")
+    parser.add_argument("--local-steps", type=int, default=0, help="steps per round (default: pyproject's)")
     return parser
 
 
@@ -75,11 +70,12 @@ def main() -> int:
     import tomllib
 
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    rounds, steps, batch = cfg["num-server-rounds"], cfg["local-steps"], cfg["batch-size"]
+    rounds = args.rounds or cfg["num-server-rounds"]
+    steps = args.local_steps or cfg["local-steps"]
+    batch = cfg["batch-size"]
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {"SplitFed, 4 IID clients": flwr_run("partitioner='iid'", Path(tmp) / "iid"),
-                "SplitFed, 4 clients, Dirichlet(0.1)": flwr_run("partitioner='dirichlet' dirichlet-alpha=0.1",
-                                                                Path(tmp) / "dirichlet")}
+        runs = {label: flwr_run(f"{overrides} num-server-rounds={rounds} local-steps={steps}", Path(tmp) / key)
+                for key, (label, overrides) in RUNS.items() if not args.only or key in args.only}
     curves = {name: [r["evaluate"].get("eval-accuracy") for r in sorted(h["rounds"], key=lambda r: r["round"])]
               for name, h in runs.items()}
     curves["centralized (unsplit, same steps)"] = centralized(rounds, 4 * steps, batch, cfg["lr"], cfg["momentum"])

@@ -22,11 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
-#: What Ray says when its raylet or GCS missed a fixed start-up window (a loaded machine, not splitfed).
-RAY_START_FLAKES = ("timed out during startup", "Timed out waiting for file")
+from bench.flower import FlowerRuns
+
+#: Every run: 4 SuperNodes, and all four ClientApps at once (sequential mode's clients wait for their turn together).
+FEDERATION = "client-resources-num-cpus=1 init-args-num-cpus=4"
 
 #: label -> run-config overrides; the heterogeneous-cut run is added by ``--client-cuts``.
 VARIANTS: dict[str, str] = {
@@ -92,54 +88,6 @@ def curves(history: dict[str, Any], variant: str, partition: str) -> Run:
         run.seconds.append(float(record["seconds"]))
         run.trunk = dict(record.get("trunk", {}))
     return run
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class FlowerRuns:
-    """``flwr run . local`` in a private FLWR_HOME; :meth:`close` ends the processes it left, by PID."""
-
-    def __init__(self, home: Path) -> None:
-        self.home = home
-        self.ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-        self.env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
-                        FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1", RAY_TMPDIR=self.ray_tmp,
-                        FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(_free_port()),
-                        FLWR_LOCAL_CONTROL_API_PORT=str(_free_port()),
-                        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-
-    def run(self, overrides: str, out: Path, timeout: float = 3600) -> dict[str, Any]:
-        """One run with ``overrides``; returns its history (``status`` says whether it completed). A run whose Ray
-        missed its start-up window (it happens on a loaded machine and says nothing about splitfed) is retried
-        once."""
-        cmd = [str(BIN / "flwr"), "run", ".", "local", "--stream", "--run-config", f"{overrides} output-dir='{out}'",
-               "--federation-config", "num-supernodes=4 client-resources-num-cpus=1 init-args-num-cpus=4"]
-        path = out / "history.json"
-        for attempt in range(2):
-            result = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
-            output = result.stdout + result.stderr
-            if path.exists() or not any(f in output for f in RAY_START_FLAKES) or attempt:
-                break
-            time.sleep(5)
-        if not path.exists():
-            sys.stderr.write(output[-3000:] + "\n")
-            return {"status": "failed", "rounds": []}
-        return json.loads(path.read_text())
-
-    def close(self) -> None:
-        """End the SuperLink, Ray and anything else started under this FLWR_HOME, children first."""
-        try:
-            import psutil  # noqa: F401
-        except ImportError:  # pragma: no cover - psutil comes with the test extra
-            return
-        from bench.processes import end_processes_of
-
-        end_processes_of(str(self.home), self.ray_tmp)
-        shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
 
 def _merged(path: Path, runs: list[Run]) -> list[Run]:
@@ -233,13 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="splitfed-variants-") as tmp:
         flower = FlowerRuns(Path(tmp) / "flwr-home")
-        (Path(tmp) / "flwr-home").mkdir()
         try:
             for p_label, p_over in partitions.items():
                 for v_label, v_over in variants.items():
                     started = time.monotonic()
                     overrides = f"{v_over} {p_over} num-server-rounds={args.rounds} seed=42 {args.extra}".strip()
-                    history = flower.run(overrides, Path(tmp) / f"run{len(runs)}")
+                    history = flower.run(overrides, Path(tmp) / f"run{len(runs)}", federation=FEDERATION)
+                    if history.get("status") != "completed":
+                        sys.stderr.write(f"{v_label}, {p_label}: {history.get('error', 'the run failed')}\n")
                     runs.append(curves(history, v_label, p_label))
                     sys.stdout.write(f"{v_label:<20} {p_label:<28} {runs[-1].status:<10} accuracy "
                                      + " ".join(f"{a:.3f}" for a in runs[-1].accuracy)
@@ -247,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                     sys.stdout.flush()
         finally:
             flower.close()
+    failed = [f"{r.variant} ({r.partition})" for r in runs if r.status != "completed"]
     runs = _merged(out / "variants.json", runs) if (args.only or args.partitions) else runs
     (out / "variants.json").write_text(json.dumps([{**r.row(), "trunk": r.trunk, "curves": {
         "accuracy": r.accuracy, "bytes": r.bytes, "seconds": r.seconds}} for r in runs], indent=1))
@@ -257,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         plot(runs, out)
     except ImportError:
         sys.stderr.write("no plots: pip install 'splitfed[plots]' (matplotlib)\n")
+    if failed:  # the table and plots show them; the comparison is incomplete
+        sys.stderr.write(f"runs that did not complete: {', '.join(failed)}\n")
+        return 1
     return 0
 
 

@@ -333,13 +333,21 @@ def _child_env() -> dict[str, str]:
 
 
 def _wait_ready(proc: subprocess.Popen[str], timeout: float) -> None:
+    """Wait for the server's READY line: at most ``timeout`` seconds, and no longer than the server lives."""
     lines: queue.Queue[str] = queue.Queue()
     assert proc.stdout is not None
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()  # type: ignore
-    try:
-        line = lines.get(timeout=timeout)
-    except queue.Empty:
-        line = ""
+    deadline = time.monotonic() + timeout
+    line = ""
+    while not line and time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            if proc.poll() is not None:  # it ended: one last look at what it wrote
+                try:
+                    line = lines.get(timeout=0.5)
+                except queue.Empty:
+                    break
     if not line.startswith("READY"):
         raise RuntimeError(f"the trunk server did not start (exit code {proc.poll()})")
 
@@ -376,6 +384,9 @@ def measure(models: Sequence[str], compressions: Sequence[str], rates: Sequence[
                     raise RuntimeError(f"the client of {model} at {rate} ran past 30 minutes") from None
                 if proc.returncode != 0:
                     raise RuntimeError(f"the client of {model} at {rate} failed: {err_text[-2000:]}")
+                if server.poll() is not None:
+                    raise RuntimeError(f"the trunk server of {model} ended with exit code {server.returncode} "
+                                       f"during the run at {rate}: {server_log.read_text()[-2000:]}")
                 measured = json.loads(out.strip().splitlines()[-1])
                 for setting in measured["settings"]:
                     results.append({"model": model, "rate": rate, "rate_bps": rate_bps,

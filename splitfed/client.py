@@ -69,7 +69,9 @@ def connect_trunk(cfg: RunConfig, address: str, token: str | None, client_id: st
     """A :class:`~splitfed.channel.client.RemoteTrunk` to the run's trunk server.
 
     TLS pinned to ``ca_pem`` (the CA the server sent), else TLS verified with ``tls-root-ca`` when the run has
-    ``tls-cert``; plaintext only to a loopback address unless ``trunk-allow-plaintext-remote``.
+    ``tls-cert``; plaintext only to a loopback address unless ``trunk-allow-plaintext-remote``. Over TLS the
+    client presents ``tls-client-cert``/``tls-client-key`` (required when the run sets ``tls-client-ca``; pass
+    the node's view of the config, :meth:`RunConfig.for_node`).
     """
     from splitfed.channel.client import RemoteTrunk, RetryPolicy
     from splitfed.compression import WireCompression
@@ -77,7 +79,9 @@ def connect_trunk(cfg: RunConfig, address: str, token: str | None, client_id: st
     from splitfed.channel.transport import client_credentials
 
     credentials = client_credentials(address, pinned_ca=ca_pem, own_tls=bool(cfg.tls_cert), root_ca=cfg.tls_root_ca,
-                                     allow_plaintext_remote=cfg.trunk_allow_plaintext_remote)
+                                     allow_plaintext_remote=cfg.trunk_allow_plaintext_remote,
+                                     client_cert=cfg.tls_client_cert, client_key=cfg.tls_client_key,
+                                     client_cert_required=bool(cfg.tls_client_ca))
     # Micro-batches in flight travel over several connections (at most 4).
     lanes = 1 if cfg.micro_batches == "1" else 4 if cfg.micro_batches == "auto" else min(int(cfg.micro_batches), 4)
     return RemoteTrunk(address, client_id=client_id, insecure=credentials is None, credentials=credentials,

@@ -60,6 +60,7 @@ class RunConfig:
     fraction_evaluate: float = 1.0
     min_train_nodes: int = 2  # a round with fewer successful train replies fails the run
     accept_failures: float = 0.5  # fraction of a round's sampled clients that may fail before the run fails
+    node_wait_timeout: float = 120.0  # seconds a round waits for enough SuperNodes before the run fails
     proximal_mu: float = 0.01  # fedprox
     server_lr: float = 0.01  # fedadam, fedadagrad, fedyogi (eta)
     server_momentum: float = 0.9  # fedavgm
@@ -93,8 +94,10 @@ class RunConfig:
     trunk_allow_plaintext_remote: bool = False  # with trunk-insecure: plaintext on a non-loopback address too
     tls_cert: str = ""
     tls_key: str = ""
-    tls_root_ca: str = ""
-    tls_client_ca: str = ""
+    tls_root_ca: str = ""  # node: CA that signed tls-cert (empty: the system roots)
+    tls_client_ca: str = ""  # CA that signs client certificates: set, the trunk requires them (mutual TLS)
+    tls_client_cert: str = ""  # node: this node's certificate for mutual TLS
+    tls_client_key: str = ""  # node: its private key
     auth: bool = True  # per-client signed tokens on the split channel
     token_ttl: float = 3600.0
     wire_dtype: str = "fp32"
@@ -123,6 +126,12 @@ class RunConfig:
     metrics_port: int = -1  # Prometheus endpoint of the trunk server; -1: off, 0: free port
     log_level: str = "INFO"
     log_json: bool = False  # JSON lines with run id, round, client and step
+
+    def for_node(self, node_config: Mapping[str, Any]) -> RunConfig:
+        """The run config as one node sees it: the :data:`NODE_KEYS` its ``node_config`` sets (a SuperNode's
+        ``--node-config``) replace the run's values; its other keys (``partition-id``, ...) are not settings."""
+        own = {key: value for key, value in node_config.items() if key in NODE_KEYS}
+        return self if not own else RunConfig.from_mapping({**self.to_mapping(), **own})
 
     @property
     def effective_trunk_lr(self) -> float:
@@ -203,6 +212,7 @@ class RunConfig:
         if self.trunk_batch_window_ms < 0:
             raise ConfigError(f"trunk-batch-window-ms must be >= 0, got {self.trunk_batch_window_ms}")
         for key, value in [("lr", self.lr), ("trunk-timeout", self.trunk_timeout),
+                           ("node-wait-timeout", self.node_wait_timeout),
                            ("dirichlet-alpha", self.dirichlet_alpha), ("token-ttl", self.token_ttl)]:
             if not value > 0:
                 raise ConfigError(f"{key} must be > 0, got {value}")
@@ -217,7 +227,10 @@ class RunConfig:
         # ConfigError for plaintext off loopback by omission, or half a TLS key pair.
         choose_mode(self.trunk_bind, advertise=self.trunk_advertise, insecure=self.trunk_insecure,
                     allow_plaintext_remote=self.trunk_allow_plaintext_remote, tls_cert=self.tls_cert,
-                    tls_key=self.tls_key)
+                    tls_key=self.tls_key, tls_client_ca=self.tls_client_ca)
+        if bool(self.tls_client_cert) != bool(self.tls_client_key):
+            raise ConfigError("tls-client-cert and tls-client-key go together: set both to a node's certificate "
+                              "and private key, or neither")
         if self.trunk_advertise and ":" not in self.trunk_advertise:
             raise ConfigError(f"trunk-advertise must be host:port, got {self.trunk_advertise!r}")
         from splitfed.privacy import PrivacyConfig  # lazy: keeps config import-light
@@ -243,6 +256,11 @@ def check_keys(keys: Iterable[str]) -> None:
 def override_keys(text: str) -> list[str]:
     """The keys of a ``flwr run --run-config`` string (``"key=value key='text' ..."``)."""
     return [token.split("=", 1)[0].strip() for token in shlex.split(text) if token.strip()]
+
+
+#: Settings that belong to a node, not to the run: files on that node's disk. A SuperNode's ``--node-config``
+#: overrides them (``flower-supernode --node-config "tls-client-cert='/etc/splitfed/node.pem' ..."``).
+NODE_KEYS = ("tls-client-cert", "tls-client-key", "tls-root-ca")
 
 
 def parse_client_cuts(text: str) -> list[tuple[int, int]]:
@@ -307,4 +325,4 @@ def _coerce(key: str, f: dataclasses.Field[Any], value: Any) -> Any:
         raise ConfigError(f"run-config key {key!r} = {value!r} is not valid: {key} must be {expected}") from None
 
 
-__all__ = ["RunConfig", "check_keys", "known_keys", "override_keys", "parse_client_cuts"]
+__all__ = ["NODE_KEYS", "RunConfig", "check_keys", "known_keys", "override_keys", "parse_client_cuts"]

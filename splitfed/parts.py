@@ -99,7 +99,10 @@ def build_parts(cfg: RunConfig, roles: Iterable[str] = ALL_ROLES) -> SplitModel:
                 seed_adapters_by_block(getattr(split, role), cfg.seed)
     if cfg.compile:
         for role in roles:
-            setattr(split, role, torch.compile(getattr(split, role)))
+            # In place (nn.Module.compile): the part stays itself, so its state-dict keys stay plain for
+            # checkpoints, exports, client-state records and LoRA adapters (torch.compile(part) would wrap it
+            # and prefix every key with "_orig_mod.").
+            getattr(split, role).compile()
     return split
 
 

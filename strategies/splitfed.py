@@ -12,12 +12,16 @@ checkpointed so a restarted ServerApp resumes from the last completed round.
 A round in which fewer clients train than ``min-train-nodes``, or more than the
 ``accept-failures`` fraction fail, stops the run with :class:`RoundFailedError`
 quoting the first client's error (Flower then marks the run failed); the round's
-failures are in the history either way.
+failures are in the history either way. A round that cannot start because fewer
+SuperNodes are connected than the inner strategy samples waits at most
+``node-wait-timeout`` seconds for them (Flower's own sampling would wait forever),
+then stops the run the same way, saying how to start it.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 
@@ -90,11 +94,53 @@ class SplitFed(Strategy):
                                group_id=msg.metadata.group_id or None))
         return out
 
+    def _needed_nodes(self, kind: str) -> int:
+        """How many connected nodes the inner strategy waits for before it samples ``kind`` (train/evaluate):
+        its ``min_available_nodes`` and ``min_<kind>_nodes``, 0 when it samples no one (``fraction_<kind>`` 0)."""
+        inner = self.strategy
+        if getattr(inner, f"fraction_{kind}", 1.0) == 0.0:
+            return 0
+        fallback = self.runner.cfg.min_train_nodes
+        return max(int(getattr(inner, "min_available_nodes", fallback)), int(getattr(inner, f"min_{kind}_nodes",
+                                                                                      fallback)))
+
+    def _await_nodes(self, grid: Grid, run_round: int, kind: str) -> None:
+        """Wait until the inner strategy can sample (at most ``node-wait-timeout`` seconds, logging every 10 s).
+
+        Raises:
+            RoundFailedError: fewer nodes are connected than it needs when the time is up; the message says how
+                many, and how to start the run (more SuperNodes, or a lower ``min-train-nodes``).
+        """
+        needed, cfg = self._needed_nodes(kind), self.runner.cfg
+        deadline = time.monotonic() + cfg.node_wait_timeout
+        next_log = 0.0
+        while (connected := len(list(grid.get_node_ids()))) < needed:
+            now = time.monotonic()
+            if now >= deadline:
+                error = (f"round {run_round}: {connected} SuperNode(s) connected after {cfg.node_wait_timeout:g} s "
+                         f"of waiting, and {kind} needs {needed} (min-train-nodes = {cfg.min_train_nodes}): start "
+                         f"at least {needed} SuperNodes (a simulation: --federation-config \"num-supernodes="
+                         f"{needed}\"), or let fewer train with --run-config \"min-train-nodes={max(connected, 1)}\" "
+                         f"(node-wait-timeout sets how long a round waits for SuperNodes)")
+                self.runner.fail_round(run_round, {}, error)
+                raise RoundFailedError(error)
+            if now >= next_log:
+                log(WARNING, "round %s: %s of the %s SuperNodes %s needs are connected (min-train-nodes = %s); "
+                    "waiting at most %.0f s more", run_round, connected, needed, kind, cfg.min_train_nodes,
+                    deadline - now)
+                next_log = now + 10.0
+            time.sleep(0.2)
+
     # -- Strategy hooks -----------------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
                         ) -> Iterable[Message]:
-        """The inner strategy's train messages, each with the trunk's address and a fresh token."""
+        """The inner strategy's train messages, each with the trunk's address and a fresh token.
+
+        Raises:
+            RoundFailedError: too few SuperNodes connected within ``node-wait-timeout``.
+        """
         run_round = self._round(server_round)
+        self._await_nodes(grid, run_round, "train")
         messages = self._with_trunk(self.strategy.configure_train(run_round, arrays, config, grid), run_round)
         self.runner.begin_round(run_round, [m.metadata.dst_node_id for m in messages])
         if self.trunk_copies is not None:
@@ -149,8 +195,13 @@ class SplitFed(Strategy):
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
                            ) -> Iterable[Message]:
-        """The inner strategy's evaluate messages, each with the trunk's address and a token."""
+        """The inner strategy's evaluate messages, each with the trunk's address and a token.
+
+        Raises:
+            RoundFailedError: too few SuperNodes connected within ``node-wait-timeout``.
+        """
         run_round = self._round(server_round)
+        self._await_nodes(grid, run_round, "evaluate")
         messages = self._with_trunk(self.strategy.configure_evaluate(run_round, arrays, config, grid), run_round)
         self._sent["evaluate"] = len(messages)
         return messages

@@ -36,13 +36,15 @@ class ThreadGrid(Grid):
     """A Grid whose nodes are ClientApp calls on a thread pool."""
 
     def __init__(self, client_app: Any, num_nodes: int, run_config: dict[str, Any], *, concurrency: int = 2,
-                 run_id: int = 7) -> None:
+                 run_id: int = 7, node_configs: dict[int, dict[str, Any]] | None = None) -> None:
         self.client_app = client_app
         self.run_config = run_config
         self.run_id = run_id
+        extra = node_configs or {}  # partition id -> what that SuperNode's --node-config adds
         self.contexts = {
             100 + i: Context(run_id=run_id, node_id=100 + i, node_config={"partition-id": i,
-                                                                           "num-partitions": num_nodes},
+                                                                           "num-partitions": num_nodes,
+                                                                           **extra.get(i, {})},
                              state=RecordDict(), run_config=run_config)
             for i in range(num_nodes)
         }
@@ -119,18 +121,24 @@ def _serial_ast_parse(*args: Any, **kwargs: Any) -> Any:
 ast.parse = _serial_ast_parse
 
 
-def run_apps(tmp_path: Path, num_nodes: int = 4, concurrency: int = 2, **overrides: Any) -> tuple[ThreadGrid, Path]:
-    """Run the ServerApp with :class:`ThreadGrid`; returns the grid and the output folder."""
+def run_apps(tmp_path: Path, num_nodes: int = 4, concurrency: int = 2,
+             node_configs: dict[int, dict[str, Any]] | None = None, on_grid: Any = None,
+             **overrides: Any) -> tuple[ThreadGrid, Path]:
+    """Run the ServerApp with :class:`ThreadGrid`; returns the grid and the output folder. ``node_configs``: what
+    each partition's SuperNode adds to its node config (``--node-config``); ``on_grid`` is called with the grid
+    before the ServerApp starts."""
     from apps.client_app import app as client_app
     from apps.server_app import app as server_app
 
     out = tmp_path / "outputs"
     config = default_run_config(output_dir=str(out), **overrides)
-    grid = ThreadGrid(client_app, num_nodes, config, concurrency=concurrency)
+    grid = ThreadGrid(client_app, num_nodes, config, concurrency=concurrency, node_configs=node_configs)
     context = Context(run_id=grid.run_id, node_id=SUPERLINK_NODE, node_config={}, state=RecordDict(),
                       run_config=config)
     # What Flower's runtime sets in a ServerApp process.
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = grid.run_id, SUPERLINK_NODE, 1
+    if on_grid is not None:
+        on_grid(grid)
     try:
         server_app(grid, context)
     finally:

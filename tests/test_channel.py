@@ -27,7 +27,7 @@ from splitfed.channel.wire import encode_state, to_proto
 from splitfed.codec import encode
 from splitfed.errors import ChannelError
 from splitfed.split import CutState, split_model
-from splitfed.trunk.aggregation import AsyncAggregator, make_aggregator
+from splitfed.trunk.aggregation import make_aggregator
 from splitfed.trunk.store import StoreLimits
 
 C = grpc.StatusCode
@@ -369,8 +369,9 @@ CASES: list[Case] = [
 ]
 
 
-def test_catalogue_is_large_enough() -> None:
-    assert len(CASES) >= 25
+def test_catalogue_counts_every_case() -> None:
+    # Exact: a case removed (or added) is a visible change here and in docs/bad_inputs.md's count.
+    assert len(CASES) == 53 and len(REGION_CASES) == 13
     assert len({c[0] for c in CASES}) == len(CASES)
 
 

@@ -1,7 +1,8 @@
 """Runs whose clients fail look like failures: the run stops with the first client's error, Flower marks it
 failed, the history records each round's failures, and nothing is exported from a round that did not train.
-A round where only some clients fail goes on, with the failures counted. Real ``flwr run``s and the in-process
-apps; the errors that say what to do next."""
+A round where only some clients fail goes on, with the failures counted; likewise for evaluations. A round that
+cannot start for want of SuperNodes waits ``node-wait-timeout``, then fails saying how to start it. Real
+``flwr run``s and the in-process apps; the errors that say what to do next."""
 
 from __future__ import annotations
 
@@ -162,6 +163,102 @@ def test_accept_failures_sets_how_many_clients_may_fail(tmp_path, monkeypatch) -
     (round1,) = _history(out)["rounds"]
     assert round1["failures"]["train"] == 1 and round1["train"]["train-failures"] == 1
     assert round1["train"]["train-steps"] == 2 * 2
+
+
+def _fail_evaluation(monkeypatch: pytest.MonkeyPatch, nodes: set[str]) -> None:
+    """Evaluation raises on these nodes (``node-<id>``; the harness's partition i is node 100 + i)."""
+    import apps.client_app as client_app
+
+    real = client_app.client_evaluate
+
+    def flaky(cfg, state, trunk, splits):
+        if trunk.client.client_id in nodes:
+            raise RuntimeError(f"evaluation data unreadable on {trunk.client.client_id}")
+        return real(cfg, state, trunk, splits)
+
+    monkeypatch.setattr(client_app, "client_evaluate", flaky)
+
+
+def test_a_round_whose_every_evaluation_fails_stops_the_run(tmp_path, monkeypatch) -> None:
+    _fail_evaluation(monkeypatch, {"node-100", "node-101"})
+    with pytest.raises(RoundFailedError, match=r"round 1: all 2 clients failed to evaluate.*evaluation data "
+                                               r"unreadable"):
+        run_apps(tmp_path, num_nodes=2, concurrency=2, num_server_rounds=2, local_steps=2, eval_batches=1)
+    out = tmp_path / "outputs"
+    history = _history(out)
+    assert history["status"] == "failed" and "all 2 clients failed to evaluate" in history["error"]
+    assert history["rounds"][-1]["failures"]["evaluate"] == 2 and history["rounds"][-1]["failures"]["train"] == 0
+    assert not (out / "model").exists()  # no round 2, nothing exported
+    assert {r["round"] for r in history["rounds"]} == {1}
+
+
+def test_failed_evaluations_are_counted_and_the_round_goes_on(tmp_path, monkeypatch) -> None:
+    _fail_evaluation(monkeypatch, {"node-101"})
+    _, out = run_apps(tmp_path, num_nodes=3, concurrency=3, num_server_rounds=1, local_steps=2, eval_batches=1)
+    history = _history(out)
+    assert history["status"] == "completed"
+    (round1,) = history["rounds"]
+    assert round1["evaluate"]["eval-failures"] == 1
+    assert round1["failures"]["evaluate"] == 1 and round1["failures"]["evaluate-sent"] == 3
+    assert round1["failures"]["first-error"].endswith("evaluation data unreadable on node-101")
+    assert round1["evaluate"]["num-examples"] == 2 * 32  # the two healthy clients' one batch each
+    assert round1["train"]["train-failures"] == 0
+
+
+# -- too few SuperNodes ----------------------------------------------------------------------------
+@pytest.mark.timeout(120)  # Flower's own sampling waits forever
+def test_a_round_without_enough_supernodes_fails_saying_how_to_start(tmp_path) -> None:
+    with pytest.raises(RoundFailedError) as info:
+        run_apps(tmp_path, num_nodes=1, concurrency=1, num_server_rounds=1, local_steps=2, node_wait_timeout=1.0)
+    message = str(info.value)
+    assert "1 SuperNode(s) connected after 1 s" in message and "train needs 2 (min-train-nodes = 2)" in message
+    assert 'num-supernodes=2' in message and '--run-config "min-train-nodes=1"' in message
+    history = _history(tmp_path / "outputs")
+    assert history["status"] == "failed" and history["error"] == message
+    assert not (tmp_path / "outputs" / "model").exists()
+
+
+def test_a_round_waits_for_a_supernode_that_connects_late(tmp_path) -> None:
+    import threading
+
+    def second_node_late(grid) -> None:
+        grid.offline.add(101)
+        threading.Timer(2.0, grid.offline.discard, args=(101,)).start()
+
+    _, out = run_apps(tmp_path, num_nodes=2, concurrency=2, num_server_rounds=1, local_steps=2, eval_batches=1,
+                      on_grid=second_node_late)
+    (round1,) = _history(out)["rounds"]
+    assert round1["failures"]["train-sent"] == 2 and round1["train"]["train-steps"] == 2 * 2
+
+
+def test_one_supernode_trains_with_min_train_nodes_one(tmp_path) -> None:
+    _, out = run_apps(tmp_path, num_nodes=1, concurrency=1, num_server_rounds=1, local_steps=2, eval_batches=1,
+                      min_train_nodes=1, node_wait_timeout=1.0)
+    (round1,) = _history(out)["rounds"]
+    assert round1["train"]["train-steps"] == 2 and round1["evaluate"]["num-examples"] == 32
+
+
+def test_flwr_run_with_one_supernode_fails_saying_how_to_start(flwr_home: Path, tmp_path: Path) -> None:
+    """The default min-train-nodes (2) and a federation of one SuperNode: the run ends failed, and says why."""
+    env = _env(flwr_home)
+    out_dir = tmp_path / "outputs"
+    output = flwr_run([".", "local", "--stream", "--run-config", f"node-wait-timeout=5.0 output-dir='{out_dir}'",
+                       "--federation-config", "num-supernodes=1 client-resources-num-cpus=1"], env)
+    run = _run_status(_run_id(output), env)
+    assert run["status"] == "finished:failed", output[-3000:]
+    assert "1 SuperNode(s) connected" in run["status-details"] and "min-train-nodes=1" in run["status-details"]
+    assert _history(out_dir)["status"] == "failed"
+
+
+@pytest.mark.slow
+def test_flwr_run_with_one_supernode_and_min_train_nodes_one_completes(flwr_home: Path, tmp_path: Path) -> None:
+    env = _env(flwr_home)
+    out_dir = tmp_path / "outputs"
+    output = flwr_run([".", "local", "--stream", "--run-config",
+                       f"min-train-nodes=1 num-server-rounds=1 local-steps=4 output-dir='{out_dir}'",
+                       "--federation-config", "num-supernodes=1 client-resources-num-cpus=1"], env)
+    assert _run_status(_run_id(output), env)["status"] == "finished:completed", output[-3000:]
+    assert _history(out_dir)["rounds"][0]["train"]["train-steps"] == 4
 
 
 # -- errors that say what to do next ---------------------------------------------------------------

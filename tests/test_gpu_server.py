@@ -42,14 +42,15 @@ def test_device_io_copies_in_and_out_and_reuses_its_pinned_buffers() -> None:
         pinned = x.pin_memory()
         for src in (x.view(torch.uint8).reshape(-1), memoryview(x.numpy()).cast("B"),
                     pinned.view(torch.uint8).reshape(-1)):
-            a = io.to_device("hidden", src, torch.float32, (3, 5, 7))
-            io.wait([a])
+            a = io.stage("hidden", src, torch.float32, (3, 5, 7))
+            assert io.bring([a]) == [True]
             assert torch.equal(a.tensor.cpu(), x)
         bad = x.clone()
         bad[1, 2, 3] = float("nan")
-        arrivals = [io.to_device("hidden", t.view(torch.uint8).reshape(-1), torch.float32, (3, 5, 7))
-                    for t in (x, bad, x)]
-        assert io.verdicts(arrivals) == [True, False, True]
+        huge = torch.full((3, 5, 7), 3e38)  # finite, though its norm overflows: confirmed element by element
+        arrivals = [io.stage("hidden", t.view(torch.uint8).reshape(-1), torch.float32, (3, 5, 7))
+                    for t in (x, bad, huge, x)]
+        assert io.bring(arrivals) == [True, False, True, True]
         y = torch.randn(4, 6, device=CUDA)
         out = io.to_host(y, torch.bfloat16)
         out.event.synchronize()

@@ -39,7 +39,7 @@ def _spy(strategy: Any, seen: dict[str, list[Any]]) -> Any:
     return strategy
 
 
-def _run(tmp_path, monkeypatch, strategy: str, rounds: int) -> tuple[dict[str, list[Any]], Any, Any]:
+def _run(tmp_path, monkeypatch, strategy: str, rounds: int, **settings: Any) -> tuple[dict[str, list[Any]], Any, Any]:
     import apps.server_app as server_app
     from strategies import build_strategy
 
@@ -51,8 +51,8 @@ def _run(tmp_path, monkeypatch, strategy: str, rounds: int) -> tuple[dict[str, l
         return built[-1]
 
     monkeypatch.setattr(server_app, "build_strategy", spied)
-    _, out = run_apps(tmp_path, num_nodes=3, concurrency=3, num_server_rounds=rounds, local_steps=2,
-                      strategy=strategy)
+    _, out = run_apps(tmp_path, num_nodes=3, concurrency=3, num_server_rounds=rounds,
+                      **{"local_steps": 2, **settings}, strategy=strategy)
     return seen, built[0], out
 
 
@@ -75,9 +75,14 @@ def _final_client_state(out) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("strategy", ["fedavg", "fedprox"])
 def test_fedavg_and_fedprox_hand_on_the_weighted_mean_of_the_replies(tmp_path, monkeypatch, strategy: str) -> None:
-    seen, inner, out = _run(tmp_path, monkeypatch, strategy, rounds=1)
+    # Dirichlet shards of unequal size, one epoch each: every client reports another number of examples, so the
+    # weighted mean cannot be told for the plain mean by accident.
+    seen, inner, out = _run(tmp_path, monkeypatch, strategy, rounds=1, partitioner="dirichlet", local_steps=0,
+                            local_epochs=1, batch_size=256, eval_batches=1)
     (replies,) = seen["replies"]
-    assert len(replies) == 3 and len({w for _, w in replies}) >= 1
+    assert len(replies) == 3 and len({w for _, w in replies}) == 3
+    plain = {k: sum(s[k].double() for s, _ in replies) / 3 for k in replies[0][0]}
+    assert any(not torch.allclose(plain[k], _weighted_mean(replies)[k], rtol=1e-5, atol=1e-6) for k in plain)
     _assert_equal(seen["result"][0], _weighted_mean(replies))
     _assert_equal(_final_client_state(out), seen["result"][0])  # what the run keeps is that aggregate
     mu = [c.get("proximal-mu") for c in seen["configs"][0]]

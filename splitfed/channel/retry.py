@@ -24,10 +24,11 @@ class RetryPolicy:
     backoff_multiplier: float = 2.0
     retryable_codes: tuple[str, ...] = ("UNAVAILABLE",)
     timeout_s: float = 300.0
-    # gRPC's retry budget (retryThrottling): each failed attempt spends a token, each success earns
-    # ``throttle_token_ratio``; at half of ``throttle_max_tokens`` or below no call is retried. With
-    # the defaults a trunk that is down gets 5 retries in all, not 4 per call, while a trunk that
-    # loses one reply in two is still retried. 0 turns the budget off.
+    # gRPC's retry budget (retryThrottling), one per channel: each failed attempt spends a token, each
+    # success earns ``throttle_token_ratio``; at half of ``throttle_max_tokens`` or below no call is retried.
+    # With the defaults, against a trunk that is down a channel's first call makes its 5 attempts (4 retries)
+    # and its later calls one attempt each, not 5 per call, while a trunk that loses one reply in two is still
+    # retried. 0 turns the budget off.
     throttle_max_tokens: int = 10
     throttle_token_ratio: float = 1.0
 

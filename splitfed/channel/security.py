@@ -37,15 +37,27 @@ def channel_credentials(root_ca: str | Path | None = None, client_cert: str | Pa
         certificate_chain=None if client_cert is None else _read(client_cert, "client certificate"))
 
 
-def server_credentials_from_pem(cert_chain_pem: bytes, private_key_pem: bytes) -> grpc.ServerCredentials:
-    """Server TLS from PEM bytes held in memory (the zero-configuration certificate; see ``autotls``)."""
-    return grpc.ssl_server_credentials([(private_key_pem, cert_chain_pem)])
+def server_credentials_from_pem(cert_chain_pem: bytes, private_key_pem: bytes,
+                                client_ca: str | Path | None = None) -> grpc.ServerCredentials:
+    """Server TLS from PEM bytes held in memory (the zero-configuration certificate; see ``autotls``); with
+    ``client_ca``, clients must present a certificate it signed (mTLS)."""
+    pair = [(private_key_pem, cert_chain_pem)]
+    if client_ca is None:
+        return grpc.ssl_server_credentials(pair)
+    return grpc.ssl_server_credentials(pair, root_certificates=_read(client_ca, "client CA certificate"),
+                                       require_client_auth=True)
 
 
-def pinned_channel_credentials(ca_pem: str | bytes) -> grpc.ChannelCredentials:
-    """Client TLS that trusts ``ca_pem`` only (the CA certificate the trunk sent in the round's message)."""
+def pinned_channel_credentials(ca_pem: str | bytes, client_cert: str | Path | None = None,
+                               client_key: str | Path | None = None) -> grpc.ChannelCredentials:
+    """Client TLS that trusts ``ca_pem`` only (the CA certificate the trunk sent in the round's message);
+    presents ``client_cert`` (with ``client_key``) for mTLS."""
     data = ca_pem.encode("ascii") if isinstance(ca_pem, str) else bytes(ca_pem)
     if b"-----BEGIN CERTIFICATE-----" not in data:
         raise ConfigError("the trunk CA certificate sent with the round is not PEM; update the ServerApp and "
                           "ClientApp to the same splitfed version")
-    return grpc.ssl_channel_credentials(root_certificates=data)
+    if (client_cert is None) != (client_key is None):
+        raise ConfigError("mutual TLS needs both a client certificate and its private key")
+    return grpc.ssl_channel_credentials(
+        root_certificates=data, private_key=None if client_key is None else _read(client_key, "client private key"),
+        certificate_chain=None if client_cert is None else _read(client_cert, "client certificate"))

@@ -12,8 +12,12 @@ The trunk server picks one of three modes from the run's settings (:func:`choose
   machine), or ``trunk-insecure = true``. Plaintext on a non-loopback bind or advertised address needs
   ``trunk-allow-plaintext-remote = true`` as well, and is logged as a warning every round.
 
+``tls-client-ca`` (mutual TLS) asks for TLS: with it the trunk serves TLS even on loopback (its own certificate,
+or an issued one) and refuses plaintext at start.
+
 Clients apply the same rule from their side (:func:`client_credentials`): they pin the CA the server sent,
-verify the operator's CA, or speak plaintext only to a loopback address unless the run allows otherwise.
+verify the operator's CA, or speak plaintext only to a loopback address unless the run allows otherwise; they
+present their node's certificate (``tls-client-cert``/``tls-client-key``) when the run requires one.
 This module imports gRPC only when credentials are built, so configuration checks stay light.
 """
 
@@ -64,12 +68,13 @@ def _leaves_machine(bind: str, advertise: str) -> bool:
 
 
 def choose_mode(bind: str, *, advertise: str = "", insecure: bool = False, allow_plaintext_remote: bool = False,
-                tls_cert: str = "", tls_key: str = "") -> TransportMode:
+                tls_cert: str = "", tls_key: str = "", tls_client_ca: str = "") -> TransportMode:
     """The split channel's mode for these settings (run-config keys ``trunk-*`` and ``tls-*``).
 
     Raises:
-        ConfigError: only one of tls-cert/tls-key is set; trunk-insecure is combined with tls-cert/tls-key;
-            or plaintext was asked for on a non-loopback address without ``trunk-allow-plaintext-remote``.
+        ConfigError: only one of tls-cert/tls-key is set; trunk-insecure is combined with tls-cert/tls-key or
+            with tls-client-ca; or plaintext was asked for on a non-loopback address without
+            ``trunk-allow-plaintext-remote``.
     """
     if bool(tls_cert) != bool(tls_key):
         raise ConfigError("tls-cert and tls-key go together: set both to serve your own certificate, or neither "
@@ -77,8 +82,13 @@ def choose_mode(bind: str, *, advertise: str = "", insecure: bool = False, allow
     if tls_cert and insecure:
         raise ConfigError("trunk-insecure = true asks for plaintext, but tls-cert and tls-key are set: remove "
                           "trunk-insecure to serve TLS with your certificate, or remove tls-cert and tls-key")
+    if tls_client_ca and insecure:
+        raise ConfigError("trunk-insecure = true asks for plaintext, but tls-client-ca asks for mutual TLS: remove "
+                          "trunk-insecure to require client certificates, or remove tls-client-ca")
     if tls_cert:
         return TransportMode.TLS
+    if tls_client_ca:  # mutual TLS, with a certificate issued now (on loopback too)
+        return TransportMode.AUTO_TLS
     remote = _leaves_machine(bind, advertise)
     if insecure and remote and not allow_plaintext_remote:
         where = advertise if advertise and not is_loopback(host_of(advertise)) else bind
@@ -116,7 +126,7 @@ class ServerTransport:
                       tls_client_ca: str = "", extra_hosts: tuple[str, ...] = ()) -> ServerTransport:
         """Choose the mode (:func:`choose_mode`) and, for ``auto-tls``, issue the certificate."""
         mode = choose_mode(bind, advertise=advertise, insecure=insecure, allow_plaintext_remote=allow_plaintext_remote,
-                           tls_cert=tls_cert, tls_key=tls_key)
+                           tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca)
         issued = None
         if mode is TransportMode.AUTO_TLS:
             issued = issue(san_hosts(advertised_host(bind, advertise), bind, extra_hosts))
@@ -151,9 +161,10 @@ class ServerTransport:
 
         if self.mode is TransportMode.PLAINTEXT:
             return None
-        if self.issued is not None:
-            return security.server_credentials_from_pem(self.issued.cert_pem, self.issued.server_key_pem)
         cert, key, client_ca = self._own
+        if self.issued is not None:
+            return security.server_credentials_from_pem(self.issued.cert_pem, self.issued.server_key_pem,
+                                                        client_ca or None)
         return security.server_credentials(cert, key, client_ca or None)
 
     def write_ca(self, folder: str | Path) -> Path | None:
@@ -183,28 +194,44 @@ class ServerTransport:
 
     def describe(self) -> str:
         """One phrase for logs: the mode and, with an ephemeral CA, its fingerprint."""
+        mutual = ", client certificates required" if self._own[2] else ""
         if self.issued is not None:
-            return f"TLS, ephemeral CA {self.issued.fingerprint[:23]}..."
-        return {TransportMode.TLS: "TLS, operator's certificate", TransportMode.PLAINTEXT: "plaintext"}[self.mode]
+            return f"TLS, ephemeral CA {self.issued.fingerprint[:23]}...{mutual}"
+        return {TransportMode.TLS: "TLS, operator's certificate" + mutual,
+                TransportMode.PLAINTEXT: "plaintext"}[self.mode]
 
 
 def client_credentials(address: str, *, pinned_ca: str | bytes | None = None, own_tls: bool = False,
-                       root_ca: str = "", allow_plaintext_remote: bool = False) -> grpc.ChannelCredentials | None:
+                       root_ca: str = "", allow_plaintext_remote: bool = False, client_cert: str = "",
+                       client_key: str = "", client_cert_required: bool = False) -> grpc.ChannelCredentials | None:
     """A client's credentials for the trunk at ``address``; None means plaintext.
 
     ``pinned_ca`` (sent by the server in ``auto-tls`` mode) becomes the only trust root. Otherwise, with
     ``own_tls`` (``tls-cert`` set for the run), the server is verified with ``root_ca`` or the system roots.
     Otherwise plaintext, which a client speaks to a loopback address only, unless ``allow_plaintext_remote``.
+    Over TLS the client presents ``client_cert``/``client_key`` (its node's ``tls-client-cert``/``tls-client-key``)
+    when given; ``client_cert_required`` (the run sets ``tls-client-ca``) makes them mandatory.
 
     Raises:
-        ConfigError: plaintext to a non-loopback address without ``trunk-allow-plaintext-remote``.
+        ConfigError: plaintext to a non-loopback address without ``trunk-allow-plaintext-remote``; or the trunk
+            requires a client certificate and this node has none (the message names the keys to set).
     """
     from splitfed.channel import security
 
+    if bool(client_cert) != bool(client_key):
+        raise ConfigError("tls-client-cert and tls-client-key go together: set both to this node's certificate "
+                          "and private key, or neither")
+    if client_cert_required and not client_cert:
+        raise ConfigError(
+            "the trunk requires a client certificate (the run sets tls-client-ca) and this node has none: set "
+            "tls-client-cert and tls-client-key to this node's certificate and private key (PEM files, the "
+            "certificate signed by the tls-client-ca CA), for every node in the run config, or per SuperNode with "
+            "flower-supernode --node-config \"tls-client-cert='/path/node.pem' tls-client-key='/path/node.key'\"")
+    pair = (client_cert, client_key) if client_cert else (None, None)
     if pinned_ca:
-        return security.pinned_channel_credentials(pinned_ca)
+        return security.pinned_channel_credentials(pinned_ca, *pair)
     if own_tls or root_ca:
-        return security.channel_credentials(root_ca or None)
+        return security.channel_credentials(root_ca or None, *pair)
     if not is_loopback(host_of(address)) and not allow_plaintext_remote:
         raise ConfigError(f"refusing plaintext to the trunk at {address}, which is not a loopback address, and the "
                           "server sent no CA certificate to pin: remove trunk-insecure so the trunk serves TLS, "

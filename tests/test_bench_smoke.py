@@ -1,0 +1,152 @@
+"""Every benchmark's command runs, at a tiny size, and exits 0 with its figures; a benchmark whose process dies
+fails at once instead of waiting. The figures of these runs mean nothing (the machine is shared and the models
+tiny): only that each command works end to end is checked. ``tests/test_wan_bench.py`` smoke-tests
+``bench.wan`` (it needs network namespaces), ``tests/test_bench_smoke_trunk.py`` the trunk throughput benchmarks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.processes import BenchError, get_from
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bench(module: str, *args: str, timeout: float = 540) -> str:
+    """``python -m <module> <args>`` from the repository root; returns its stdout, asserting exit code 0."""
+    done = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+    assert done.returncode == 0, f"{module} exited {done.returncode}:\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+def _json(stdout: str) -> dict:
+    """The last JSON object a bench printed (one line, or indented)."""
+    start = stdout.rfind("\n{") + 1 if stdout.rstrip().endswith("}") else -1
+    assert start >= 0, stdout[-2000:]
+    return json.loads(stdout[start:])
+
+
+# -- in-process and multi-process benchmarks ---------------------------------------------------------------
+def test_bench_suites() -> None:
+    results = _json(_bench("bench", "--quick", "--json"))
+    for key in ("split_step_ratio", "split_step_ratio_process", "channel_vs_grpc_ratio_4KiB",
+                "codec_speedup_vs_repeated_float", "compression_bytes_ratio_int8", "gen_bytes_per_token_cache",
+                "gen_batched_speedup"):
+        assert results[key] > 0, key
+    assert results["gen_greedy_match"] == 1.0 and results["gen_batched_greedy_match"] == 1.0
+
+
+def test_bench_load() -> None:
+    results = _json(_bench("bench.load", "--clients", "2", "--steps", "3", "--json"))
+    assert results["steps_done"] == 6 and results["errors"] == 0 and results["server_rss_peak_mib"] > 0
+
+
+def test_bench_load_fails_at_once_when_its_server_process_dies() -> None:
+    """The server process raises at start (an unknown trunk mode): the bench says so within seconds, instead of
+    waiting for a port that will never come."""
+    from bench.load import run
+
+    with pytest.raises(BenchError, match="ended with exit code 1"):
+        run(clients=1, steps=1, mode="no-such-mode")
+
+
+def _exit_with(code: int, put: object, delay_s: float, queue: object) -> None:
+    time.sleep(delay_s)
+    if put is not None:
+        queue.put(put)  # type: ignore[attr-defined]
+    raise SystemExit(code)
+
+
+def test_get_from_returns_what_a_process_sent_before_it_ended_and_fails_when_it_sent_nothing() -> None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    for put, code in (("port 1234", 0), (None, 3)):
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_exit_with, args=(code, put, 0.5, queue))
+        proc.start()
+        try:
+            if put is None:
+                with pytest.raises(BenchError, match=f"process {proc.pid} ended with exit code 3"):
+                    get_from(queue, [proc], 300, "the port")
+            else:
+                proc.join(60)  # it has ended before the wait starts: what it sent still counts
+                assert get_from(queue, [proc], 300, "the port") == put
+        finally:
+            proc.join(60)
+    with pytest.raises(BenchError, match="nothing within 1 s"):
+        get_from(ctx.Queue(), [], 1, "a reply")
+
+
+def test_bench_checkpointing() -> None:
+    results = _json(_bench("bench.checkpointing", "--seq", "8", "--repeat", "1", "--config",
+                           "layers=3 hidden=32 heads=2 vocab=64"))
+    assert results["saved_bytes_ratio"] > 1
+
+
+def test_bench_generation() -> None:
+    results = _json(_bench("bench.generation", "--new-tokens", "4", "--prompt-len", "4", "--repeat", "1", "--json"))
+    assert results["gen_greedy_match"] == 1.0 and results["gen_bytes_per_token_nocache"] > 0
+
+
+def test_bench_gen_batching() -> None:
+    results = _json(_bench("bench.gen_batching", "--gen-sessions", "2", "--gen-new-tokens", "4", "--repeat", "1",
+                           "--json"))
+    assert results["gen_batched_greedy_match"] == 1.0 and results["gen_batched_sessions"] == 2.0
+
+
+def test_bench_leakage() -> None:
+    results = _json(_bench("bench.leakage", "--quick", "--only", "mnist", "--steps", "2", "--attack-steps", "2",
+                           "--json"))
+    settings = [row["setting"] for row in results["rows"]]
+    assert len(settings) == 6 and settings[0] == "none"
+
+
+def test_bench_tls(tmp_path: Path) -> None:
+    _bench("bench.tls", "--reps", "1", "--json", str(tmp_path / "tls.json"))
+    results = json.loads((tmp_path / "tls.json").read_text())
+    assert results["issue-ms"] > 0 and [r["bytes"] for r in results["forward-ms"]] == [16 << 10, 1 << 20, 16 << 20]
+
+
+# -- benchmarks made of flwr runs (one tiny run each) --------------------------------------------------------
+def test_bench_compression(tmp_path: Path) -> None:
+    _bench("bench.compression", "--only", "none", "--supernodes", "2", "--extra",
+           "num-server-rounds=1 local-steps=2 eval-batches=1", "--json", str(tmp_path / "c.json"))
+    (run,) = json.loads((tmp_path / "c.json").read_text()).values()
+    assert run["status"] == "completed" and run["mb_per_round"] > 0 and run["failed_client_calls"] == 0
+
+
+@pytest.mark.slow  # its one flwr run is like test_bench_compression's, plus centralized training (80 s busy)
+def test_bench_mnist_curves(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    _bench("bench.mnist_curves", "--only", "iid", "--rounds", "1", "--local-steps", "2", "--out", str(tmp_path))
+    curves = json.loads((tmp_path / "mnist_curves.json").read_text())
+    assert set(curves) == {"SplitFed, 4 IID clients", "centralized (unsplit, same steps)"}
+    assert all(len(ys) == 1 for ys in curves.values()) and (tmp_path / "mnist_curves.png").exists()
+
+
+def test_bench_variants(tmp_path: Path) -> None:
+    _bench("bench.variants", "--only", "sync", "--partitions", "4 IID clients", "--rounds", "1", "--extra",
+           "local-steps=2 eval-batches=1", "--out", str(tmp_path))
+    (row,) = json.loads((tmp_path / "variants.json").read_text())
+    assert row["status"] == "completed" and len(row["curves"]["accuracy"]) == 1
+
+
+@pytest.mark.slow  # over 9 minutes on a busy 2-core machine: the unsplit perplexity, then a LoRA flwr run
+def test_bench_llm_finetune(tmp_path: Path) -> None:
+    from llm_fixtures import save_tiny
+
+    folder = save_tiny("llama", tmp_path / "model")
+    out = tmp_path / "llm.json"
+    _bench("bench.llm_finetune", "--model", str(folder), "--cuts", "1,3", "--rounds", "1", "--local-steps", "2",
+           "--clients", "2", "--seq-len", "16", "--batch-size", "2", "--out", str(out), timeout=1800)
+    result = json.loads(out.read_text())
+    assert result["pretrained_perplexity"] > 0 and len(result["perplexity_per_round"]) == 1
+    assert 0 < result["adapter_bytes_per_client_per_round"] < result["full_client_part_bytes"]
