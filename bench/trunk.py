@@ -78,12 +78,14 @@ def _server(device: str, window_ms: float, replicas: int = 1) -> Any:
                            aggregator=aggregator, limits=StoreLimits(max_bytes=1 << 40),
                            autocast_dtype=torch.bfloat16 if core.SPLIT_STEP["bf16"] else None)
     return TrunkServer(runtime, insecure=True, batch_window_ms=window_ms, max_batch_tokens=SERVER["max_batch_tokens"],
-                       frontends=SERVER["frontends"] if replicas == 1 else 0)
+                       frontends=SERVER["frontends"])
 
 
-def _replica(rank: int, device: str, window_ms: float, replicas: int, settings: dict[str, int]) -> Any:
+def _replica(rank: int, device: str, window_ms: float, replicas: int, settings: dict[str, int],
+             server: dict[str, int]) -> Any:
     """Replica ``rank``'s server (in its own process): the same trunk, on ``cuda:rank`` for a GPU run."""
     core.SPLIT_STEP.update(settings)
+    SERVER.update(server)
     return _server(f"cuda:{rank}" if device.startswith("cuda") else device, window_ms, replicas)
 
 
@@ -185,7 +187,8 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
     if replicas > 1:
         from splitfed.launcher import ReplicaSet
 
-        replica_set = ReplicaSet(server, replicas, _replica, (device, window_ms, replicas, dict(core.SPLIT_STEP)),
+        replica_set = ReplicaSet(server, replicas, _replica, (device, window_ms, replicas, dict(core.SPLIT_STEP),
+                                                                  dict(SERVER)),
                                  timeout_s=600).start()
         addresses = replica_set.addresses
     events, start, go = ctx.Queue(), ctx.Event(), ctx.Event()

@@ -202,3 +202,21 @@ def test_a_step_split_over_batches_closes_each_window_once_every_member_is_in(tr
     # Each batch's backward ran once, on the device thread; the members' gradients joined it without it.
     assert finished_on == ["splitfed-trunk-device", "splitfed-trunk-device"]
     assert server.runtime._batches.stats["group-backwards"] == 2
+
+
+def test_a_batch_is_found_among_the_open_batches_by_identity() -> None:
+    """Two batches of one step, of different sizes, open at once: the second to form may complete first, and
+    finding it among the open batches must not compare their tensors (which raised a size mismatch)."""
+    from splitfed.trunk.batching import ForwardGroup
+
+    def group(rows: int) -> ForwardGroup:
+        states = [CutState(torch.randn(1, 4, 8)) for _ in range(rows)]
+        packed = pack(states)
+        return ForwardGroup(packed, packed.state.hidden, packed.state.hidden * 2, 0, [f"c{i}" for i in range(rows)],
+                            [f"a{i}" for i in range(rows)], [1] * rows)
+
+    first, second = group(5), group(3)
+    open_batches = [first, second]
+    assert second in open_batches and open_batches.index(second) == 1
+    open_batches.remove(second)
+    assert open_batches == [first] and second not in open_batches

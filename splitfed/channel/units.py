@@ -107,7 +107,7 @@ class ModelUnit:
         def done(future: Any) -> None:
             error = future.exception()
             if error is not None and not isinstance(error, TrunkBusyError):
-                log.error("deferred trunk work of model %s failed: %r", self.name, error)
+                log.error("deferred trunk work of model %s failed: %r", self.name, error, exc_info=error)
         self.scheduler.call(fn).add_done_callback(done)
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -273,6 +273,19 @@ class Batcher:
         result = rt._submit(members[0], group.version, list(grads[1:]), total, members=members)
         result.add_done_callback(lambda f, target=group.result: _copy(f, target))
 
+    def finish_or_fail(self, group: ForwardGroup) -> None:
+        """:meth:`finish`, and should it fail unexpectedly, every member still waiting gets the error (a client is
+        never left waiting for an answer that will not come)."""
+        try:
+            self.finish(group)
+        except Exception as exc:
+            error = TrunkStepError(f"the batched backward of {len(group.clients)} clients failed on the server: "
+                                   f"{exc!r}; run the forward again")
+            for future in [*group.grad_in, group.result]:
+                if not future.done():
+                    future.set_exception(error)
+            raise
+
     def _check_arrivals(self, group: ForwardGroup) -> list[str]:
         """Bring the members' gradients still in host memory (one call for the batch): a member whose gradient
         holds NaN or Inf is refused (INVALID_ARGUMENT) and dropped from the batch. Returns the refused members."""

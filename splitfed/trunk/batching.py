@@ -85,7 +85,7 @@ def _pad(t: torch.Tensor, length: int, value: float) -> torch.Tensor:
     return torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=1)
 
 
-@dataclass
+@dataclass(eq=False)  # a group is itself: found in lists by identity, never by comparing its tensors
 class ForwardGroup:
     """A batched training forward of several clients, waiting for their gradients."""
 

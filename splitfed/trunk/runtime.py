@@ -306,7 +306,7 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
             self.aggregator.join(client_id)  # a gradient is a sign of life
             if complete is not None:
                 if self.defer is not None:
-                    self.defer(lambda: self._batches.finish(complete))
+                    self.defer(lambda: self._batches.finish_or_fail(complete))
                 else:
                     self._batches.finish(complete)
             return pending
