@@ -33,7 +33,7 @@ def _mapping(**overrides: Any) -> dict[str, Any]:
 def _servers(tmp_path: Path, mapping: dict[str, Any]) -> tuple[Any, ReplicaSet]:
     args = (mapping, "run", str(tmp_path), None, ServerTransport.from_settings("127.0.0.1"))
     server = config_replica(0, *args).start()
-    return server, ReplicaSet(server, 2, config_replica, args, timeout_s=30.0).start()
+    return server, ReplicaSet(server, 2, config_replica, args, timeout_s=120.0).start()  # spawning is slow on a busy machine
 
 
 @pytest.fixture(scope="module")
