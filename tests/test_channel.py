@@ -27,7 +27,8 @@ from splitfed.channel.wire import encode_state, to_proto
 from splitfed.codec import encode
 from splitfed.errors import ChannelError
 from splitfed.split import CutState, split_model
-from splitfed.trunk.aggregation import make_aggregator
+from splitfed.trunk.aggregation import AsyncAggregator, make_aggregator
+from splitfed.trunk.percopy import PerClientAggregator
 from splitfed.trunk.store import StoreLimits
 
 C = grpc.StatusCode
@@ -92,20 +93,46 @@ def _stream_header(shape: list[int]) -> pb.ForwardRequest:
                              tensors=[pb.Tensor(name="hidden", dtype=pb.FLOAT32, shape=shape)])
 
 
-def _trunk_snapshot(server) -> tuple[dict, dict, int]:
+def _copies(server) -> dict[str, tuple[list[torch.Tensor], dict, int, int]]:
+    """Per-client (V1) mode: each client's trunk copy (weights, optimizer state, steps, examples), where its
+    gradients go; {} in the other modes."""
+    agg = server.runtime.aggregator
+    if not isinstance(agg, PerClientAggregator):
+        return {}
+    with agg._lock:
+        return {cid: ([p.detach().clone() for p in c.params], copy.deepcopy(c.optimizer.state_dict()), c.steps,
+                      c.num_examples) for cid, c in agg._copies.items()}
+
+
+def _trunk_snapshot(server) -> tuple[dict, dict, int, dict]:
     rt = server.runtime
-    return copy.deepcopy(rt.trunk.state_dict()), copy.deepcopy(rt.optimizer.state_dict()), rt.version
+    return copy.deepcopy(rt.trunk.state_dict()), copy.deepcopy(rt.optimizer.state_dict()), rt.version, _copies(server)
+
+
+def _assert_same_optimizer_state(before: dict, now: dict) -> None:
+    assert now["state"].keys() == before["state"].keys()
+    for key, value in before["state"].items():
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(now["state"][key][n])) for n, v in value.items())
 
 
 def _assert_unchanged(server, snap) -> None:
-    weights, opt, version = snap
+    """Nothing a gradient changes has changed: the global trunk, its optimizer and version, and in per-client mode
+    every client's copy (a copy made since is the global trunk's weights, untrained)."""
+    weights, opt, version, copies = snap
     now = server.runtime.trunk.state_dict()
     assert all(torch.equal(weights[k], now[k]) for k in weights)
-    state = server.runtime.optimizer.state_dict()["state"]
-    assert state.keys() == opt["state"].keys()
-    for key, value in opt["state"].items():
-        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(state[key][n])) for n, v in value.items())
+    _assert_same_optimizer_state(opt, server.runtime.optimizer.state_dict())
     assert server.runtime.version == version
+    trainable = [p.detach() for p in server.runtime.trunk.parameters() if p.requires_grad]
+    for cid, (params, opt_state, steps, examples) in _copies(server).items():
+        if cid in copies:
+            before, opt_before, steps_before, examples_before = copies[cid]
+            assert (steps, examples) == (steps_before, examples_before), cid
+            assert all(torch.equal(a, b) for a, b in zip(before, params)), cid
+            _assert_same_optimizer_state(opt_before, opt_state)
+        else:
+            assert steps == 0 and not opt_state["state"], cid
+            assert all(torch.equal(a, b) for a, b in zip(trainable, params)), cid
 
 
 class _Marker:
@@ -373,6 +400,27 @@ def test_catalogue_counts_every_case() -> None:
     # Exact: a case removed (or added) is a visible change here and in docs/bad_inputs.md's count.
     assert len(CASES) == 53 and len(REGION_CASES) == 13
     assert len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("served", ["per-client"], indirect=True)
+def test_the_unchanged_check_sees_an_update_to_a_per_client_copy(served) -> None:
+    # Prepare: a per-client trunk; a client's forward makes its copy (the global trunk's weights, untrained).
+    server, _, call, _ = served
+    snap = _trunk_snapshot(server)
+    act = uuid.uuid4().hex
+    call("Forward", _fwd(act), client="bob")
+    _assert_unchanged(server, snap)  # a fresh copy is no change
+    # Execute: a real gradient steps bob's copy (and nothing else: V1 leaves the global trunk alone in a round).
+    reply = call("Backward", _bwd(act), client="bob")
+    assert reply.outcome == pb.APPLIED and server.runtime.version == snap[2]
+    # Assert: the check the catalogue runs after every bad request sees it.
+    with pytest.raises(AssertionError):
+        _assert_unchanged(server, snap)
+    snap = _trunk_snapshot(server)
+    call("Forward", _fwd(act2 := uuid.uuid4().hex), client="bob")
+    call("Backward", _bwd(act2), client="bob")
+    with pytest.raises(AssertionError):  # an existing copy's update too
+        _assert_unchanged(server, snap)
 
 
 @pytest.mark.parametrize("name, code, fragment, action", CASES, ids=[c[0] for c in CASES])

@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from typing import Any
 
 import grpc
 import pytest
@@ -36,19 +37,24 @@ def _step(client: TrunkClient, hidden: torch.Tensor, scale: float = 0.01):
 
 
 def test_eighty_sync_clients_wait_without_holding_threads(trunk_server) -> None:
-    """Sync barrier over 80 clients (more than the 64 threads a thread-per-call server had): every gradient applied, one step per round, no thread per waiter."""
+    """Sync barrier over 80 clients (more than the 64 threads a thread-per-call server had): every gradient applied,
+    one step per round, no thread per waiter: every thread of the process is counted, whatever its name."""
+    before = set(threading.enumerate())  # threads of earlier tests are not the server's
     split = split_model(tiny_model("llama", layers=2).train(), cuts=(1, 2))
     server = trunk_server(split.trunk, aggregator=make_aggregator("sync", timeout=120))
     n, steps = 80, 2
     joined = threading.Barrier(n)
     outcomes: list[str] = []
     errors: list[BaseException] = []
-    peak = [0]
+    peak: list[Any] = [0, []]
     stop = threading.Event()
+    own: set[threading.Thread] = set()  # this test's: the monitor and the 80 clients
 
     def monitor() -> None:
         while not stop.wait(0.02):
-            peak[0] = max(peak[0], sum(t.name.startswith("splitfed-trunk") for t in threading.enumerate()))
+            others = [t.name for t in threading.enumerate() if t not in before and t not in own]
+            if len(others) > peak[0]:
+                peak[:] = [len(others), others]
 
     def worker(i: int) -> None:
         try:
@@ -62,8 +68,9 @@ def test_eighty_sync_clients_wait_without_holding_threads(trunk_server) -> None:
             errors.append(exc)
 
     watcher = threading.Thread(target=monitor, daemon=True)
-    watcher.start()
     threads = [threading.Thread(target=worker, args=(i,), name=f"client-{i}") for i in range(n)]
+    own.update([watcher, *threads])
+    watcher.start()
     for t in threads:
         t.start()
     for t in threads:
@@ -73,7 +80,9 @@ def test_eighty_sync_clients_wait_without_holding_threads(trunk_server) -> None:
     assert outcomes.count("APPLIED") == n * steps
     stats = server.runtime.aggregator.stats
     assert stats["steps"] == steps and stats["rejected-stale"] == 0 and stats["dropped-members"] == 0
-    assert peak[0] <= 2  # the event loop and the device thread, however many clients wait
+    # The event loop, the device thread and grpc.aio's completion-queue poller (PollerCompletionQueue), however
+    # many clients wait; a server that parks a thread per waiting client has about 80 more.
+    assert peak[0] <= 3, peak
 
 
 def test_a_member_that_joined_late_is_not_dropped_for_the_time_the_bucket_was_open() -> None:

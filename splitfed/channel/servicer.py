@@ -78,7 +78,13 @@ async def _outcome(future: concurrent.futures.Future[T]) -> T:
     """The future's result: at once when it is already done (a task run inline), else awaited on the loop."""
     if future.done():
         return future.result()
-    return await asyncio.wrap_future(future)
+    return await _awaited(future)
+
+
+async def _awaited(future: concurrent.futures.Future[T]) -> T:
+    """Await trunk work without cancelling it when the call is cancelled (its client died or gave up): the work
+    and the step it belongs to go on for the other clients, and nothing resolves a cancelled future."""
+    return await asyncio.shield(asyncio.wrap_future(future))
 
 
 def _device_out(ready: dict, slot: RegionRef | None) -> bool:
@@ -115,7 +121,7 @@ class SplitChannelServicer(RegionService, CutIO):
 
     async def _on_device(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the scheduler's device thread and await it."""
-        return await asyncio.wrap_future(self.scheduler.call(fn))
+        return await _awaited(self.scheduler.call(fn))
 
     async def _call(self, context: Any, fn: Callable[[], Awaitable[T]], request: Any = None) -> T:
         try:
@@ -269,13 +275,13 @@ class SplitChannelServicer(RegionService, CutIO):
         except SplitFedError:  # a refused gradient: the step must not wait for this client
             await self._refused(client)
             raise
-        grad_in = await asyncio.wrap_future(pending.grad_in)  # a batch's backward may wait for its members
+        grad_in = await _awaited(pending.grad_in)  # a batch's backward may wait for its members
         early = None
         if not flags and spec is None:  # the reply's copy overlaps the wait for the step
             early = asyncio.ensure_future(self._reply(client, req.activation_id, "grad", grad_in, reply_dtype, spec,
                                                       slot, sink=sink))
         try:
-            result = await asyncio.wrap_future(pending.result)  # the sync barrier or quorum: no thread held
+            result = await _awaited(pending.result)  # the sync barrier or quorum: no thread held
         except BaseException:
             if early is not None:
                 early.cancel()

@@ -18,16 +18,22 @@ least every ``tick_s``: the process group's timeout only fires for a replica
 that is hung or gone.
 
 ``sync`` mode (:class:`ReplicaSyncAggregator`): a replica's aggregator never
-steps on its own. When a tick shows no busy replica and at least one ready
-one, every replica closes its bucket at once and the step's gradients are
-all-reduced: the sum of ``weight * examples * grad`` over every client of every
-replica, divided by the sum of their examples (DDP semantics: the same update
-one trunk serving all the clients would take). Every replica applies it, so
-the weights stay identical. A replica with no members (or whose gradients the
-guard refused) adds zeros and still applies the update; a step with no
-examples anywhere is skipped on every replica. A client that joins a replica
-while a step is being agreed on goes into the next step (as a late joiner does
-on one trunk).
+steps on its own, neither before its group has formed (its server may already
+serve) nor while the group lives. When a tick shows no busy replica and at
+least one ready one, the step is *confirmed*: every replica takes its
+aggregator's lock and its runtime's lock (so no gradient, join or forward can
+slip in), checks again that it waits for nobody (no member without a gradient,
+and no training forward saved on the current weights by a client not yet
+counted as a member), and a second all-reduce says whether any replica does.
+If none does, every replica closes its bucket under those locks and the step's
+gradients are all-reduced: the sum of ``weight * examples * grad`` over every
+client of every replica, divided by the sum of their examples (DDP semantics:
+the same update one trunk serving all the clients would take). Every replica
+applies it, so the weights stay identical. So a client with a training forward
+outstanding on any replica when the step is taken belongs to the step; a
+forward that starts after it runs on the new weights. A replica with no members
+(or whose gradients the guard refused) adds zeros and still applies the
+update; a step with no examples anywhere is skipped on every replica.
 
 ``async`` and ``quorum`` modes: each replica steps on its own schedule (a
 global collective per gradient would force the lockstep those modes exist to
@@ -46,7 +52,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -71,13 +78,16 @@ _IDLE, _BUSY, _READY, _AVERAGE, _CHECK, _LEAVE = range(6)
 class ReplicaSyncAggregator(SyncAggregator):
     """``sync`` aggregation whose steps are global over a :class:`ReplicaGroup` (see the module docstring).
 
-    While no group is attached, or after the group broke, it is a plain
+    Until its group has formed it takes no step (its gradients wait for the
+    group's first ticks); once the group has ended or broken it is a plain
     :class:`~splitfed.trunk.aggregation.SyncAggregator`.
     """
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.group: ReplicaGroup | None = None
+        self._alone = False  # the group ended: steps are local from then on
+        self._left: dict[str, float] = {}  # client -> when it last left the group (its older forwards do not count)
 
     def _attached(self) -> bool:
         return self.group is not None and self.group.active
@@ -86,15 +96,31 @@ class ReplicaSyncAggregator(SyncAggregator):
         if self._attached():
             assert self.group is not None
             self.group.wake()  # the control loop decides when the step happens
-            return
-        super()._maybe_close()
+        elif self._alone:
+            super()._maybe_close()
+        # else the group has not formed yet: a step now would leave out the other replicas' clients
 
-    def local_status(self) -> int:
-        """``_IDLE``, ``_BUSY`` or ``_READY`` for this replica's step group and open bucket."""
+    def leave(self, client_id: str) -> int:
         with self._lock:
-            if not self._members and not self._bucket.items:
+            now = time.monotonic()
+            self._left = {c: t for c, t in self._left.items() if now - t < self.timeout}  # older ones count no more
+            self._left[client_id] = now
+            return super().leave(client_id)
+
+    def left_at(self, client_id: str) -> float:
+        """When ``client_id`` last left the step group (-inf if never): its forwards saved before then are not
+        waited for."""
+        with self._lock:
+            return self._left.get(client_id, float("-inf"))
+
+    def local_status(self, outstanding: Collection[str] = ()) -> int:
+        """``_IDLE``, ``_BUSY`` or ``_READY`` for this replica's step group and open bucket; ``outstanding``:
+        clients with a training forward on the current weights that the step must also wait for."""
+        with self._lock:
+            waits_for = set(self._members).union(outstanding)
+            if not waits_for and not self._bucket.items:
                 return _IDLE
-            return _READY if self._bucket.items and self.ready(self._bucket.clients, set(self._members)) else _BUSY
+            return _READY if self._bucket.items and self.ready(self._bucket.clients, waits_for) else _BUSY
 
     def close_global(self) -> None:
         """Close the open bucket (empty or not) into the global step; called by the control loop on every rank."""
@@ -108,8 +134,9 @@ class ReplicaSyncAggregator(SyncAggregator):
         return self.group.reduce_gradients(contributions)
 
     def fall_back(self) -> None:
-        """The group is gone: close the open bucket locally if it is complete."""
+        """The group is gone: step alone from now on, closing the open bucket now if it is complete."""
         with self._lock:
+            self._alone = True
             super()._maybe_close()
 
     def describe(self) -> str:
@@ -148,7 +175,9 @@ class ReplicaGroup:
         self.on_broken = on_broken
         self.active = False
         self.error: BaseException | None = None
-        self.stats: dict[str, int] = {"ticks": 0, "global-steps": 0, "averages": 0}
+        self.stats: dict[str, int] = {"ticks": 0, "global-steps": 0, "vetoed-steps": 0, "averages": 0}
+        #: The replicas' status at the last tick: how many were idle, busy and ready.
+        self.last_tick: dict[str, int] = {"idle": 0, "busy": 0, "ready": 0}
         self._wake = threading.Event()
         self._requests = {_AVERAGE: 0, _CHECK: 0, _LEAVE: 0}
         self._done: dict[int, threading.Event] = {}
@@ -234,6 +263,7 @@ class ReplicaGroup:
                 own_ready = bool(vec[_READY])
                 dist.all_reduce(vec, group=self.control)
                 self.stats["ticks"] += 1
+                self.last_tick = {"idle": int(vec[_IDLE]), "busy": int(vec[_BUSY]), "ready": int(vec[_READY])}
                 if vec[_LEAVE] > 0:
                     log.info("trunk replica %d: the group ends (a replica left)", self.rank)
                     break
@@ -244,20 +274,45 @@ class ReplicaGroup:
                     self._last_check = self._check()
                     self._set_done(_CHECK)
                 if self.sync and vec[_BUSY] == 0 and vec[_READY] > 0:
-                    self.runtime.aggregator.close_global()  # type: ignore[attr-defined]
-                    self.stats["global-steps"] += 1
+                    if self._confirmed_step():
+                        self.stats["global-steps"] += 1
+                        continue
+                    self._wake.wait(self.tick_s)  # a replica waits for a forward's client: look again next tick
                     continue
                 if not own_ready:  # a ready replica re-enters at once; the others at a change or a tick
                     self._wake.wait(self.tick_s)
         except Exception as exc:  # noqa: BLE001 - any failed collective breaks the group
             self.error = exc
             log.error("trunk replica %d: a collective failed (%s: %s); this replica leaves the group and its "
-                      "trunk steps alone from now on", self.rank, type(exc).__name__, exc)
+                      "trunk steps alone from now on", self.rank, type(exc).__name__, exc, exc_info=True)
             self._end()
             if self.on_broken is not None:
                 self.on_broken(exc)
             return
         self._end()
+
+    def _confirmed_step(self) -> bool:
+        """The tick proposed a step: under this replica's aggregator and runtime locks, check that it waits for
+        nobody, agree on it with every replica (an all-reduce) and take it; False if a replica still waits."""
+        agg = self.runtime.aggregator
+        with agg._lock, self.runtime._lock:  # the aggregator's lock first, as a step takes them
+            busy = agg.local_status(self._forwards_not_joined()) == _BUSY  # type: ignore[attr-defined]
+            votes = torch.tensor([float(busy)], dtype=torch.float64)
+            dist.all_reduce(votes, group=self.control)
+            if votes.item() > 0:
+                self.stats["vetoed-steps"] += 1
+                return False
+            agg.close_global()  # type: ignore[attr-defined]
+            return True
+
+    def _forwards_not_joined(self) -> set[str]:
+        """Clients with a training forward saved on the current weights within the member timeout: a forward
+        between its computation and its client's join (the runtime joins outside its lock), or a member's.
+        A member dropped for silence has none that recent. Call under the runtime's lock."""
+        rt, agg = self.runtime, self.runtime.aggregator
+        recent = time.monotonic() - agg.timeout
+        return {e.client_id for e in rt.store.entries() if e.version == rt._version and e.created > recent
+                and e.created > agg.left_at(e.client_id)}  # type: ignore[attr-defined]
 
     def _end(self) -> None:
         self.active = False

@@ -221,13 +221,22 @@ class TrunkScheduler:
                         self._run(batch)
                 now = time.monotonic()
                 deadline = self.runtime.deadline()
-                if deadline is not None and deadline <= now:
+                backlog = self._backlog_since()
+                # Liveness counts the clients' silence, not the server's own backlog: a member is judged only once
+                # every request that reached the device queue before its deadline has run (one of them may be its
+                # sign of life), and saved forwards expire only while the queue is no older than a sweep period.
+                if deadline is not None and deadline <= now and (backlog is None or backlog >= deadline):
                     self._guarded(self.runtime.poll)
-                if now >= next_sweep:
+                if now >= next_sweep and (backlog is None or now - backlog < self.sweep_period_s):
                     next_sweep = now + self.sweep_period_s
                     self._guarded(self.runtime.sweep)
                     if self.on_sweep is not None:
                         self._guarded(self.on_sweep)
+
+    def _backlog_since(self) -> float | None:
+        """When the oldest task still queued arrived, or None when the queue is empty."""
+        with self._cond:
+            return self._queue[0].queued if self._queue else None
 
     def _take(self) -> list[_Task]:
         """The next task, or the next window of batchable forwards (caller holds the condition)."""
