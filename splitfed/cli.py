@@ -281,6 +281,14 @@ def run_command(args: argparse.Namespace) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except SystemExit as exc:  # a command that stopped with a message: the same one line
+        if not isinstance(exc.code, str):
+            raise
+        message = exc.code.removeprefix(f"splitfed {args.command}: ")
+        if getattr(args, "verb", None):
+            message = message.removeprefix(f"splitfed {args.command} {args.verb}: ")
+        sys.stderr.write(f"splitfed {args.command}: error: {' '.join(message.split())}\n")
+        return 1
     except Exception as exc:  # noqa: BLE001 - the command's one line; the traceback with DEBUG
         if log.isEnabledFor(logging.DEBUG):
             log.exception("splitfed %s failed", args.command)

@@ -27,7 +27,7 @@ from splitfed.channel.wire import encode_state, to_proto
 from splitfed.codec import encode
 from splitfed.errors import ChannelError
 from splitfed.split import CutState, split_model
-from splitfed.trunk.aggregation import AsyncAggregator, make_aggregator
+from splitfed.trunk.aggregation import make_aggregator
 from splitfed.trunk.percopy import PerClientAggregator
 from splitfed.trunk.store import StoreLimits
 

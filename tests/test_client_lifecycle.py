@@ -67,7 +67,10 @@ def test_closing_a_client_of_a_server_that_is_gone_does_not_hang() -> None:
 def test_the_readme_client_twice_does_not_wait_for_the_trunk_timeout() -> None:
     """README's Python API: the server block once, then the client block twice, as a user reruns it. The second
     run's sync step must not wait for the first client, which closed."""
-    server_block, client_block = python_blocks(ROOT / "README.md")[:2]
+    blocks = python_blocks(ROOT / "README.md")
+    server_at = next(i for i, b in enumerate(blocks) if "TrunkServer(" in b.code)
+    server_block = blocks[server_at]
+    client_block = next(b for b in blocks[server_at + 1:] if "RemoteTrunk(" in b.code)
     assert "TrunkServer(" in server_block.code and "RemoteTrunk(" in client_block.code
     # A free port, and a trunk that would wait (practically) forever for a member that never left.
     server_code = server_block.code.replace("port=50051, insecure=True)",

@@ -59,7 +59,10 @@ _trunk_host = _Server(_split(_build("tiny-gpt2", vocab_size=512), (2, 4)).trunk,
 TRUNK_ADDRESS = _trunk_host.address  # stands in for trunk-host:50051
 """
 SETUP: dict[str, tuple[Callable[[Path], None] | None, str, list[tuple[str, str]]]] = {
-    "README.md": (lambda d: _tiny_bert(d / "tiny-bert"), "", [('"minilm-l6"', '"tiny-bert"')]),
+    "README.md": (lambda d: (_tiny_bert(d / "tiny-bert"), _tiny_llama(d / "tiny-llama")), "", [
+        ('"minilm-l6"', '"tiny-bert"'), ('"HuggingFaceTB/SmolLM2-135M"', '"tiny-llama"')]),
+    "docs/serving.md": (lambda d: _tiny_llama(d / "tiny-llama"), "", [
+        ('"HuggingFaceTB/SmolLM2-135M"', '"tiny-llama"')]),
     "docs/generation.md": (lambda d: _tiny_llama(d / "tiny-llama"), "", [
         ('"smollm2-135m"', '"tiny-llama"'), ("(3, 27)", "(1, 3)"), ("+ 64", "+ 8"),
         ("max_new_tokens=64", "max_new_tokens=8")]),

@@ -250,7 +250,10 @@ class ModelRegistry:
                 except BaseException:  # noqa: BLE001 - stopping anyway
                     pass
             if entry.unit is not None:
-                await asyncio.get_running_loop().run_in_executor(None, entry.unit.close, "")
+                try:
+                    await asyncio.get_running_loop().run_in_executor(None, entry.unit.close, "")
+                except RuntimeError:  # at interpreter exit the default executor is already shut down
+                    entry.unit.close("")
         self._estimator.shutdown(wait=False, cancel_futures=True)
         self._loader.shutdown(wait=False, cancel_futures=True)
 
