@@ -110,12 +110,16 @@ def test_async_run_steps_the_trunk_per_gradient(federation: Federation, tmp_path
     assert trunk["trunk-applied"] + trunk["trunk-rejected-stale"] + trunk["trunk-downweighted"] == 2 * 3
 
 
-def test_quorum_run_steps_on_two_gradients(federation: Federation, tmp_path: Path) -> None:
+def test_quorum_run_completes_with_every_gradient_counted(federation: Federation, tmp_path: Path) -> None:
+    """A real quorum run. How many gradients each step holds depends on how the clients' training overlaps (a
+    client that is done leaves the step group, and a step waits for min(k, members)), which a busy machine
+    decides: that a quorum step holds k gradients is asserted in-process (tests/test_aggregation.py)."""
     history = federation.run(tmp_path / "out", "trunk-mode='quorum' quorum=2 num-server-rounds=1 local-steps=10", FOUR)
     last = _last(history)
     assert last["train"]["train-steps"] == 4 * 10 and last["failures"]["train"] == 0
     trunk = last["trunk"]
-    assert 0 < trunk["trunk-steps"] < trunk["trunk-applied"] + trunk["trunk-downweighted"]  # steps of >1 gradient
+    counted = trunk["trunk-applied"] + trunk["trunk-downweighted"] + trunk["trunk-rejected-stale"]
+    assert counted == 4 * 10 and 0 < trunk["trunk-steps"] <= trunk["trunk-applied"] + trunk["trunk-downweighted"]
 
 
 def test_per_client_run_merges_a_copy_per_client(federation: Federation, tmp_path: Path) -> None:
