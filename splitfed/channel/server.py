@@ -45,6 +45,7 @@ from splitfed.channel.limits import (
     SERVICE_NAME,
     ChannelLimits,
 )
+from splitfed.channel.loopthread import stop_loop
 from splitfed.channel.registry import Entry, ModelRegistry
 from splitfed.channel.units import ModelState, ModelUnit, ServerOptions, build_unit
 from splitfed.errors import ConfigError
@@ -401,13 +402,7 @@ class TrunkServer:
         await self.registry.close()
 
     def _shutdown_loop(self) -> None:
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        if not loop.is_running():
-            loop.close()
+        stop_loop(self._loop, self._thread)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server stops (or ``timeout``); returns True if it timed out."""

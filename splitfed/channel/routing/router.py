@@ -45,6 +45,7 @@ from splitfed.channel.limits import (
     SERVICE_NAME,
     ChannelLimits,
 )
+from splitfed.channel.loopthread import stop_loop
 from splitfed.channel.routing.backends import Backend, model_health_name
 from splitfed.channel.routing.table import ANY_MODEL, RouteTable
 from splitfed.errors import ConfigError
@@ -372,13 +373,7 @@ class Router:
         await asyncio.gather(*(b.close() for b in self.backends))
 
     def _shutdown_loop(self) -> None:
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        if not loop.is_running():
-            loop.close()
+        stop_loop(self._loop, self._thread)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the router stops (or ``timeout``); returns True if it timed out."""
