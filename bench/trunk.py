@@ -60,20 +60,35 @@ class BenchError(RuntimeError):
 
 
 #: The server's settings from the command line: ``max_batch_tokens`` (``--max-batch-tokens``, positions one
-#: batched trunk call may hold) and ``frontends`` (``--frontends``, front-end processes taking its calls in).
-SERVER = {"max_batch_tokens": 1 << 22, "frontends": 0}
+#: batched trunk call may hold), ``frontends`` (``--frontends``, front-end processes taking its calls in) and
+#: ``mode`` (``--mode``, the trunk's aggregation mode: sync, async or quorum).
+SERVER: dict[str, Any] = {"max_batch_tokens": 1 << 22, "frontends": 0, "mode": "sync"}
+
+#: Modes ``--mode`` takes. ``async`` applies each contribution as it comes (staleness bounded by the client
+#: count, so none is refused); ``quorum`` steps on the first half of the clients' contributions.
+MODES = ("sync", "async", "quorum")
 
 
-def _server(device: str, window_ms: float, replicas: int = 1) -> Any:
-    from splitfed.channel.server import TrunkServer
-    from splitfed.split import split_model
+def _aggregator(replicas: int, clients: int) -> Any:
     from splitfed.trunk.aggregation import make_aggregator
     from splitfed.trunk.replicas import replica_aggregator
+
+    mode = SERVER["mode"]
+    if mode == "sync":
+        return (replica_aggregator if replicas > 1 else make_aggregator)("sync", timeout=300)
+    if replicas > 1:
+        raise BenchError("--replicas runs the sync mode only")
+    return make_aggregator(mode, quorum=max(1, clients // 2), max_staleness=max(clients, 1), timeout=300)
+
+
+def _server(device: str, window_ms: float, replicas: int = 1, clients: int = 1) -> Any:
+    from splitfed.channel.server import TrunkServer
+    from splitfed.split import split_model
     from splitfed.trunk.runtime import TrunkRuntime
     from splitfed.trunk.store import StoreLimits
 
     trunk = split_model(core._gpt2().to(device), core._cuts()).trunk
-    aggregator = (replica_aggregator if replicas > 1 else make_aggregator)("sync", timeout=300)
+    aggregator = _aggregator(replicas, clients)
     runtime = TrunkRuntime(trunk, torch.optim.SGD(trunk.parameters(), lr=1e-4),
                            aggregator=aggregator, limits=StoreLimits(max_bytes=1 << 40),
                            autocast_dtype=torch.bfloat16 if core.SPLIT_STEP["bf16"] else None)
@@ -170,7 +185,8 @@ def _cores(client_cores: int) -> list[int] | None:
 
 def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, device: str = "cpu",
                replicas: int = 1, *, client_cores: int = 0, socket: bool = False, timeline: bool = False) -> Run:
-    """``clients`` client processes in sync mode, ``steps`` timed steps each, over ``replicas`` trunk replicas.
+    """``clients`` client processes, ``steps`` timed steps each (in the mode of ``SERVER``, sync by default), over
+    ``replicas`` trunk replicas.
 
     Raises :class:`BenchError` when a client fails or dies, or the run stalls.
     """
@@ -181,7 +197,7 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
     ctx = mp.get_context("spawn")
     if replicas > 1 and device.startswith("cuda"):
         device = "cuda:0"
-    server = _server(device, window_ms, replicas).start()
+    server = _server(device, window_ms, replicas, clients).start()
     replica_set = None
     addresses = [server.address]
     if replicas > 1:
@@ -253,7 +269,7 @@ def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat
     ceiling of the same rows (``only``: some of these runs); GPU utilization during the batched runs."""
     from splitfed.trunk.timeline import save
 
-    suffix = "" if device.startswith("cuda") else "_cpu"
+    suffix = ("" if SERVER["mode"] == "sync" else f"_{SERVER['mode']}") + ("" if device.startswith("cuda") else "_cpu")
     kw = {"device": device, "steps": steps, "client_cores": client_cores, "socket": socket}
     n = clients
     out: dict[str, Any] = {}
@@ -276,8 +292,9 @@ def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat
     if one and single:
         out[f"sync_step_ratio_{n}v1{suffix}"] = single / one_at_a_time  # time per example, N clients / 1
     if roof:
-        out[f"ceiling_examples_per_s_{n}_batched{suffix}"] = roof["batched"]
-        out[f"ceiling_examples_per_s_{n}_sequential{suffix}"] = roof["sequential"]
+        where = "" if device.startswith("cuda") else "_cpu"  # the ceiling has no mode
+        out[f"ceiling_examples_per_s_{n}_batched{where}"] = roof["batched"]
+        out[f"ceiling_examples_per_s_{n}_sequential{where}"] = roof["sequential"]
         if batched:
             out[f"trunk_ceiling_fraction_{n}{suffix}"] = best / roof["batched"]
         if one:
@@ -285,10 +302,11 @@ def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat
     out["client_cores"] = client_cores or len(os.sched_getaffinity(0))
     out["transport"] = "socket" if socket else "shared memory"
     out["frontends"] = SERVER["frontends"]
+    out["mode"] = SERVER["mode"]
     utils = [r.gpu_util for r in batched if r.gpu_util]
     if utils:
-        out[f"gpu_util_mean_{n}_batched"] = statistics.median(u["mean"] for u in utils)
-        out[f"gpu_util_max_{n}_batched"] = max(u["max"] for u in utils)
+        out[f"gpu_util_mean_{n}_batched{suffix}"] = statistics.median(u["mean"] for u in utils)
+        out[f"gpu_util_max_{n}_batched{suffix}"] = max(u["max"] for u in utils)
         out["gpu_util_source"] = utils[0]["source"]
     if timeline and batched[0].timeline:
         save(batched[0].timeline, timeline)
@@ -358,6 +376,8 @@ def main() -> int:
     parser.add_argument("--client-cores", type=int, default=0,
                         help="pin the client processes to the last K cores (default 0: all cores)")
     parser.add_argument("--socket", action="store_true", help="clients send over the socket, not shared memory")
+    parser.add_argument("--mode", choices=MODES, default="sync",
+                        help="the trunk's mode (default sync); keys of other modes end in _<mode>")
     parser.add_argument("--timeline", default="", metavar="FILE",
                         help="record the server's timeline of the first batched run into FILE (JSON)")
     parser.add_argument("--only", nargs="+", choices=RUNS, default=list(RUNS),
@@ -367,7 +387,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    SERVER.update(max_batch_tokens=args.max_batch_tokens, frontends=args.frontends)
+    SERVER.update(max_batch_tokens=args.max_batch_tokens, frontends=args.frontends, mode=args.mode)
     for item in args.config.split():
         key, _, value = item.partition("=")
         if key not in core.SPLIT_STEP:

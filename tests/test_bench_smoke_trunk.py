@@ -41,3 +41,12 @@ def test_bench_timeline_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     _bench("bench.timeline_plot", str(ROOT / "docs" / "img" / "trunk_timeline_after.json"), str(tmp_path / "t.png"))
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("mode", ["async", "quorum"])
+def test_bench_trunk_in_other_modes(mode: str) -> None:
+    """``--mode`` runs the batched clients against an async or quorum trunk; its keys carry the mode."""
+    results = json.loads(_bench("bench.trunk", "--device", "cpu", "--clients", "2", "--repeat", "1", "--steps", "2",
+                                "--only", "batched", "--mode", mode, "--window-ms", "5", "--config", TINY,
+                                "--json").strip().splitlines()[-1])
+    assert results[f"trunk_examples_per_s_2_clients_batched_{mode}_cpu"] > 0 and results["mode"] == mode
