@@ -15,7 +15,9 @@ its own service, ``splitfed.v1.SplitChannel/<model>``, SERVING once loaded),
 server reflection, and the metrics endpoint (series labelled ``model``). The
 model admin service (:mod:`splitfed.channel.admin`, a token of its own) lists,
 loads, unloads and reloads models while the others serve
-(:mod:`splitfed.channel.registry`).
+(:mod:`splitfed.channel.registry`). How the server takes calls in (its own
+``grpc.aio`` server or front-end processes) is :mod:`splitfed.channel.listeners`;
+its health reporting :mod:`splitfed.channel.modelhealth`.
 """
 
 from __future__ import annotations
@@ -29,11 +31,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 from torch import nn
 
-from splitfed.channel.admin.service import SERVICE as ADMIN_SERVICE
 from splitfed.channel.admin.service import AdminServicer, admin_handlers, check_admin_token
 from splitfed.channel.dispatch import ModelDispatch
 from splitfed.channel.handlers import status_for
@@ -45,7 +45,9 @@ from splitfed.channel.limits import (
     SERVICE_NAME,
     ChannelLimits,
 )
+from splitfed.channel.listeners import build_frontends, start_grpc_server
 from splitfed.channel.loopthread import stop_loop
+from splitfed.channel.modelhealth import health_name, report_models, report_state
 from splitfed.channel.registry import Entry, ModelRegistry
 from splitfed.channel.units import ModelState, ModelUnit, ServerOptions, build_unit
 from splitfed.errors import ConfigError
@@ -58,32 +60,10 @@ from splitfed.trunk.sessions import SessionLimits
 from splitfed.trunk.store import StoreLimits
 from splitfed.tuning import tune_malloc
 
-__all__ = ["CLIENT_ID_KEY", "MODEL_KEY", "RETRY_KEYS", "SERVICE_NAME", "ChannelLimits", "TrunkServer", "status_for"]
+__all__ = ["CLIENT_ID_KEY", "MODEL_KEY", "RETRY_KEYS", "SERVICE_NAME", "ChannelLimits", "TrunkServer", "health_name",
+           "status_for"]
 
 log = logging.getLogger(__name__)
-
-_HEALTH = health_pb2.HealthCheckResponse
-
-
-def health_name(model: str) -> str:
-    """The health-checking service name of one model."""
-    return f"{SERVICE_NAME}/{model}"
-
-
-def _bind_error(host: str, port: int, probe_only: bool = False) -> str:
-    """Why ``host:port`` cannot be bound, in words that say what to do ("" with ``probe_only`` when it can)."""
-    import errno
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-            probe.bind((host.strip("[]"), port))
-    except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            return (f"port {port} is in use (another trunk server?); stop what listens there or pick another port "
-                    "(0: a free one)")
-        return f"{exc.strerror or exc}; bind an address of this host (127.0.0.1, 0.0.0.0)"
-    return "" if probe_only else "gRPC refused the address; check the host and port"
 
 
 def _stop_at_exit(ref: weakref.ref[TrunkServer]) -> None:
@@ -273,17 +253,9 @@ class TrunkServer:
 
     def _on_state(self, name: str, state: ModelState | None) -> None:
         if self.health is not None and self._loop is not None and self._loop.is_running():
-            update = asyncio.ensure_future(self._health_update(name, state))
+            update = asyncio.ensure_future(report_state(self.health, self.registry, name, state))
             self._updates.add(update)  # the loop keeps only weak references to tasks
             update.add_done_callback(self._updates.discard)
-
-    async def _health_update(self, name: str, state: ModelState | None) -> None:
-        if name:
-            status = _HEALTH.SERVICE_UNKNOWN if state is None else \
-                _HEALTH.SERVING if state is ModelState.READY else _HEALTH.NOT_SERVING
-            await self.health.set(health_name(name), status)
-        ready = any(e.state is ModelState.READY for e in self.registry.entries.values())
-        await self.health.set(SERVICE_NAME, _HEALTH.SERVING if ready else _HEALTH.NOT_SERVING)
 
     # -- lifecycle -------------------------------------------------------------------------
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
@@ -324,59 +296,18 @@ class TrunkServer:
     async def _start(self) -> None:
         handlers = (ModelDispatch(self.registry.route), admin_handlers(AdminServicer(self.registry, self._admin_token)))
         self.health = health.aio.HealthServicer()
-        if self._frontend_count:
-            await self._start_frontends(handlers)
-            return
-        # gRPC turns SO_REUSEPORT on by default: a second server on a busy port would bind and share it silently.
-        options = self.limits.grpc_options() + [("grpc.so_reuseport", int(self._reuse_port))]
-        server = grpc.aio.server(options=options, interceptors=self._interceptors,
-                                 maximum_concurrent_rpcs=self._max_concurrent_rpcs)
-        server.add_generic_rpc_handlers(handlers)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, ADMIN_SERVICE, health.SERVICE_NAME,
-                                             reflection.SERVICE_NAME), server)
-        target = f"{self.host}:{self._requested_port}" if ":" not in self.host else \
-            f"[{self.host.strip('[]')}]:{self._requested_port}"
-        try:
-            if self._credentials is not None:
-                self.port = server.add_secure_port(target, self._credentials)
-            else:
-                self.port = server.add_insecure_port(target)
-        except RuntimeError:
-            self.port = 0
-        if not self.port:
-            await server.stop(None)  # never started: release it on this loop, and drop it (the traceback would
-            del server               # keep this frame, and the server's __del__ would run at interpreter exit)
-            why = _bind_error(self.host, self._requested_port)
-            raise ConfigError(f"could not bind the trunk server to {target}: {why}")
-        await server.start()
-        self._server = server
-        await self._health_start()
-
-    async def _start_frontends(self, handlers: tuple[grpc.GenericRpcHandler, ...]) -> None:
-        """Serve through front-end processes: they take the calls in, this process's handlers run them."""
-        from splitfed.channel.enginelink import EngineDispatch
-        from splitfed.channel.frontend import Frontends
-
-        if self._requested_port and not self._reuse_port:
-            why = _bind_error(self.host, self._requested_port, probe_only=True)
-            if why:  # the front-ends bind with SO_REUSEPORT among themselves: refuse a port someone else holds
-                raise ConfigError(f"could not bind the trunk server to {self.host}:{self._requested_port}: {why}")
-        dispatch, collected = EngineDispatch.collecting()
-        collected.add_generic_rpc_handlers(handlers)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, collected)
-        dispatch.interceptors = list(self._interceptors)
-        self.frontends = Frontends(self._frontend_count, self.host, self._requested_port, self.limits.grpc_options(),
-                                   self._max_concurrent_rpcs, (SERVICE_NAME, ADMIN_SERVICE),
-                                   self.limits.max_tensor_bytes + self.limits.max_message_bytes, self._frontend_tls)
-        self.port = await self.frontends.start(dispatch)
-        await self._health_start()
-
-    async def _health_start(self) -> None:
-        await self.health.set("", _HEALTH.SERVING)
-        await self.health.set(SERVICE_NAME, _HEALTH.NOT_SERVING)
-        for name, entry in list(self.registry.entries.items()):
-            await self._health_update(name, entry.state)
+        if self._frontend_count:  # front-end processes take the calls in, this process's handlers run them
+            self.frontends, dispatch = build_frontends(
+                handlers, self.health, count=self._frontend_count, host=self.host, port=self._requested_port,
+                reuse_port=self._reuse_port, limits=self.limits, interceptors=self._interceptors,
+                max_concurrent_rpcs=self._max_concurrent_rpcs, tls=self._frontend_tls)
+            self.port = await self.frontends.start(dispatch)
+        else:
+            self._server, self.port = await start_grpc_server(
+                handlers, self.health, host=self.host, port=self._requested_port, credentials=self._credentials,
+                limits=self.limits, interceptors=self._interceptors, max_concurrent_rpcs=self._max_concurrent_rpcs,
+                reuse_port=self._reuse_port)
+        await report_models(self.health, self.registry)
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Mark NOT_SERVING and stop; in-flight RPCs get ``grace`` seconds, then every model stops."""

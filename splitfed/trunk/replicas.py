@@ -53,16 +53,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from splitfed.trunk.aggregation import SyncAggregator, TrunkAggregator, make_aggregator
-from splitfed.trunk.contributions import Contribution, Grads, weighted_mean
-from splitfed.trunk.timeline import TIMELINE
+from splitfed.trunk import replica_collectives as collectives
+from splitfed.trunk.contributions import Contribution, Grads
+from splitfed.trunk.replica_aggregation import (
+    BUSY,
+    IDLE,
+    READY,
+    ReplicaSyncAggregator,
+    replica_aggregator,
+)
 
 if TYPE_CHECKING:
     from splitfed.trunk.runtime import TrunkRuntime
@@ -71,85 +77,9 @@ __all__ = ["ReplicaGroup", "ReplicaSyncAggregator", "init_timeout", "replica_agg
 
 log = logging.getLogger(__name__)
 
-# Fields of the status vector every tick all-reduces (SUM).
-_IDLE, _BUSY, _READY, _AVERAGE, _CHECK, _LEAVE = range(6)
-
-
-class ReplicaSyncAggregator(SyncAggregator):
-    """``sync`` aggregation whose steps are global over a :class:`ReplicaGroup` (see the module docstring).
-
-    Until its group has formed it takes no step (its gradients wait for the
-    group's first ticks); once the group has ended or broken it is a plain
-    :class:`~splitfed.trunk.aggregation.SyncAggregator`.
-    """
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.group: ReplicaGroup | None = None
-        self._alone = False  # the group ended: steps are local from then on
-        self._left: dict[str, float] = {}  # client -> when it last left the group (its older forwards do not count)
-
-    def _attached(self) -> bool:
-        return self.group is not None and self.group.active
-
-    def _maybe_close(self) -> None:
-        if self._attached():
-            assert self.group is not None
-            self.group.wake()  # the control loop decides when the step happens
-        elif self._alone:
-            super()._maybe_close()
-        # else the group has not formed yet: a step now would leave out the other replicas' clients
-
-    def leave(self, client_id: str) -> int:
-        with self._lock:
-            now = time.monotonic()
-            self._left = {c: t for c, t in self._left.items() if now - t < self.timeout}  # older ones count no more
-            self._left[client_id] = now
-            return super().leave(client_id)
-
-    def left_at(self, client_id: str) -> float:
-        """When ``client_id`` last left the step group (-inf if never): its forwards saved before then are not
-        waited for."""
-        with self._lock:
-            return self._left.get(client_id, float("-inf"))
-
-    def local_status(self, outstanding: Collection[str] = ()) -> int:
-        """``_IDLE``, ``_BUSY`` or ``_READY`` for this replica's step group and open bucket; ``outstanding``:
-        clients with a training forward on the current weights that the step must also wait for."""
-        with self._lock:
-            waits_for = set(self._members).union(outstanding)
-            if not waits_for and not self._bucket.items:
-                return _IDLE
-            return _READY if self._bucket.items and self.ready(self._bucket.clients, waits_for) else _BUSY
-
-    def close_global(self) -> None:
-        """Close the open bucket (empty or not) into the global step; called by the control loop on every rank."""
-        with self._lock:
-            self._close(self._bucket)
-
-    def combine(self, contributions: Sequence[Contribution]) -> Grads | None:
-        if not self._attached():
-            return weighted_mean(contributions)
-        assert self.group is not None
-        return self.group.reduce_gradients(contributions)
-
-    def fall_back(self) -> None:
-        """The group is gone: step alone from now on, closing the open bucket now if it is complete."""
-        with self._lock:
-            self._alone = True
-            super()._maybe_close()
-
-    def describe(self) -> str:
-        return super().describe() + (f", global over {self.group.world_size} replicas" if self._attached() else "")
-
-
-def replica_aggregator(mode: str, **kwargs: Any) -> TrunkAggregator:
-    """The aggregator of one replica: :class:`ReplicaSyncAggregator` for ``sync``, else the mode's own
-    (``async`` and ``quorum`` replicas step alone and are averaged at round end)."""
-    if mode == "sync":
-        kwargs.pop("quorum", None)
-        return ReplicaSyncAggregator(**kwargs)
-    return make_aggregator(mode, **kwargs)
+# Fields of the status vector every tick all-reduces (SUM): IDLE, BUSY and READY (how many replicas are in each
+# status, see :mod:`splitfed.trunk.replica_aggregation`), then the requests pending.
+_AVERAGE, _CHECK, _LEAVE = range(3, 6)
 
 
 class ReplicaGroup:
@@ -193,7 +123,7 @@ class ReplicaGroup:
     # -- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> ReplicaGroup:
         """Broadcast rank 0's weights and version (a collective), then run the control loop."""
-        self._broadcast_weights()
+        collectives.broadcast_weights(self.runtime)
         self.active = True
         if self.sync:
             self.runtime.aggregator.group = self  # type: ignore[attr-defined]
@@ -248,7 +178,7 @@ class ReplicaGroup:
     # -- the control loop ------------------------------------------------------------------------------
     def _status(self) -> torch.Tensor:
         vec = torch.zeros(6, dtype=torch.float64)
-        vec[self.runtime.aggregator.local_status() if self.sync else _IDLE] = 1  # type: ignore[attr-defined]
+        vec[self.runtime.aggregator.local_status() if self.sync else IDLE] = 1  # type: ignore[attr-defined]
         with self._req_lock:
             for kind, count in self._requests.items():
                 vec[kind] = count
@@ -260,10 +190,10 @@ class ReplicaGroup:
             while True:
                 self._wake.clear()
                 vec = self._status()
-                own_ready = bool(vec[_READY])
+                own_ready = bool(vec[READY])
                 dist.all_reduce(vec, group=self.control)
                 self.stats["ticks"] += 1
-                self.last_tick = {"idle": int(vec[_IDLE]), "busy": int(vec[_BUSY]), "ready": int(vec[_READY])}
+                self.last_tick = {"idle": int(vec[IDLE]), "busy": int(vec[BUSY]), "ready": int(vec[READY])}
                 if vec[_LEAVE] > 0:
                     log.info("trunk replica %d: the group ends (a replica left)", self.rank)
                     break
@@ -271,9 +201,9 @@ class ReplicaGroup:
                     self._average()
                     self._set_done(_AVERAGE)
                 if vec[_CHECK] > 0:
-                    self._last_check = self._check()
+                    self._last_check = collectives.max_divergence(self.runtime)
                     self._set_done(_CHECK)
-                if self.sync and vec[_BUSY] == 0 and vec[_READY] > 0:
+                if self.sync and vec[BUSY] == 0 and vec[READY] > 0:
                     if self._confirmed_step():
                         self.stats["global-steps"] += 1
                         continue
@@ -296,7 +226,7 @@ class ReplicaGroup:
         nobody, agree on it with every replica (an all-reduce) and take it; False if a replica still waits."""
         agg = self.runtime.aggregator
         with agg._lock, self.runtime._lock:  # the aggregator's lock first, as a step takes them
-            busy = agg.local_status(self._forwards_not_joined()) == _BUSY  # type: ignore[attr-defined]
+            busy = agg.local_status(self._forwards_not_joined()) == BUSY  # type: ignore[attr-defined]
             votes = torch.tensor([float(busy)], dtype=torch.float64)
             dist.all_reduce(votes, group=self.control)
             if votes.item() > 0:
@@ -330,86 +260,16 @@ class ReplicaGroup:
             event.set()
 
     # -- collectives ------------------------------------------------------------------------------------
-    def _tensors(self) -> list[torch.Tensor]:
-        """Every floating parameter and buffer of the trunk, in module order (the same on every rank)."""
-        trunk = self.runtime.trunk
-        return [t for t in list(trunk.parameters()) + list(trunk.buffers()) if t.is_floating_point()]
-
-    def _flat(self) -> torch.Tensor:
-        return torch.cat([t.detach().reshape(-1).float() for t in self._tensors()])
-
-    def _unflat(self, flat: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for t in self._tensors():
-                t.copy_(flat[offset:offset + t.numel()].view_as(t).to(t.dtype))
-                offset += t.numel()
-
-    def _broadcast_weights(self) -> None:
-        rt = self.runtime
-        with rt._lock:
-            flat = self._flat()
-            dist.broadcast(flat, 0)
-            self._unflat(flat)
-            version = torch.tensor([rt._version], dtype=torch.int64, device=flat.device)
-            dist.broadcast(version, 0)
-            rt._version = int(version.item())
-
     def _average(self) -> None:
         """Average every replica's weights; the version becomes max + 1 and pending forwards are rebased."""
-        rt = self.runtime
-        with rt._lock:
-            rt._rebase_pending()
-            flat = self._flat()
-            dist.all_reduce(flat)
-            self._unflat(flat / self.world_size)
-            version = torch.tensor([rt._version], dtype=torch.int64, device=flat.device)
-            dist.all_reduce(version, op=dist.ReduceOp.MAX)
-            rt._version = int(version.item()) + 1
+        collectives.average_weights(self.runtime, self.world_size)
         self.stats["averages"] += 1
         log.info("trunk replica %d: weights averaged over %d replicas (version %d)", self.rank, self.world_size,
-                 rt._version)
-
-    def _check(self) -> float:
-        rt = self.runtime
-        with rt._lock:
-            mine = self._flat()
-            ref = mine.clone()
-            dist.broadcast(ref, 0)
-            diff = (mine - ref).abs().max().reshape(1) if mine.numel() else torch.zeros(1, device=mine.device)
-            dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-        return float(diff.item())
+                 self.runtime._version)
 
     def reduce_gradients(self, contributions: Sequence[Contribution]) -> Grads | None:
-        """The global update of a sync step: every replica's ``sum(weight * examples * grad)``, summed, over
-        the sum of every replica's examples (None, on every rank, when no replica had examples)."""
-        params = self.runtime._trainable
-        live = [c for c in contributions if c.grads is not None]
-        sizes = [p.numel() for p in params]
-        device = params[0].device if params else torch.device("cpu")
-        flat = torch.zeros(sum(sizes) + 1 + len(params), dtype=torch.float32, device=device)
-        offset = 0
-        for i, p in enumerate(params):
-            for c in live:
-                g = c.grads[i]  # type: ignore[index]
-                if g is not None:
-                    flat[offset:offset + sizes[i]].add_(g.reshape(-1).to(device, torch.float32),
-                                                        alpha=c.weight * c.num_examples)
-                    flat[sum(sizes) + 1 + i] = 1.0
-            offset += sizes[i]
-        flat[sum(sizes)] = float(sum(c.num_examples for c in live))
-        with TIMELINE.host("all-reduce", nbytes=flat.numel() * flat.element_size()):
-            dist.all_reduce(flat)
-            tail = flat[sum(sizes):].cpu()  # one device-to-host copy: the examples and which gradients exist
-        total = float(tail[0])
-        if total <= 0:
-            return None
-        out: Grads = []
-        offset = 0
-        for i, p in enumerate(params):
-            out.append((flat[offset:offset + sizes[i]] / total).view_as(p) if tail[1 + i] > 0 else None)
-            offset += sizes[i]
-        return out
+        """The global update of a sync step (see :func:`~splitfed.trunk.replica_collectives.reduce_gradients`)."""
+        return collectives.reduce_gradients(self.runtime, contributions)
 
 
 def init_timeout(seconds: float) -> timedelta:
