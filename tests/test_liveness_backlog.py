@@ -44,3 +44,33 @@ def test_a_member_whose_forward_waits_in_the_device_queue_is_not_dropped() -> No
         assert stats["expired-members"] == 1 and stats["dropped-members"] == 0, stats  # "queued" never left
     finally:
         scheduler.stop()
+
+
+def test_a_saved_forward_does_not_expire_while_its_backward_waits_in_the_device_queue() -> None:
+    """The sweep half: saved forwards expire only while the device queue is current, so a Backward that reached
+    the queue in time finds its forward even when the device thread was busy past the forward's TTL."""
+    from splitfed.trunk.store import StoreLimits
+
+    split = split_model(tiny_model("llama", layers=2).train(), cuts=(1, 2))
+    runtime = TrunkRuntime(split.trunk, torch.optim.SGD(split.trunk.parameters(), lr=0.01),
+                           aggregator=make_aggregator("sync", timeout=30.0), limits=StoreLimits(ttl_s=TIMEOUT))
+    scheduler = TrunkScheduler(runtime, sweep_period_s=0.2).start()
+    try:
+        runtime.join("late")
+        hidden = CutState(torch.randn(1, 3, 32))
+        scheduler.call(lambda: runtime.forward("late", "a1", hidden, train=True)).result(30)
+        # Execute: the device thread is busy (another client's long work) past the saved forward's TTL and
+        # several sweep periods; "late" sent its Backward in time, and it waits in the queue behind that work.
+        busy = threading.Event()
+        held = scheduler.call(lambda: busy.wait(10 * TIMEOUT))
+        backward = scheduler.call(lambda: runtime.start_backward("late", "a1", torch.ones(1, 3, 32) * 1e-3))
+        time.sleep(2.5 * TIMEOUT)
+        busy.set()
+        held.result(30)
+        # Assert: the Backward found its forward (the sweep waited for the backlog); nothing was evicted.
+        pending = backward.result(30)
+        assert pending.grad_in.result(30).shape == (1, 3, 32)
+        assert runtime.store.find("a1") is None and runtime.stats["backwards"] == 1
+        assert "late" in runtime.aggregator.members
+    finally:
+        scheduler.stop()
