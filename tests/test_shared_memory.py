@@ -210,3 +210,32 @@ def test_the_apps_on_one_host_carry_the_cut_through_shared_memory(tmp_path, mode
     sent, received, moved = (train[f"train-bytes-{k}"] for k in ("sent", "received", "shared"))
     assert sent > 0 and received > 0
     assert moved == (sent + received if mode == "auto" else 0)  # the CNN's activations and gradients, all of them
+
+
+def test_a_region_closes_only_once_a_copy_its_reader_started_is_done() -> None:
+    """A reader may start an asynchronous copy and hold its event as it leaves (``DeviceIO.stage`` on a GPU):
+    closing the region meanwhile waits for the reader and then for that copy, never unmapping under it."""
+    import threading
+    import time
+
+    region = SharedRegion.create(1 << 16)
+    copied = threading.Event()
+
+    class Copy:  # what the region sees of a CUDA event
+        def query(self) -> bool:
+            return copied.is_set()
+
+        def synchronize(self) -> None:
+            copied.wait(30)
+
+    closed = threading.Event()
+    closer = threading.Thread(target=lambda: (region.close(), closed.set()))
+    with region.reading():
+        closer.start()
+        time.sleep(0.2)  # the close is waiting for this reader
+        region.hold(Copy())  # type: ignore[arg-type]
+    time.sleep(0.3)
+    assert not closed.is_set()  # the reader left, its copy is still in flight
+    copied.set()
+    closer.join(30)
+    assert closed.is_set()

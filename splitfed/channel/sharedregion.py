@@ -184,16 +184,18 @@ class SharedRegion:
         """Unmap (and, on the side that created it, delete the file) once the copies in flight there are done.
         ``released``: the client closed it first, so its GPU memory is free to go (else it waits for the client's
         process, see :func:`devmem.retire`)."""
-        with self._lock:
-            inflight, self._inflight = self._inflight, []
-        for event in inflight:
-            event.synchronize()
-        with self._lock:
-            while self._readers:
-                self._idle.wait()
-            if self._registered:
-                torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
-                self._registered = False
+        while True:  # a reader may start a copy and hold its event until it leaves: wait for both, then unregister
+            with self._lock:
+                while self._readers:
+                    self._idle.wait()
+                inflight, self._inflight = self._inflight, []
+                if not inflight:
+                    if self._registered:
+                        torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
+                        self._registered = False
+                    break
+            for event in inflight:
+                event.synchronize()
         self.bytes = torch.empty(0, dtype=torch.uint8)
         try:
             self._map.close()
