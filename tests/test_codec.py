@@ -142,3 +142,24 @@ def test_the_finite_check_finds_values_past_its_first_block_and_accepts_extremes
             x = torch.zeros(n, dtype=dtype)
             x[pos] = bad
             assert not finite.is_finite(x), (pos, bad)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2, 3])
+def test_the_finite_check_reads_tensors_at_any_offset_of_a_message(offset: int) -> None:
+    """A tensor's bytes lie wherever its field falls in the received message, often not at a multiple of 4: the
+    check finds NaN and Inf there too, past the BLAS threshold."""
+    from splitfed import finite
+
+    n = finite._BLAS_MIN + 3
+    good = torch.randn(n)
+    for bad in (None, float("nan"), -float("inf")):
+        x = good.clone()
+        if bad is not None:
+            x[n // 2] = bad
+        message = bytes(offset) + x.numpy().tobytes()
+        enc = EncodedTensor("x", WireDType.FLOAT32, (n,), memoryview(message)[offset:])
+        if bad is None:
+            assert torch.equal(decode(enc), x)
+        else:
+            with pytest.raises(TensorValueError, match="NaN or Inf"):
+                decode(enc)
