@@ -182,7 +182,8 @@ _NUMPY_DTYPES = frozenset({torch.float32, torch.float16, torch.int64, torch.int3
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """A read-only view of a CPU tensor's raw little-endian C-order bytes (no copy for contiguous CPU tensors).
+    """A read-only view of a tensor's raw little-endian C-order bytes (no copy for contiguous CPU tensors; a GPU
+    tensor is copied into pinned host memory).
 
     The view keeps the tensor's memory alive; do not modify the tensor in place
     until the bytes have been sent.
@@ -191,7 +192,11 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
             and tensor.numel():
         return memoryview(tensor.detach().numpy()).cast("B").toreadonly()
     t = tensor.detach()
-    if t.device.type != "cpu":
+    if t.is_cuda:  # into pinned memory: several times faster than into pageable memory (the copy waits either way)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t)
+        t = host
+    elif t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
     if t.numel() == 0:

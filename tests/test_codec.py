@@ -109,3 +109,57 @@ def test_a_non_finite_value_is_found_at_every_position(dtype: torch.dtype, n: in
             x[pos] = bad
             with pytest.raises(TensorValueError, match="NaN or Inf"):
                 check_finite("x", x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_finite_check_agrees_with_torch_on_every_16_bit_pattern(dtype: torch.dtype) -> None:
+    """All 65,536 bit patterns of a 16-bit float, alone and in one tensor: NaN and Inf of either sign (every NaN
+    payload), the largest finite values, subnormals and -0.0 are judged as torch.isfinite judges them."""
+    from splitfed.finite import is_finite
+
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    finite = torch.isfinite(every)
+    assert not is_finite(every)
+    assert is_finite(every[finite])
+    verdicts = [is_finite(every[i:i + 1]) for i in range(every.numel())]
+    assert verdicts == finite.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_finite_check_finds_values_past_its_first_block_and_accepts_extremes(dtype: torch.dtype) -> None:
+    """Tensors longer than one block of the check (and than the fp32 BLAS threshold), with the bad value in the
+    last block, at a block's edge, and the extremes of the dtype (whose sum of squares overflows) accepted."""
+    from splitfed import finite
+
+    n = 3 * finite._BLOCK + 5
+    info = torch.finfo(dtype)
+    extremes = torch.full((n,), info.max, dtype=dtype)
+    extremes[1::2] = info.min
+    extremes[::7] = info.tiny / 2 if dtype != torch.bfloat16 else -0.0
+    assert finite.is_finite(extremes)
+    for pos in (0, finite._BLOCK - 1, finite._BLOCK, 2 * finite._BLOCK + 1, n - 1):
+        for bad in (float("nan"), -float("nan"), float("inf"), -float("inf")):
+            x = torch.zeros(n, dtype=dtype)
+            x[pos] = bad
+            assert not finite.is_finite(x), (pos, bad)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2, 3])
+def test_the_finite_check_reads_tensors_at_any_offset_of_a_message(offset: int) -> None:
+    """A tensor's bytes lie wherever its field falls in the received message, often not at a multiple of 4: the
+    check finds NaN and Inf there too, past the BLAS threshold."""
+    from splitfed import finite
+
+    n = finite._BLAS_MIN + 3
+    good = torch.randn(n)
+    for bad in (None, float("nan"), -float("inf")):
+        x = good.clone()
+        if bad is not None:
+            x[n // 2] = bad
+        message = bytes(offset) + x.numpy().tobytes()
+        enc = EncodedTensor("x", WireDType.FLOAT32, (n,), memoryview(message)[offset:])
+        if bad is None:
+            assert torch.equal(decode(enc), x)
+        else:
+            with pytest.raises(TensorValueError, match="NaN or Inf"):
+                decode(enc)

@@ -387,3 +387,28 @@ def test_gpu_blocks_kept_for_a_client_count_against_its_share() -> None:
         sleeper.wait()
     devmem.sweep()
     assert devmem.parked_bytes("carol") == 0
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_over_the_socket_a_gpu_client_sends_and_receives_through_pinned_memory(trunk_server, streamed: bool) -> None:
+    """Without shared memory, a GPU tensor is encoded from pinned host memory (not pageable: several times slower)
+    and an owned reply for a caller on the GPU lands in pinned memory (its copy to the GPU then does not wait)."""
+    from splitfed.channel.limits import ChannelLimits
+    from splitfed.codec import decode, encode
+    from splitfed.split import CutState
+
+    x = torch.randn(4, 9, 32, device=CUDA)
+    wire = encode("x", x, "bf16")
+    assert torch.equal(decode(wire), x.to(torch.bfloat16).cpu())
+    split = split_model(tiny_model("gpt2").train(), (1, 3))
+    limits = ChannelLimits(stream_threshold_bytes=1024, chunk_bytes=512) if streamed else ChannelLimits()
+    server = trunk_server(split.trunk, optimizer="sgd", lr=1e-9, limits=limits)
+    client = TrunkClient(server.address, insecure=True, limits=limits, shared_memory="off")
+    out, _ = client.forward(CutState(x), activation_id="a", owned=True)
+    with torch.no_grad():
+        expected = split.trunk(CutState(x.cpu())).hidden
+    assert out.is_pinned() and torch.allclose(out, expected, atol=1e-5)
+    grad = torch.empty(out.shape, pin_memory=True).fill_(1.0)  # as the GPU client's autograd sends it
+    reply = client.backward("a", grad, input_numel=x.numel(), owned=True)
+    assert reply.grad.is_pinned() and reply.grad.shape == x.shape
+    client.close()

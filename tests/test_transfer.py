@@ -107,3 +107,36 @@ def test_cpu_staging_is_free() -> None:
     assert copy.wait() is not None and copy.wait().data_ptr() == t.data_ptr()
     copy.release()
     assert staging.pooled == 0
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_an_owned_reply_is_copied_only_where_it_views_the_received_bytes(trunk_server, streamed: bool,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A unary reply views gRPC's read-only bytes: an owned output is a copy. A streamed reply is gathered into a
+    buffer of the client's own: the owned output is that buffer, not a second copy of it (forward and backward)."""
+    from splitfed.channel.limits import ChannelLimits
+    from splitfed.split import CutState
+
+    split = split_model(tiny_model("gpt2").train(), (1, 3))
+    limits = ChannelLimits(stream_threshold_bytes=1024, chunk_bytes=512) if streamed else ChannelLimits()
+    server = trunk_server(split.trunk, optimizer="sgd", lr=1e-9, limits=limits)
+    decoded: list[tuple[int, int, torch.Tensor]] = []
+    decode_single = client_module.decode_single
+
+    def recording(encs: list[EncodedTensor], *args: object) -> torch.Tensor:
+        out = decode_single(encs, *args)  # type: ignore[arg-type]
+        decoded.append((_address(encs[0].data), len(encs[0].data), out))
+        return out
+
+    monkeypatch.setattr(client_module, "decode_single", recording)
+    client = client_module.TrunkClient(server.address, insecure=True, limits=limits, shared_memory="off")
+    hidden = torch.randn(2, 8, 32)
+    out, _ = client.forward(CutState(hidden), activation_id="a", owned=True)
+    reply = client.backward("a", torch.ones_like(out), input_numel=hidden.numel(), owned=True)
+    with torch.no_grad():
+        expected = split.trunk(CutState(hidden.clone())).hidden
+    assert torch.allclose(out, expected, atol=1e-6) and reply.grad.shape == hidden.shape
+    assert [t is r for (_, _, t), r in zip(decoded, (out, reply.grad))] == [streamed, streamed]
+    for (start, size, _), result in zip(decoded, (out, reply.grad)):
+        assert (start <= result.data_ptr() < start + size) == streamed  # viewed where gathered, else copied
+    client.close()

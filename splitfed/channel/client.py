@@ -66,6 +66,27 @@ def _channel_error(name: str, address: str, code: grpc.StatusCode, details: str 
     return ChannelError(f"{name} to trunk server {address} failed with {code.name}: {details}{hint}", code=code.name)
 
 
+def _computes_on_gpu(tensor: torch.Tensor) -> bool:
+    """Whether the caller that sent ``tensor`` computes on a GPU (it is on one, or in pinned host memory)."""
+    return tensor.is_cuda or (torch.cuda.is_available() and tensor.is_pinned())
+
+
+def _own(tensor: torch.Tensor, enc: EncodedTensor, pinned: bool) -> torch.Tensor:
+    """A decoded reply (``tensor``, from ``enc``) in memory of its own.
+
+    For a caller on a GPU, pinned host memory (its host -> device copy then runs at the copy engine's speed
+    without the host waiting; from pageable memory it is several times slower and synchronous). Otherwise the
+    tensor itself when it already owns its memory (a streamed reply's gathered, writable buffer, or a decompressed
+    tensor), else a copy of the received read-only bytes.
+    """
+    if pinned:
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        out.copy_(tensor)
+        return out
+    views_received_bytes = enc.compressed is None and (isinstance(enc.data, bytes) or memoryview(enc.data).readonly)
+    return tensor.clone() if views_received_bytes else tensor
+
+
 @dataclass
 class BackwardReply:
     """The gradient for the bottom part and what the trunk did with its own gradient."""
@@ -241,7 +262,7 @@ class TrunkClient:
         """Send a cut state; returns the trunk's output hidden state and the trunk version it saw.
 
         The output is in host memory; it may view the reply's read-only bytes unless ``owned`` (then it is
-        memory of its own, pinned when ``state`` is on a GPU and the bytes came through shared memory).
+        memory of its own, pinned when ``state`` is on a GPU).
         ``on_device``: the output may stay on ``state``'s GPU (when a shared-memory region with CUDA events
         carries it: no host waits for the GPU).
         """
@@ -274,7 +295,7 @@ class TrunkClient:
             reply, out = asm.header, asm.tensors
         hidden = decode_single(out, "hidden", self.tensor_limits)
         self._account(sent, payload_bytes(out))
-        return (hidden.clone() if owned else hidden), reply.trunk_version
+        return (_own(hidden, out[0], _computes_on_gpu(state.hidden)) if owned else hidden), reply.trunk_version
 
     def backward(self, activation_id: str, grad: torch.Tensor, *, input_numel: int | None = None,
                  step_id: str = "", step_parts: int = 0, feedback_key: str = "grad",
@@ -319,7 +340,7 @@ class TrunkClient:
             reply, out = asm.header, asm.tensors
         grad_in = decode_single(out, "grad", self.tensor_limits)
         if owned:
-            grad_in = grad_in.clone()
+            grad_in = _own(grad_in, out[0], _computes_on_gpu(grad))
         if token is not None:
             self.feedback.commit(token)
         self._account(sent, payload_bytes(out))
