@@ -213,8 +213,8 @@ def test_the_apps_on_one_host_carry_the_cut_through_shared_memory(tmp_path, mode
 
 
 def test_a_region_closes_only_once_a_copy_its_reader_started_is_done() -> None:
-    """A reader may start an asynchronous copy and hold its event as it leaves (``DeviceIO.stage`` on a GPU):
-    closing the region meanwhile waits for the reader and then for that copy, never unmapping under it."""
+    """A reader may start an asynchronous copy and hold its event as it leaves: closing the region meanwhile waits
+    for the reader and then for that copy, never unmapping under it."""
     import threading
     import time
 

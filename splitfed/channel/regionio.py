@@ -93,12 +93,10 @@ class RegionIO:
             src = region.where(ref)
             if arrive and not ref.event and self.io is not None and (region.registered or not self.io.cuda) \
                     and need >= ARRIVAL_MIN_BYTES and torch_dtype(enc.dtype).is_floating_point:
-                # The client's bytes are complete: they are copied from the region into memory of the server's own
-                # (on the GPU, by the copy engine from the registered region, starting now) and the device thread
-                # checks them there, with the rest of its batch; the region stays mapped until the copy is done
-                # (SharedRegion.reading, SharedRegion.hold).
-                arrival = self.io.stage(enc.name, src, torch_dtype(enc.dtype), enc.shape, guard=region.reading,
-                                        hold=region.hold)
+                # The client's bytes are complete: the device thread copies them from the region into memory of
+                # the server's own (on the GPU, by the copy engine from the registered region) and checks them
+                # there, with the rest of its batch; the region stays mapped meanwhile (SharedRegion.reading).
+                arrival = self.io.stage(enc.name, src, torch_dtype(enc.dtype), enc.shape, guard=region.reading)
                 ready[enc.name] = arrival.placeholder
                 arrivals.append(arrival)
                 continue

@@ -11,9 +11,7 @@ every copy. :class:`DeviceIO` instead
 * copies each arrival host -> device on an *inbound* stream as soon as it is
   decoded (asynchronously from registered or pinned memory; from pageable
   bytes through a pinned buffer of a pool, on whatever thread calls it): an
-  :class:`Arrival`, whose copy runs while the rest of its batch is still coming
-  in, so that the device thread finds it on the device when the batch's window
-  closes;
+  :class:`Arrival`;
 * lets the device thread check a whole batch of arrivals for NaN/Inf with one
   fused reduction and one blocking read on the inbound stream
   (:meth:`DeviceIO.verdicts`), which waits for those copies only, never for the
@@ -124,7 +122,6 @@ class Arrival:
     owned: bool = False  # ``src`` is the server's own, immutable memory (a request's bytes): no copy needed
     lease: torch.Tensor | None = None  # the pinned pool buffer ``src`` lies in
     tensor: torch.Tensor | None = None  # on the trunk's device, once brought
-    early: torch.Tensor | None = None  # its bytes on the device, copied at arrival (not yet checked)
 
     @property
     def placeholder(self) -> torch.Tensor:
@@ -175,23 +172,17 @@ class DeviceIO:
         self.inbound = torch.cuda.Stream(self.device) if self.cuda else None
         self.outbound = torch.cuda.Stream(self.device) if self.cuda else None
         self._in_lock = threading.Lock()  # the inbound stream's work is issued in the order of this lock
-        self.stats: dict[str, int] = {"in": 0, "in-staged": 0, "in-early": 0, "brought": 0, "out": 0,
-                                      "out-direct": 0}
+        self.stats: dict[str, int] = {"in": 0, "in-staged": 0, "brought": 0, "out": 0, "out-direct": 0}
 
     # -- in ------------------------------------------------------------------------------------
     def stage(self, name: str, src: torch.Tensor | memoryview | bytes, dtype: torch.dtype, shape: Sequence[int], *,
-              guard: Callable[[], AbstractContextManager[Any]] | None = None, owned: bool = False,
-              hold: Callable[[torch.cuda.Event], None] | None = None) -> Arrival:
+              guard: Callable[[], AbstractContextManager[Any]] | None = None, owned: bool = False) -> Arrival:
         """An arrival of ``src`` (raw little-endian bytes of a ``dtype`` tensor of ``shape``).
 
         For a GPU, bytes in pageable memory are first copied into a pinned pool buffer, on the calling thread
         (numpy's copy, which releases the GIL), so that the copy engine can read them; registered or pinned
         ``src`` (a client's region) stays where it is, read under ``guard`` (the region stays mapped meanwhile).
         ``owned``: ``src`` is immutable memory of the server's own (a request's bytes).
-
-        On a GPU the copy to the device starts here, on the inbound stream, when the bytes stay readable until it
-        is done: a pool buffer (back in the pool once the copy completed) or a region that ``hold`` tells the
-        copy's event (its close waits for it). :meth:`bring` then only checks it. Otherwise :meth:`bring` copies.
         """
         flat = _as_uint8(src)
         self.stats["in"] += 1
@@ -200,38 +191,16 @@ class DeviceIO:
             view = lease[: flat.numel()]
             np.copyto(view.numpy(), flat.numpy())
             self.stats["in-staged"] += 1
-            arrival = Arrival(name, view, dtype, tuple(shape), owned=True, lease=lease)
-            self._copy_early(arrival, None)
-            return arrival
-        arrival = Arrival(name, flat, dtype, tuple(shape), guard=guard, owned=owned)
-        if self.cuda and flat.numel() and hold is not None:
-            self._copy_early(arrival, hold)
-        return arrival
-
-    def _copy_early(self, a: Arrival, hold: Callable[[torch.cuda.Event], None] | None) -> None:
-        """Start ``a``'s copy to the device on the inbound stream; its source stays readable until the copy is done
-        (a pool buffer goes back with the copy's event; a region is told it by ``hold``)."""
-        with a.guard() if a.guard is not None else contextlib.nullcontext():
-            with self._in_lock, torch.cuda.stream(self.inbound):
-                early = torch.empty(a.src.numel(), dtype=torch.uint8, device=self.device)
-                early.copy_(a.src, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record(self.inbound)
-            if hold is not None:
-                hold(copied)
-        if a.lease is not None:
-            self.pool.give(a.lease, after=copied)
-            a.lease = None
-        a.early = early
-        self.stats["in-early"] += 1
+            return Arrival(name, view, dtype, tuple(shape), owned=True, lease=lease)
+        return Arrival(name, flat, dtype, tuple(shape), guard=guard, owned=owned)
 
     def bring(self, arrivals: Sequence[Arrival]) -> list[bool]:
         """Bring ``arrivals`` to the device (each gets its :attr:`Arrival.tensor`) and say which are free of
         NaN/Inf. Called by the thread that computes; returns once the copies are done.
 
-        On a GPU: every copy not started at arrival (:meth:`stage`) into one allocation on the inbound stream,
-        one fused reduction over all of them (the L2 norm of each, which any NaN or Inf makes non-finite) and one
-        read, which waits for these copies only, never for the compute queued before them. A finite tensor whose norm overflowed is then confirmed element
+        On a GPU: one allocation, every copy on the inbound stream, one fused reduction over all of them (the L2
+        norm of each, which any NaN or Inf makes non-finite) and one read, which waits for these copies only,
+        never for the compute queued before them. A finite tensor whose norm overflowed is then confirmed element
         by element.
         """
         if not arrivals:
@@ -244,27 +213,20 @@ class DeviceIO:
                 if a.guard is not None:
                     guards.enter_context(a.guard())
             with self._in_lock, torch.cuda.stream(self.inbound):
-                late = [a for a in arrivals if a.early is None]
-                sizes = [a.src.numel() for a in late]
+                sizes = [a.src.numel() for a in arrivals]
                 buf = torch.empty(sum(_aligned(n) for n in sizes), dtype=torch.uint8, device=self.device)
                 at = 0
-                for a, n in zip(late, sizes):
+                for a, n in zip(arrivals, sizes):
                     piece = buf[at: at + n]
                     piece.copy_(a.src, non_blocking=True)
                     a.tensor = piece.view(a.dtype).view(a.shape)
                     at += _aligned(n)
-                early = [a for a in arrivals if a.early is not None]  # copied at arrival, earlier on this stream
-                for a in early:
-                    a.tensor, a.early = a.early.view(a.dtype).view(a.shape), None  # type: ignore[union-attr]
                 checked = [a for a in arrivals if a.dtype.is_floating_point and a.tensor.numel()]
                 finite = iter(torch.stack(torch._foreach_norm([a.tensor for a in checked], 2, dtype=torch.float32))
                               .isfinite().cpu().tolist() if checked else [])  # the read: the copies are done
                 verdicts = [bool(next(finite)) or bool(torch.isfinite(a.tensor).all())
                             if a.dtype.is_floating_point and a.tensor.numel() else True for a in arrivals]
-            compute = torch.cuda.current_stream(self.device)
-            buf.record_stream(compute)  # the compute stream uses it from now on
-            for a in early:
-                a.tensor.record_stream(compute)  # type: ignore[union-attr]
+            buf.record_stream(torch.cuda.current_stream(self.device))  # the compute stream uses it from now on
         for a in arrivals:
             if a.lease is not None:
                 self.pool.give(a.lease)
