@@ -24,10 +24,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from splitfed.split.base import CutState
@@ -125,8 +127,11 @@ class DecodeGroup:
             keys = torch.cat([_left_pad(p.keys, width, 2) for p in parts])
             values = torch.cat([_left_pad(p.values, width, 2) for p in parts])
             _fill(layer, keys, values, self.length)
-        #: per member, which of the group's positions are its own (left padding and skipped steps are not)
-        self.valid = [torch.arange(self.length) >= self.length - s.length for s in members]
+        #: (members, positions): which of the group's positions are each member's own (left padding and skipped
+        #: steps are not)
+        self.valid = torch.arange(self.length) >= torch.tensor([self.length - s.length for s in members])[:, None]
+        self._member_of_row = torch.repeat_interleave(torch.arange(len(members)),
+                                                      torch.tensor([s.batch_size for s in members]))
         self.missed = [0] * len(members)  # steps each member sat out in a row
 
     @classmethod
@@ -176,7 +181,8 @@ class DecodeGroup:
                 _fill(mine, keys, values, s.length)
             s.cache, s.group = cache, None
         log.debug("dissolved a decode group of %d sessions", len(self.members))
-        self.members, self.rows, self.valid, self.missed, self.cache = [], [], [], [], None
+        self.members, self.rows, self.missed, self.cache = [], [], [], None
+        self.valid = self.valid[:0]
 
     def inputs(self, states: list[CutState | None]) -> CutState:
         """One batched state from the members' steps (member order; None: that member sits this step out).
@@ -188,6 +194,8 @@ class DecodeGroup:
         """
         first = next(st for st in states if st is not None)
         new, width, dtype = first.hidden.shape[1], first.hidden.shape[2], first.hidden.dtype
+        if all(st is not None and st.attention_mask is None and st.position_ids is None for st in states):
+            return self._plain_inputs([st.hidden for st in states], new, dtype)  # type: ignore[union-attr]
         hidden, masks, positions = [], [], []
         for s, st, valid in zip(self.members, states, self.valid):
             b = s.batch_size
@@ -212,10 +220,20 @@ class DecodeGroup:
             masks.append(mask)
         return CutState(torch.cat(hidden), torch.cat(masks), torch.cat(positions))
 
+    def _plain_inputs(self, hidden: list[torch.Tensor], new: int, dtype: torch.dtype) -> CutState:
+        """Every member present with neither mask nor positions (what unpadded generation sends): a few whole-batch
+        operations instead of a few per member."""
+        rows = int(self._member_of_row.shape[0])
+        mask = torch.ones(rows, self.length + new, dtype=torch.bool)
+        mask[:, : self.length] = self.valid.index_select(0, self._member_of_row)
+        lengths = torch.tensor([s.length for s in self.members]).index_select(0, self._member_of_row)
+        positions = lengths[:, None] + torch.arange(new)
+        return CutState(torch.cat([h.to(dtype) for h in hidden]), mask, positions)
+
     def advance(self, present: list[bool], new: int) -> None:
         """Record a step: ``new`` more positions, real for the present members."""
         self.length += new
-        self.valid = [torch.cat([v, torch.full((new,), p)]) for v, p in zip(self.valid, present)]
+        self.valid = torch.cat([self.valid, torch.tensor(present)[:, None].expand(-1, new)], dim=1)
         self.missed = [0 if p else m + 1 for m, p in zip(self.missed, present)]
 
 
@@ -229,19 +247,40 @@ def run_group(runtime: TrunkRuntime, group: DecodeGroup, states: list[CutState |
     rt = runtime
     with rt._lock:
         inputs, _ = rt._prepare(group.inputs(states), train=False)
-        trunk = rt.trunk
-        was_training = trunk.training
-        if was_training:
-            trunk.eval()
-        try:
-            with torch.no_grad(), rt._autocast(), busy_on_oom("batched decode step"):
-                out = trunk(inputs, cache=group.cache, use_cache=True).hidden
-        finally:
-            if was_training:
-                trunk.train()
+        with evaluating(rt.trunk), torch.no_grad(), rt._autocast(), busy_on_oom("batched decode step"):
+            out = rt.trunk(inputs, cache=group.cache, use_cache=True).hidden
     new = next(st for st in states if st is not None).hidden.shape[1]
     group.advance([st is not None for st in states], new)
     return out
+
+
+@contextlib.contextmanager
+def evaluating(trunk: nn.Module) -> Iterator[None]:
+    """``trunk`` in eval mode (no dropout) for the block, as it was afterwards.
+
+    Only the modules in training mode have their flag switched: ``trunk.eval()`` and ``trunk.train()`` walk
+    every module twice per call, which on a decode step of a small trunk is host time the size of a layer's
+    forward. A trunk with a module that overrides ``train()`` gets the real calls.
+    """
+    if not trunk.training:
+        yield
+        return
+    modules = list(trunk.modules())
+    if any(type(m).train is not nn.Module.train for m in modules):
+        trunk.eval()
+        try:
+            yield
+        finally:
+            trunk.train()
+        return
+    switched = [m for m in modules if m.training]
+    for m in switched:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in switched:
+            m.training = True
 
 
 def lock_all(sessions: list[Session]) -> contextlib.ExitStack:
