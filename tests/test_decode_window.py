@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -46,19 +47,19 @@ class _Decoding:
         for out in self.manager.run_many([self.step(i) for i in members]):
             assert not isinstance(out, BaseException), out
 
-    def submit(self, i: int):  # noqa: ANN201 - a Future
+    def submit(self, i: int) -> Future[torch.Tensor]:
         return self.scheduler.batched(self.manager, self.step(i), 1)
 
 
 @pytest.fixture
-def decoding() -> Iterator[_Decoding]:
+def decoding() -> Iterator[Callable[[int, float], _Decoding]]:
     made: list[_Decoding] = []
 
     def make(sessions: int, window_ms: float) -> _Decoding:
         made.append(_Decoding(sessions, window_ms))
         return made[-1]
 
-    yield make  # type: ignore[misc]
+    yield make
     for d in made:
         d.scheduler.stop()
 
