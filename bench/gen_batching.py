@@ -10,6 +10,14 @@
   decode steps as one batched call / one by one (no channel, no clients).
 * ``gen_batched_greedy_match``: 1.0 when every session's greedy tokens are the
   same with and without batching.
+* ``gen_replay_batched_speedup``: the same clients and servers, but each client
+  replays ``new_tokens`` one-position steps of random hidden states through its
+  session (no bottom, top or sampling): the server and the channel alone, so
+  that what the clients' own per-token work costs can be told apart.
+
+On CPU every process computes on one thread, the server's included: the
+clients and the server share the machine's cores (intra-op threads of a server
+that shares its cores with 8 busy processes mostly wait for each other).
 
 Models: on CPU a tiny GPT-2 (6 layers, hidden 256, vocab 8192, cuts 2/4); with
 ``--device cuda`` a GPT-2-small-sized trunk (GPT-2 small's width, heads and
@@ -17,7 +25,7 @@ vocabulary; 14 blocks cut 1/13, so the trunk holds 12 blocks and each client
 1 block below and 1 above). ``--gen-sessions``, ``--gen-window-ms``,
 ``--gen-new-tokens`` change the load.
 
-    python -m bench.gen_batching [--device cuda] [--json]
+    python -m bench.gen_batching [--device cuda] [--no-replay] [--json]
 """
 
 from __future__ import annotations
@@ -55,22 +63,45 @@ def _build(name: str, device: str) -> Any:
     return split_model(model.eval().to(device), cuts)
 
 
+def _replay(channel: Any, hidden: torch.Tensor, steps: list[torch.Tensor]) -> None:
+    """One session of precomputed hidden states: a prefill, then one-position steps; no bottom, top or sampling."""
+    from splitfed.generation import RemoteSession
+    from splitfed.split import CutState
+
+    with RemoteSession(channel, max_length=hidden.shape[1] + len(steps)) as session:
+        session.step(CutState(hidden))
+        for h in steps:
+            session.step(CutState(h))
+
+
 def _client(rank: int, name: str, device: str, prompt_len: int, new_tokens: int, jobs: Any, results: Any,
             barrier: Any) -> None:
-    """One client process: for each server address it is sent, generate once (after the barrier) and report."""
+    """One client process: for each (server address, replay) it is sent, generate once (after the barrier), or
+    replay one-position steps when ``replay``, and report."""
     from splitfed.channel.client import TrunkClient
     from splitfed.generation import generate
 
     torch.set_num_threads(1)
     parts = _build(name, device)
-    vocab = MODELS[name][3]
+    _, width, _, vocab, _ = MODELS[name]
     length = prompt_len + rank  # different prompt lengths
-    ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(rank)).to(device)
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(3, vocab, (1, length), generator=g).to(device)
+    prompt = torch.randn(1, length, width, generator=g).to(device)
+    steps = [torch.randn(1, 1, width, generator=g).to(device) for _ in range(new_tokens)]
     while True:
-        address = jobs.get()
-        if address is None:
+        job = jobs.get()
+        if job is None:
             return
+        address, replay = job
         with TrunkClient(address, insecure=True, client_id=f"bench-{rank}") as channel:
+            if replay:
+                _replay(channel, prompt, steps[:2])  # warm-up
+                barrier.wait()
+                start = time.perf_counter()
+                _replay(channel, prompt, steps)
+                results.put((rank, start, time.perf_counter(), []))
+                continue
             generate(parts.bottom, channel, parts.top, ids, max_new_tokens=2)  # warm-up (connection, kernels)
             barrier.wait()
             start = time.perf_counter()
@@ -81,7 +112,8 @@ def _client(rank: int, name: str, device: str, prompt_len: int, new_tokens: int,
 
 
 def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int = 16, window_ms: float = 5.0,
-                       repeat: int = 2, device: str = "cpu", model: str | None = None) -> dict[str, float]:
+                       repeat: int = 2, device: str = "cpu", model: str | None = None,
+                       replay: bool = True) -> dict[str, float]:
     """Tokens/s of ``sessions`` concurrent generating clients, batched decode steps / one by one.
 
     Args:
@@ -92,6 +124,7 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
         repeat: timed runs of each server (alternating); medians are compared.
         device: where the trunk and the clients' parts run.
         model: ``tiny`` or ``gpt2-small`` (default: tiny on CPU, gpt2-small on CUDA).
+        replay: also time clients that replay one-position steps (``gen_replay_*``).
     """
     from splitfed.channel.server import TrunkServer
 
@@ -104,38 +137,51 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
         p.start()
     trunk = _build(name, device).trunk
     trunk.requires_grad_(False)
-    rates: dict[float, list[float]] = {0.0: [], window_ms: []}
+    modes = (False, True) if replay else (False,)
+    rates: dict[tuple[bool, float], list[float]] = {(r, w): [] for r in modes for w in (0.0, window_ms)}
     tokens: dict[float, dict[int, list[int]]] = {}
-    stats: dict[str, int] = {}
+    stats: dict[bool, dict[str, int]] = {}
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
     try:
         for _ in range(repeat):
-            for window in (0.0, window_ms):
-                server = TrunkServer(trunk, insecure=True, batch_window_ms=window).start()
-                try:
-                    for q in jobs:
-                        q.put(server.address)
-                    got = [get_from(results, procs, 600, "a generating client's tokens") for _ in range(sessions)]
-                    if window:
-                        stats = dict(server.servicer.sessions.stats)
-                finally:
-                    server.stop(grace=0)
-                elapsed = max(g[2] for g in got) - min(g[1] for g in got)
-                rates[window].append(sessions * new_tokens / elapsed)
-                tokens[window] = {g[0]: g[3] for g in got}
+            for mode in modes:
+                for window in (0.0, window_ms):
+                    server = TrunkServer(trunk, insecure=True, batch_window_ms=window).start()
+                    try:
+                        for q in jobs:
+                            q.put((server.address, mode))
+                        got = [get_from(results, procs, 600, "a generating client's tokens") for _ in range(sessions)]
+                        if window:
+                            stats[mode] = dict(server.servicer.sessions.stats)
+                    finally:
+                        server.stop(grace=0)
+                    elapsed = max(g[2] for g in got) - min(g[1] for g in got)
+                    rates[mode, window].append(sessions * new_tokens / elapsed)
+                    if not mode:
+                        tokens[window] = {g[0]: g[3] for g in got}
     finally:
+        torch.set_num_threads(threads)
         for q in jobs:
             q.put(None)
         end_children(procs)
-    batched, alone = statistics.median(rates[window_ms]), statistics.median(rates[0.0])
-    return {
-        "gen_batched_speedup": batched / alone,
-        "gen_batched_tokens_per_s": batched,
-        "gen_unbatched_tokens_per_s": alone,
-        "gen_batched_greedy_match": float(tokens[0.0] == tokens[window_ms]),
-        "gen_batched_mean_batch": stats.get("batched_steps", 0) / max(stats.get("decode_batches", 0), 1),
-        "gen_batched_sessions": float(sessions),
-        "gen_batched_regroups": float(stats.get("decode_groups", 0)),
-    }
+    out: dict[str, float] = {}
+    for mode in modes:
+        key = "gen_replay" if mode else "gen"
+        batched, alone = statistics.median(rates[mode, window_ms]), statistics.median(rates[mode, 0.0])
+        st = stats.get(mode, {})
+        out.update({
+            f"{key}_batched_speedup": batched / alone,
+            f"{key}_batched_tokens_per_s": batched,
+            f"{key}_unbatched_tokens_per_s": alone,
+            f"{key}_batched_mean_batch": st.get("batched_steps", 0) / max(st.get("decode_batches", 0), 1),
+        })
+        if not mode:
+            out.update({"gen_batched_greedy_match": float(tokens[0.0] == tokens[window_ms]),
+                        "gen_batched_sessions": float(sessions),
+                        "gen_batched_regroups": float(st.get("decode_groups", 0))})
+    return out
 
 
 def batched_decode_trunk(sessions: int = 8, steps: int = 64, prompt_len: int = 16, repeat: int = 3,
@@ -209,13 +255,15 @@ def main() -> int:
     parser.add_argument("--gen-window-ms", type=float, default=5.0)
     parser.add_argument("--gen-new-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--no-replay", action="store_true", help="skip the replaying clients (gen_replay_*)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     results = batched_decode_trunk(args.gen_sessions, args.gen_new_tokens, repeat=args.repeat + 1,
                                    device=args.device, model=args.gen_model)
     results.update(batched_generation(args.gen_sessions, args.gen_new_tokens, window_ms=args.gen_window_ms,
-                                      repeat=args.repeat, device=args.device, model=args.gen_model))
+                                      repeat=args.repeat, device=args.device, model=args.gen_model,
+                                      replay=not args.no_replay))
     print_results(results, args.json)
     return 0
 

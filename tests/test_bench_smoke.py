@@ -100,6 +100,7 @@ def test_bench_gen_batching() -> None:
     results = _json(_bench("bench.gen_batching", "--gen-sessions", "2", "--gen-new-tokens", "4", "--repeat", "1",
                            "--json"))
     assert results["gen_batched_greedy_match"] == 1.0 and results["gen_batched_sessions"] == 2.0
+    assert results["gen_replay_batched_speedup"] > 0 and results["gen_replay_batched_mean_batch"] >= 1.0
 
 
 def test_bench_leakage() -> None:

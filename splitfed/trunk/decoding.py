@@ -2,8 +2,8 @@
 
 Each session keeps its own KV cache (:mod:`splitfed.trunk.sessions`). When
 several sessions send a one-position step within the scheduler's batching
-window, their caches are stacked into one :class:`DecodeGroup`: every layer's
-keys and values are concatenated along the batch, each session's rows
+window, their caches are stacked into one
+:class:`~splitfed.trunk.decodegroup.DecodeGroup`: every layer's keys and values are concatenated along the batch, each session's rows
 LEFT-padded with zeros to the longest session, so that every row's newest
 position sits in the same column. The batched step gets a 2-D mask that is 0 on
 that padding (and on each session's own padding), and each row's own position
@@ -17,20 +17,29 @@ group is dissolved: each session gets its own cache back, its padding cut off,
 and the next batched step stacks a new group. Full-attention (``DynamicLayer``)
 and sliding-window (``DynamicSlidingWindowLayer``) cache layers are supported;
 sessions with other cache layers step one by one.
+
+The window (:class:`~splitfed.trunk.scheduler.TrunkScheduler`): it closes as
+soon as it holds a step of every session that is decoding
+(:meth:`SessionManager.complete <splitfed.trunk.sessions.SessionManager.complete>`),
+else ``batch_window_ms`` after the latest step joined it, and never later than
+:data:`~splitfed.trunk.scheduler.ITEM_WINDOW_BOUND` windows after the first. A
+session that stops sending steps is waited for in at most :data:`MAX_MISSED`
+windows.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from torch import nn
 
 from splitfed.split.base import CutState
+from splitfed.trunk.decodegroup import STACKABLE_LAYERS, DecodeGroup
 from splitfed.trunk.recompute import busy_on_oom
 
 if TYPE_CHECKING:
@@ -38,8 +47,6 @@ if TYPE_CHECKING:
     from splitfed.trunk.sessions import Session
 
 log = logging.getLogger(__name__)
-
-_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
 @dataclass(frozen=True)
@@ -66,157 +73,9 @@ def stackable(session: Session) -> bool:
     if session.length < 1 or not layers:
         return False
     for layer in layers:
-        if type(layer) not in _LAYERS or not layer.is_initialized or getattr(layer, "record_past", False):
+        if type(layer) not in STACKABLE_LAYERS or not layer.is_initialized or getattr(layer, "record_past", False):
             return False
     return True
-
-
-def _stored(layer: Any, seen: int) -> int:
-    """Positions a cache layer keeps after seeing ``seen`` (a sliding window keeps the last ``window - 1``)."""
-    if isinstance(layer, DynamicSlidingWindowLayer):
-        return min(seen, layer.sliding_window - 1)
-    return seen
-
-
-def _fill(layer: Any, keys: torch.Tensor, values: torch.Tensor, seen: int) -> None:
-    """Set an empty cache layer to hold ``keys``/``values`` after having seen ``seen`` positions."""
-    layer.lazy_initialization(keys, values)
-    layer.keys, layer.values = keys, values
-    if isinstance(layer, DynamicSlidingWindowLayer):
-        layer.cumulative_length = seen
-
-
-def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    missing = length - t.shape[dim]
-    if not missing:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
-class DecodeGroup:
-    """Sessions decoding together: their caches stacked along the batch, left-padded to one length.
-
-    Build it with :meth:`stack`; while it lives, its members' own ``cache`` is
-    None and their ``group`` is this group. :meth:`dissolve` gives every member
-    its cache back.
-
-    A member may sit a step out (its client was late for the window): the group
-    steps anyway, that member's rows get a masked-out filler position, and the
-    group remembers which columns are real for each member (``valid``). So a
-    straggler costs no restacking. Groups with sliding-window layers never skip
-    members (a hole would shift their window); they are restacked instead.
-    """
-
-    def __init__(self, trunk: Any, members: list[Session]) -> None:
-        self.members = members
-        self._trunk = trunk
-        self.length = max(s.length for s in members)  # positions of the padded layout
-        starts = [0]
-        for s in members:
-            starts.append(starts[-1] + s.batch_size)
-        self.rows = [slice(a, b) for a, b in itertools.pairwise(starts)]
-        self.cache = trunk.new_cache()
-        self.sliding = any(isinstance(layer, DynamicSlidingWindowLayer) for layer in self.cache.layers)
-        for i, layer in enumerate(self.cache.layers):
-            width = _stored(layer, self.length)
-            parts = [s.cache.layers[i] for s in members]
-            keys = torch.cat([_left_pad(p.keys, width, 2) for p in parts])
-            values = torch.cat([_left_pad(p.values, width, 2) for p in parts])
-            _fill(layer, keys, values, self.length)
-        #: per member, which of the group's positions are its own (left padding and skipped steps are not)
-        self.valid = [torch.arange(self.length) >= self.length - s.length for s in members]
-        self.missed = [0] * len(members)  # steps each member sat out in a row
-
-    @classmethod
-    def stack(cls, trunk: Any, members: list[Session]) -> DecodeGroup:
-        """Stack the members' caches (dissolving any group they are in) into a new group."""
-        for s in members:
-            if s.group is not None:
-                s.group.dissolve()
-        group = cls(trunk, members)
-        for s in members:
-            s.cache, s.group = None, group
-        log.debug("stacked %d sessions for batched decoding (%d padded positions)", len(members), group.length)
-        return group
-
-    @property
-    def session_ids(self) -> tuple[str, ...]:
-        """Members' ids, in row order."""
-        return tuple(s.session_id for s in self.members)
-
-    def can_skip(self, present: set[str], max_missed: int) -> bool:
-        """Whether the group may step with only ``present`` members (the others skip one step)."""
-        if len(present) == len(self.members):
-            return True
-        if self.sliding:
-            return False
-        longest = max(s.length for s in self.members)
-        return (self.length < 2 * longest + 64 and
-                all(m + 1 <= max_missed for s, m in zip(self.members, self.missed) if s.session_id not in present))
-
-    def dissolve(self) -> None:
-        """Give every member its own cache back (its rows, its real positions) and end the group."""
-        if not self.members:
-            return
-        for s, rows, valid in zip(self.members, self.rows, self.valid):
-            cache = self._trunk.new_cache()
-            tail = bool(valid[self.length - s.length:].all())  # no skipped steps: its positions are the last ones
-            for layer, mine in zip(self.cache.layers, cache.layers):
-                if tail:
-                    keep = _stored(mine, s.length)
-                    # clone: a view would keep the whole stacked tensor alive
-                    keys = layer.keys[rows, :, layer.keys.shape[2] - keep:].clone()
-                    values = layer.values[rows, :, layer.values.shape[2] - keep:].clone()
-                else:  # full-attention layers only (sliding groups never skip)
-                    cols = valid.nonzero().squeeze(1).to(layer.keys.device)
-                    keys = layer.keys[rows].index_select(2, cols)
-                    values = layer.values[rows].index_select(2, cols)
-                _fill(mine, keys, values, s.length)
-            s.cache, s.group = cache, None
-        log.debug("dissolved a decode group of %d sessions", len(self.members))
-        self.members, self.rows, self.valid, self.missed, self.cache = [], [], [], [], None
-
-    def inputs(self, states: list[CutState | None]) -> CutState:
-        """One batched state from the members' steps (member order; None: that member sits this step out).
-
-        A present member's mask is laid onto its own positions (0 elsewhere),
-        with its position ids (by default, as alone: its length onwards). An
-        absent member's rows get a zero filler that attends to its own past and
-        that no later step sees.
-        """
-        first = next(st for st in states if st is not None)
-        new, width, dtype = first.hidden.shape[1], first.hidden.shape[2], first.hidden.dtype
-        hidden, masks, positions = [], [], []
-        for s, st, valid in zip(self.members, states, self.valid):
-            b = s.batch_size
-            mask = torch.zeros(b, self.length + new, dtype=torch.bool)
-            if st is None:
-                hidden.append(torch.zeros(b, new, width, dtype=dtype))
-                mask[:, : self.length] = valid
-                positions.append(torch.zeros(b, new, dtype=torch.long))
-            else:
-                hidden.append(st.hidden.to(dtype))
-                if st.attention_mask is None:
-                    mask[:, : self.length] = valid
-                    mask[:, self.length:] = True
-                else:
-                    own = st.attention_mask.to(torch.bool)
-                    mask[:, : self.length][:, valid] = own[:, : s.length]
-                    mask[:, self.length:] = own[:, s.length:]
-                pos = st.position_ids
-                if pos is None:  # what the trunk uses alone: the cache's length onwards
-                    pos = torch.arange(s.length, s.length + new).unsqueeze(0)
-                positions.append(pos.expand(b, -1).to(torch.long))
-            masks.append(mask)
-        return CutState(torch.cat(hidden), torch.cat(masks), torch.cat(positions))
-
-    def advance(self, present: list[bool], new: int) -> None:
-        """Record a step: ``new`` more positions, real for the present members."""
-        self.length += new
-        self.valid = [torch.cat([v, torch.full((new,), p)]) for v, p in zip(self.valid, present)]
-        self.missed = [0 if p else m + 1 for m, p in zip(self.missed, present)]
 
 
 def run_group(runtime: TrunkRuntime, group: DecodeGroup, states: list[CutState | None]) -> torch.Tensor:
@@ -229,19 +88,40 @@ def run_group(runtime: TrunkRuntime, group: DecodeGroup, states: list[CutState |
     rt = runtime
     with rt._lock:
         inputs, _ = rt._prepare(group.inputs(states), train=False)
-        trunk = rt.trunk
-        was_training = trunk.training
-        if was_training:
-            trunk.eval()
-        try:
-            with torch.no_grad(), rt._autocast(), busy_on_oom("batched decode step"):
-                out = trunk(inputs, cache=group.cache, use_cache=True).hidden
-        finally:
-            if was_training:
-                trunk.train()
+        with evaluating(rt.trunk), torch.no_grad(), rt._autocast(), busy_on_oom("batched decode step"):
+            out = rt.trunk(inputs, cache=group.cache, use_cache=True).hidden
     new = next(st for st in states if st is not None).hidden.shape[1]
     group.advance([st is not None for st in states], new)
     return out
+
+
+@contextlib.contextmanager
+def evaluating(trunk: nn.Module) -> Iterator[None]:
+    """``trunk`` in eval mode (no dropout) for the block, as it was afterwards.
+
+    Only the modules in training mode have their flag switched: ``trunk.eval()`` and ``trunk.train()`` walk
+    every module twice per call, which on a decode step of a small trunk is host time the size of a layer's
+    forward. A trunk with a module that overrides ``train()`` gets the real calls.
+    """
+    if not trunk.training:
+        yield
+        return
+    modules = list(trunk.modules())
+    if any(type(m).train is not nn.Module.train for m in modules):
+        trunk.eval()
+        try:
+            yield
+        finally:
+            trunk.train()
+        return
+    switched = [m for m in modules if m.training]
+    for m in switched:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in switched:
+            m.training = True
 
 
 def lock_all(sessions: list[Session]) -> contextlib.ExitStack:

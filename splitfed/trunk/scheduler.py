@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: A window of runner items (decode steps) closes ``batch_window_ms`` after the latest item joined it, but never
+#: later than this many windows after the first item arrived (Triton's dynamic batcher bounds a request's queue
+#: delay the same way).
+ITEM_WINDOW_BOUND: Final[float] = 4.0
+
 #: What :meth:`TrunkScheduler.inline` and :meth:`TrunkScheduler.forward_inline` return when the task did not run.
 MISS: Final[Any] = object()
 
@@ -256,6 +261,9 @@ class TrunkScheduler:
                 self._queue.remove(task)
                 batch.append(task)
                 tokens += task.tokens
+            if first.runner is not None:  # items (decode steps): open while they keep coming, within a bound
+                close = min(max(t.queued for t in batch) + self.batch_window_s,
+                            first.queued + ITEM_WINDOW_BOUND * self.batch_window_s)
             remaining = close - time.monotonic()
             if remaining <= 0 or self._stopping or self._everyone_in(batch):
                 self.stats["early-closes"] += remaining > 0 and not self._stopping

@@ -34,7 +34,7 @@ from splitfed.errors import (
 )
 from splitfed.split.base import CutState
 from splitfed.split.transformer import BERT_FAMILY
-from splitfed.trunk.decoding import SessionStep, step_many
+from splitfed.trunk.decoding import MAX_MISSED, SessionStep, evaluating, step_many
 from splitfed.trunk.runtime import TrunkRuntime
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class Session:
     steps: int = 0
     last_step: tuple[str, int, torch.Tensor] | None = None  # (step id, length before, output) for retries
     group: Any = None  # the DecodeGroup holding this session's cache (``cache`` is then None)
+    window: int = 0  # the batching window its last step ran in (0: none yet; see SessionManager.complete)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -144,6 +145,7 @@ class SessionManager:
         self._sessions: dict[str, Session] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
+        self._windows = 0  # batching windows run so far (calls of run_many)
         self.stats: dict[str, int] = {"opened": 0, "closed": 0, "evicted_idle": 0, "refused": 0, "steps": 0,
                                       "retried_steps": 0, "batched_steps": 0, "decode_batches": 0,
                                       "decode_groups": 0}
@@ -310,16 +312,9 @@ class SessionManager:
         rt = self.runtime
         with rt._lock:
             inputs, _ = rt._prepare(state, train=False)
-            trunk = rt.trunk
-            was_training = trunk.training
-            if was_training:
-                trunk.eval()  # no dropout in inference; the lock keeps training out meanwhile
-            try:
-                with torch.no_grad(), rt._autocast():
-                    return trunk(inputs, cache=session.cache, use_cache=True).hidden
-            finally:
-                if was_training:
-                    trunk.train()
+            # eval mode: no dropout in inference; the lock keeps training out meanwhile
+            with evaluating(rt.trunk), torch.no_grad(), rt._autocast():
+                return rt.trunk(inputs, cache=session.cache, use_cache=True).hidden
 
     # -- batched decoding (the scheduler's runner interface) -------------------------------
     def run_one(self, item: SessionStep) -> torch.Tensor:
@@ -328,16 +323,28 @@ class SessionManager:
 
     def run_many(self, items: list[SessionStep]) -> list[Any]:
         """Steps that arrived within the batching window: decode steps run as one call (:mod:`.decoding`)."""
+        with self._lock:
+            self._windows += 1
+            for item in items:
+                session = self._sessions.get(item.session_id)
+                if session is not None and session.client_id == item.client_id:
+                    session.window = self._windows
         return step_many(self, items)
 
     def complete(self, items: list[SessionStep]) -> bool:
-        """Whether ``items`` hold a step of every session that decodes in a batch now: the window may close.
+        """Whether ``items`` hold a step of every session that is decoding now: the window may close.
 
-        Waiting for all of them (not just one group) lets groups that split up merge again.
+        A session is decoding while it stepped in one of the last :data:`~splitfed.trunk.decoding.MAX_MISSED`
+        windows (whether its step batched or ran alone, e.g. a prefill). Waiting for all of them lets every
+        session step in one call, and groups that split up merge again; a session whose client stopped (or is
+        slow) is waited for only until the scheduler's bound, and no longer at all once it has sat out
+        ``MAX_MISSED`` windows.
         """
+        inside = {item.session_id for item in items}
         with self._lock:
-            grouped = {s.session_id for s in self._sessions.values() if s.group is not None}
-        return bool(grouped) and grouped <= {item.session_id for item in items}
+            since = self._windows - MAX_MISSED
+            return all(sid in inside for sid, s in self._sessions.items() if s.window > since) and any(
+                s.window > since for s in self._sessions.values())
 
     def sweep(self) -> int:
         """Evict sessions idle for longer than the TTL; returns how many were evicted."""
