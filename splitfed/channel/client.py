@@ -28,6 +28,7 @@ from splitfed.channel import split_channel_pb2_grpc as pb_grpc
 from splitfed.channel.lanes import Lane
 from splitfed.channel.limits import CLIENT_ID_KEY, MODEL_KEY, ChannelLimits
 from splitfed.channel.shared import SharedLane
+from splitfed.channel.replies import channel_error, computes_on_gpu, own_reply
 from splitfed.channel.retry import RetryPolicy
 from splitfed.channel.wire import (
     assemble,
@@ -55,36 +56,6 @@ T = TypeVar("T")
 
 #: How long :meth:`TrunkClient.close` tries to leave the step group.
 LEAVE_TIMEOUT_S = 5.0
-
-
-def _channel_error(name: str, address: str, code: grpc.StatusCode, details: str | None) -> ChannelError:
-    """The error of a failed call; one that found no server says how to start one."""
-    hint = ""
-    if code == grpc.StatusCode.UNAVAILABLE:
-        hint = (f" (is a trunk server running at {address}? Start one with `splitfed serve --model ... --port ...` "
-                "or TrunkServer(...).start(), and check the host and port)")
-    return ChannelError(f"{name} to trunk server {address} failed with {code.name}: {details}{hint}", code=code.name)
-
-
-def _computes_on_gpu(tensor: torch.Tensor) -> bool:
-    """Whether the caller that sent ``tensor`` computes on a GPU (it is on one, or in pinned host memory)."""
-    return tensor.is_cuda or (torch.cuda.is_available() and tensor.is_pinned())
-
-
-def _own(tensor: torch.Tensor, enc: EncodedTensor, pinned: bool) -> torch.Tensor:
-    """A decoded reply (``tensor``, from ``enc``) in memory of its own.
-
-    For a caller on a GPU, pinned host memory (its host -> device copy then runs at the copy engine's speed
-    without the host waiting; from pageable memory it is several times slower and synchronous). Otherwise the
-    tensor itself when it already owns its memory (a streamed reply's gathered, writable buffer, or a decompressed
-    tensor), else a copy of the received read-only bytes.
-    """
-    if pinned:
-        out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        out.copy_(tensor)
-        return out
-    views_received_bytes = enc.compressed is None and (isinstance(enc.data, bytes) or memoryview(enc.data).readonly)
-    return tensor.clone() if views_received_bytes else tensor
 
 
 @dataclass
@@ -202,7 +173,7 @@ class TrunkClient:
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
             details = exc.details() if hasattr(exc, "details") else str(exc)
-            raise _channel_error(name, self.address, code, details) from None
+            raise channel_error(name, self.address, code, details) from None
 
     def _account(self, sent: int, received: int) -> None:
         with self._lock:
@@ -228,7 +199,7 @@ class TrunkClient:
                                        list(extra) + marker)
                 return assemble(replies, reply_field, self.limits.max_tensor_bytes)
             except grpc.RpcError as exc:
-                error = _channel_error(name, self.address, exc.code(), exc.details())
+                error = channel_error(name, self.address, exc.code(), exc.details())
             except ChannelError as exc:
                 error = exc
             attempt += 1
@@ -295,7 +266,7 @@ class TrunkClient:
             reply, out = asm.header, asm.tensors
         hidden = decode_single(out, "hidden", self.tensor_limits)
         self._account(sent, payload_bytes(out))
-        return (_own(hidden, out[0], _computes_on_gpu(state.hidden)) if owned else hidden), reply.trunk_version
+        return (own_reply(hidden, out[0], computes_on_gpu(state.hidden)) if owned else hidden), reply.trunk_version
 
     def backward(self, activation_id: str, grad: torch.Tensor, *, input_numel: int | None = None,
                  step_id: str = "", step_parts: int = 0, feedback_key: str = "grad",
@@ -340,7 +311,7 @@ class TrunkClient:
             reply, out = asm.header, asm.tensors
         grad_in = decode_single(out, "grad", self.tensor_limits)
         if owned:
-            grad_in = _own(grad_in, out[0], _computes_on_gpu(grad))
+            grad_in = own_reply(grad_in, out[0], computes_on_gpu(grad))
         if token is not None:
             self.feedback.commit(token)
         self._account(sent, payload_bytes(out))

@@ -1,0 +1,88 @@
+"""The client processes of ``python -m bench.trunk``: each joins, warms up and runs its timed sync steps; the parent
+collects their reports and fails at once when one dies or fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import time
+import uuid
+from typing import Any
+
+import torch
+
+#: Seconds a benchmark waits for its clients at any one point before it gives up.
+WAIT_S = 900.0
+
+
+class BenchError(RuntimeError):
+    """A benchmark could not do its job (a client died or failed, or it timed out)."""
+
+
+def run_client(address: str, i: int, settings: dict[str, int], steps: int, warmup: int, cores: list[int] | None,
+               socket: bool, events: Any, go: Any, start: Any) -> None:
+    """One client process: join, say so, wait; warm up, say so, wait; ``steps`` timed sync steps; say done."""
+    from splitfed.channel.client import TrunkClient
+    from splitfed.split import CutState
+
+    try:
+        if cores:
+            os.sched_setaffinity(0, cores)
+        torch.set_num_threads(1)
+        c = settings
+        tc = TrunkClient(address, insecure=True, client_id=f"bench-{i}", wire_dtype="bf16" if c["bf16"] else "fp32",
+                         shared_memory="off" if socket else "auto")
+        tc.join()
+        hidden = torch.randn(c["batch"], c["seq"], c["hidden"])
+        grad = torch.randn(c["batch"], c["seq"], c["hidden"]) * 1e-3
+        events.put(("joined", i, ""))
+        if not start.wait(WAIT_S):  # every client is in the step group before the first sync step
+            raise BenchError("the benchmark never started the steps")
+        marks: list[tuple[str, float]] = []  # perf_counter is CLOCK_MONOTONIC: one clock for every process
+        clock = time.perf_counter
+        for step in range(warmup + steps):
+            if step == warmup:
+                events.put(("warm", i, ""))
+                if not go.wait(WAIT_S):  # the whole group finished the warm-up together
+                    raise BenchError("the benchmark never started the timed steps")
+            act = uuid.uuid4().hex
+            marks.append(("client-forward-sent", clock()))
+            tc.forward(CutState(hidden), activation_id=act, train=True, num_examples=c["batch"])
+            marks.append(("client-backward-sent", clock()))
+            tc.backward(act, grad)
+            marks.append(("client-backward-got", clock()))
+        tc.close()
+        events.put(("done", i, json.dumps(marks[3 * warmup:])))
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        events.put(("error", i, repr(exc)))
+
+
+def collect(events: Any, procs: list[Any], kind: str, n: int) -> dict[int, str]:
+    """Wait for ``n`` ``kind`` messages from the clients (returned by client); raise :class:`BenchError` at once
+    if one fails or dies."""
+    seen: dict[int, str] = {}
+    deadline = time.monotonic() + WAIT_S
+    while len(seen) < n:
+        try:
+            what, i, detail = events.get(timeout=0.5)
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise BenchError(f"benchmark client process {dead[0].pid} died with exit code "
+                                 f"{dead[0].exitcode}") from None
+            if time.monotonic() > deadline:
+                raise BenchError(f"only {len(seen)} of {n} clients reached {kind!r} within {WAIT_S:.0f} s") from None
+            continue
+        if what == "error":
+            raise BenchError(f"benchmark client {i} failed: {detail}")
+        if what == kind:
+            seen[i] = detail
+    return seen
+
+
+def pick_cores(client_cores: int) -> list[int] | None:
+    if client_cores <= 0:
+        return None
+    available = sorted(os.sched_getaffinity(0))
+    return available[-client_cores:]

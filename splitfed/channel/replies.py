@@ -1,0 +1,40 @@
+"""What a split-channel client makes of a reply: a decoded tensor in memory of its own, a failed call as a typed
+error."""
+
+from __future__ import annotations
+
+import grpc
+import torch
+
+from splitfed.codec import EncodedTensor
+from splitfed.errors import ChannelError
+
+
+def channel_error(name: str, address: str, code: grpc.StatusCode, details: str | None) -> ChannelError:
+    """The error of a failed call; one that found no server says how to start one."""
+    hint = ""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        hint = (f" (is a trunk server running at {address}? Start one with `splitfed serve --model ... --port ...` "
+                "or TrunkServer(...).start(), and check the host and port)")
+    return ChannelError(f"{name} to trunk server {address} failed with {code.name}: {details}{hint}", code=code.name)
+
+
+def computes_on_gpu(tensor: torch.Tensor) -> bool:
+    """Whether the caller that sent ``tensor`` computes on a GPU (it is on one, or in pinned host memory)."""
+    return tensor.is_cuda or (torch.cuda.is_available() and tensor.is_pinned())
+
+
+def own_reply(tensor: torch.Tensor, enc: EncodedTensor, pinned: bool) -> torch.Tensor:
+    """A decoded reply (``tensor``, from ``enc``) in memory of its own.
+
+    For a caller on a GPU, pinned host memory (its host -> device copy then runs at the copy engine's speed
+    without the host waiting; from pageable memory it is several times slower and synchronous). Otherwise the
+    tensor itself when it already owns its memory (a streamed reply's gathered, writable buffer, or a decompressed
+    tensor), else a copy of the received read-only bytes.
+    """
+    if pinned:
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        out.copy_(tensor)
+        return out
+    views_received_bytes = enc.compressed is None and (isinstance(enc.data, bytes) or memoryview(enc.data).readonly)
+    return tensor.clone() if views_received_bytes else tensor
