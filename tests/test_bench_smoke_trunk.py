@@ -43,7 +43,7 @@ def test_bench_timeline_plot(tmp_path: Path) -> None:
     assert (tmp_path / "t.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("mode", ["async", "quorum"])
+@pytest.mark.parametrize("mode", ["async", pytest.param("quorum", marks=pytest.mark.slow)])
 def test_bench_trunk_in_other_modes(mode: str) -> None:
     """``--mode`` runs the batched clients against an async or quorum trunk; its keys carry the mode."""
     results = json.loads(_bench("bench.trunk", "--device", "cpu", "--clients", "2", "--repeat", "1", "--steps", "2",
