@@ -22,10 +22,10 @@ __all__ = ["check_finite", "is_finite"]
 
 #: Per float dtype: the integer dtype of its width, the smallest positive non-finite bit pattern (the exponent
 #: mask) and the smallest negative one (sign bit and exponent mask, unsigned).
-_BITS: dict[torch.dtype, tuple[torch.dtype, type, type, int, int]] = {
-    torch.float32: (torch.int32, np.int32, np.uint32, 0x7F800000, 0xFF800000),
-    torch.bfloat16: (torch.int16, np.int16, np.uint16, 0x7F80, 0xFF80),
-    torch.float16: (torch.int16, np.int16, np.uint16, 0x7C00, 0xFC00),
+_BITS: dict[torch.dtype, tuple[torch.dtype, type, int, int]] = {
+    torch.float32: (torch.int32, np.uint32, 0x7F800000, 0xFF800000),
+    torch.bfloat16: (torch.int16, np.uint16, 0x7F80, 0xFF80),
+    torch.float16: (torch.int16, np.uint16, 0x7C00, 0xFC00),
 }
 #: Elements per block of the exact check (a few hundred KiB: the block stays in the cache between the two maxima).
 _BLOCK = 1 << 17
@@ -36,7 +36,7 @@ _BLAS_MIN = 1 << 14
 
 def _exact(flat: torch.Tensor) -> bool:
     """Whether a flat contiguous CPU float tensor of a dtype in :data:`_BITS` holds no NaN or Inf (exact)."""
-    int_dtype, _, unsigned, positive, negative = _BITS[flat.dtype]
+    int_dtype, unsigned, positive, negative = _BITS[flat.dtype]
     signed_bits = flat.view(int_dtype).numpy()
     unsigned_bits = signed_bits.view(unsigned)
     for start in range(0, signed_bits.size, _BLOCK):
@@ -53,9 +53,7 @@ def is_finite(tensor: torch.Tensor) -> bool:
     if tensor.device.type != "cpu" or tensor.dtype not in _BITS:
         # One reduction instead of an elementwise pass; a finite tensor whose sum overflows is confirmed exactly.
         return math.isfinite(float(tensor.detach().sum(dtype=torch.float32))) or bool(torch.isfinite(tensor).all())
-    flat = tensor.detach().reshape(-1)
-    if not flat.is_contiguous():  # pragma: no cover - reshape(-1) of a CPU tensor is contiguous
-        flat = flat.contiguous()
+    flat = tensor.detach().reshape(-1)  # contiguous: reshape copies a tensor it cannot view flat
     if flat.dtype == torch.float32 and flat.numel() >= _BLAS_MIN and flat.data_ptr() % 4 == 0:
         # (BLAS takes aligned data only: numpy's own loop over unaligned floats, e.g. a tensor at an odd offset of
         # a received message, runs 5x slower than the two maxima.)
