@@ -221,7 +221,14 @@ CHANNEL_LIMITS = dict(max_message_bytes=64 * MiB, stream_threshold_bytes=4 * MiB
 
 
 def _serve_echo_and_identity(port_queue: Any, stop: Any) -> None:
-    """Both servers of the comparison, in one process apart from the clients (as on a real network)."""
+    """The servers of the comparison, in one process apart from the clients (as on a real network).
+
+    A bare echo (gRPC's sync server, no options), the trunk server (identity trunk), and an echo served the
+    way the trunk server serves its calls (``grpc.aio``, its options, health, reflection, concurrency limit;
+    see :func:`_start_configured_echo`)."""
+    import asyncio
+    import threading
+
     import grpc
 
     from splitfed.channel.server import ChannelLimits, TrunkServer
@@ -239,10 +246,38 @@ def _serve_echo_and_identity(port_queue: Any, stop: Any) -> None:
     _, identity, _ = split_sequential(torch.nn.Sequential(torch.nn.Identity(), torch.nn.Identity(),
                                                           torch.nn.Identity()), 1, 2)
     trunk = TrunkServer(identity, insecure=True, limits=limits).start()
-    port_queue.put((echo_port, trunk.port))
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True, name="configured-echo").start()
+    configured, configured_port = asyncio.run_coroutine_threadsafe(_start_configured_echo(limits), loop).result(60)
+    port_queue.put((echo_port, trunk.port, configured_port))
     stop.wait()
+    asyncio.run_coroutine_threadsafe(configured.stop(0), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
     trunk.stop(grace=0)
     echo_server.stop(0)
+
+
+#: The configured echo's method: under the channel's service name, so that a trunk client's retry policy
+#: (declared for that service) applies to it.
+CONFIGURED_ECHO = "BenchEcho"
+
+
+async def _start_configured_echo(limits: Any) -> tuple[Any, int]:
+    """An echo on a ``grpc.aio`` server built as the trunk server builds its own (:func:`start_grpc_server`)."""
+    import grpc
+    from grpc_health.v1 import health
+
+    from splitfed.channel.limits import SERVICE_NAME
+    from splitfed.channel.listeners import start_grpc_server
+
+    async def echo(request: bytes, context: Any) -> bytes:
+        return request
+
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE_NAME, {CONFIGURED_ECHO: grpc.unary_unary_rpc_method_handler(echo)})
+    return await start_grpc_server((handler,), health.aio.HealthServicer(), host="127.0.0.1", port=0,
+                                   credentials=None, limits=limits, interceptors=[], max_concurrent_rpcs=4096,
+                                   reuse_port=False)
 
 
 _SIZE_NAMES = {4 << 10: "4KiB", 1 << 20: "1MiB", 16 << 20: "16MiB"}
@@ -258,6 +293,13 @@ def channel_vs_grpc(sizes: tuple[int, ...] = (4 << 10, 1 << 20, 16 << 20), repea
     (``shared_memory="off"``); ``channel_shared_vs_grpc_ratio_*`` (sizes of 64 KiB
     and more) lets them go through a shared-memory region, as a client on the
     trunk's host does by default.
+
+    The ratio splits in two factors, measured in the same run:
+    ``grpc_configured_echo_ratio_*`` is an echo called and served as the channel's
+    calls are (a trunk client's channel with its retry policy, deadline and
+    metadata; a ``grpc.aio`` server built as the trunk server's) over the bare echo:
+    what gRPC costs configured so. ``channel_vs_configured_echo_ratio_*`` is the
+    channel over that echo: what splitfed's own code costs per call.
     """
     import grpc
 
@@ -272,12 +314,17 @@ def channel_vs_grpc(sizes: tuple[int, ...] = (4 << 10, 1 << 20, 16 << 20), repea
     proc.start()
     out: dict[str, float] = {}
     try:
-        echo_port, trunk_port = get_from(port_queue, [proc], 120, "the echo and trunk servers' ports")
+        echo_port, trunk_port, configured_port = get_from(port_queue, [proc], 120,
+                                                          "the echo and trunk servers' ports")
         echo_channel = grpc.insecure_channel(f"127.0.0.1:{echo_port}", options=limits.grpc_options())
         echo = echo_channel.unary_unary("/bench.Echo/Echo")
         address = f"127.0.0.1:{trunk_port}"
         client = TrunkClient(address, insecure=True, limits=limits, shared_memory="off")
         shared = TrunkClient(address, insecure=True, limits=limits, shared_memory="on")
+        # A trunk client pointed at the configured echo: its channel options, deadline and metadata per call.
+        configured = TrunkClient(f"127.0.0.1:{configured_port}", insecure=True, limits=limits,
+                                 shared_memory="off")
+        configured_echo = configured.raw_unary(CONFIGURED_ECHO)
         for size in sizes:
             name = _SIZE_NAMES.get(size, f"{size}B")
             hidden = torch.randn(size // 4 // 256, 256)
@@ -289,12 +336,17 @@ def channel_vs_grpc(sizes: tuple[int, ...] = (4 << 10, 1 << 20, 16 << 20), repea
             out[f"channel_vs_grpc_ratio_{name}"] = t_channel / t_echo
             out[f"channel_rtt_{name}_ms"] = t_channel * 1e3
             out[f"grpc_echo_rtt_{name}_ms"] = t_echo * 1e3
+            t_configured, t_bare = interleaved(lambda: configured_echo(payload), lambda: echo(payload), n, warmup=3)
+            out[f"grpc_configured_echo_ratio_{name}"] = t_configured / t_bare
+            out[f"channel_vs_configured_echo_ratio_{name}"] = (out[f"channel_vs_grpc_ratio_{name}"] * t_bare
+                                                               / t_configured)
             if size >= 64 << 10:
                 t_shared, t_echo = interleaved(lambda: shared.forward(state, train=False), lambda: echo(payload), n,
                                                warmup=3)
                 out[f"channel_shared_vs_grpc_ratio_{name}"] = t_shared / t_echo
         client.close()
         shared.close()
+        configured.close()
         echo_channel.close()
         check_alive([proc], "the echo and trunk servers")
     finally:

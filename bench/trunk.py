@@ -28,6 +28,9 @@ processes with gloo otherwise), clients spread round robin over the replicas.
 
 Every wait on a client process is bounded and checks that the processes are
 alive: a client that dies or fails ends the benchmark with a non-zero exit.
+
+``--serve HOST:PORT`` and ``--connect HOST:PORT`` run the server and its clients on two hosts
+(:mod:`bench.trunk_remote`), so that the clients do not take the server's cores.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from typing import Any
 
 import torch
 
-from bench import core
+from bench import core, trunk_remote
 from bench.ceiling import ceiling
 from bench.gpu_util import UtilSampler
 from bench.trunk_clients import BenchError, collect, pick_cores, run_client
@@ -72,7 +75,8 @@ def _aggregator(replicas: int, clients: int) -> Any:
     return make_aggregator(mode, quorum=max(1, clients // 2), max_staleness=max(clients, 1), timeout=300)
 
 
-def _server(device: str, window_ms: float, replicas: int = 1, clients: int = 1) -> Any:
+def _server(device: str, window_ms: float, replicas: int = 1, clients: int = 1, *, host: str = "127.0.0.1",
+            port: int = 0) -> Any:
     from splitfed.channel.server import TrunkServer
     from splitfed.split import split_model
     from splitfed.trunk.runtime import TrunkRuntime
@@ -83,8 +87,8 @@ def _server(device: str, window_ms: float, replicas: int = 1, clients: int = 1) 
     runtime = TrunkRuntime(trunk, torch.optim.SGD(trunk.parameters(), lr=1e-4),
                            aggregator=aggregator, limits=StoreLimits(max_bytes=1 << 40),
                            autocast_dtype=torch.bfloat16 if core.SPLIT_STEP["bf16"] else None)
-    return TrunkServer(runtime, insecure=True, batch_window_ms=window_ms, max_batch_tokens=SERVER["max_batch_tokens"],
-                       frontends=SERVER["frontends"])
+    return TrunkServer(runtime, host=host, port=port, insecure=True, batch_window_ms=window_ms,
+                       max_batch_tokens=SERVER["max_batch_tokens"], frontends=SERVER["frontends"])
 
 
 def _replica(rank: int, device: str, window_ms: float, replicas: int, settings: dict[str, int],
@@ -307,8 +311,16 @@ def main() -> int:
                         help="runs to make: one (one call per client), batched, single (one client), ceiling")
     parser.add_argument("--config", default="", help='model and batch, e.g. "layers=12 hidden=768 heads=12 '
                         'vocab=50257 batch=4 seq=256 bf16=1" (default: the tiny GPT-2 of python -m bench)')
+    parser.add_argument("--serve", default="", metavar="HOST:PORT",
+                        help="serve the trunk here for clients started elsewhere with --connect (bench.trunk_remote)")
+    parser.add_argument("--connect", default="", metavar="HOST:PORT",
+                        help="run only the clients, against a trunk started elsewhere with --serve")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.serve and args.connect:
+        parser.error("--serve and --connect run the two sides of one benchmark: give one")
+    if (args.serve or args.connect) and (len(args.clients) > 1 or any(r > 1 for r in args.replicas)):
+        parser.error("--serve and --connect take one --clients count and no --replicas")
     logging.basicConfig(level=logging.WARNING)
     SERVER.update(max_batch_tokens=args.max_batch_tokens, frontends=args.frontends, mode=args.mode)
     for item in args.config.split():
@@ -318,7 +330,13 @@ def main() -> int:
         core.SPLIT_STEP[key] = int(value)
     try:
         replicas = tuple(r for r in args.replicas if r > 1)
-        if replicas:
+        if args.serve:
+            results = trunk_remote.serve(args.serve, args.clients[0], device=args.device, window_ms=args.window_ms,
+                                         steps=args.steps, timeline=args.timeline, only=tuple(args.only))
+        elif args.connect:
+            results = trunk_remote.connect(args.connect, args.clients[0], steps=args.steps,
+                                           client_cores=args.client_cores)
+        elif replicas:
             results: dict[str, Any] = dict(replica_scaling(args.device, tuple(args.clients), replicas,
                                                            args.window_ms, args.repeat, args.steps,
                                                            args.client_cores, args.socket, tuple(args.only),
@@ -330,7 +348,8 @@ def main() -> int:
         log.error("bench.trunk failed: %s", exc)
         return 1
     results["config"] = " ".join(f"{k}={v}" for k, v in core.SPLIT_STEP.items())
-    results["device"] = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    results["device"] = torch.cuda.get_device_name() if args.device.startswith("cuda") and not args.connect \
+        else "cpu"
     core.print_results(results, args.json)
     return 0
 

@@ -21,11 +21,15 @@ class BenchError(RuntimeError):
 
 
 def run_client(address: str, i: int, settings: dict[str, int], steps: int, warmup: int, cores: list[int] | None,
-               socket: bool, events: Any, go: Any, start: Any) -> None:
-    """One client process: join, say so, wait; warm up, say so, wait; ``steps`` timed sync steps; say done."""
+               socket: bool, events: Any, go: Any, start: Any, group: int = 0) -> None:
+    """One client process: join, say so, wait; warm up, say so, wait; ``steps`` timed sync steps; say done.
+
+    Without ``start`` and ``go`` (a trunk on another host: no event crosses the hosts), it waits instead until the
+    trunk's step group has ``group`` members, and leaves the group when it fails, so that the server sees it."""
     from splitfed.channel.client import TrunkClient
     from splitfed.split import CutState
 
+    tc = None
     try:
         if cores:
             os.sched_setaffinity(0, cores)
@@ -33,16 +37,23 @@ def run_client(address: str, i: int, settings: dict[str, int], steps: int, warmu
         c = settings
         tc = TrunkClient(address, insecure=True, client_id=f"bench-{i}", wire_dtype="bf16" if c["bf16"] else "fp32",
                          shared_memory="off" if socket else "auto")
-        tc.join()
+        size = tc.join()
         hidden = torch.randn(c["batch"], c["seq"], c["hidden"])
         grad = torch.randn(c["batch"], c["seq"], c["hidden"]) * 1e-3
         events.put(("joined", i, ""))
-        if not start.wait(WAIT_S):  # every client is in the step group before the first sync step
+        if start is None:  # every client is in the step group before the first sync step
+            deadline = time.monotonic() + WAIT_S
+            while size < group:
+                if time.monotonic() > deadline:
+                    raise BenchError(f"the trunk's step group reached {size} of {group} clients in {WAIT_S:.0f} s")
+                time.sleep(0.05)
+                size = tc.join()  # joining again only says the group's size
+        elif not start.wait(WAIT_S):
             raise BenchError("the benchmark never started the steps")
         marks: list[tuple[str, float]] = []  # perf_counter is CLOCK_MONOTONIC: one clock for every process
         clock = time.perf_counter
         for step in range(warmup + steps):
-            if step == warmup:
+            if step == warmup and go is not None:
                 events.put(("warm", i, ""))
                 if not go.wait(WAIT_S):  # the whole group finished the warm-up together
                     raise BenchError("the benchmark never started the timed steps")
@@ -55,6 +66,8 @@ def run_client(address: str, i: int, settings: dict[str, int], steps: int, warmu
         tc.close()
         events.put(("done", i, json.dumps(marks[3 * warmup:])))
     except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        if start is None and tc is not None:
+            tc.close()  # leave: the server side sees the group empty and fails too
         events.put(("error", i, repr(exc)))
 
 

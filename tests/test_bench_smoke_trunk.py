@@ -50,3 +50,53 @@ def test_bench_trunk_in_other_modes(mode: str) -> None:
                                 "--only", "batched", "--mode", mode, "--window-ms", "5", "--config", TINY,
                                 "--json").strip().splitlines()[-1])
     assert results[f"trunk_examples_per_s_2_clients_batched_{mode}_cpu"] > 0 and results["mode"] == mode
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve(port: int, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "bench.trunk", "--serve", f"127.0.0.1:{port}", "--clients", "2",
+                             "--steps", "2", "--config", TINY, "--json", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_bench_trunk_with_its_clients_started_elsewhere() -> None:
+    """``--serve`` and ``--connect`` (the two hosts of docs/performance.md, here on one): both sides exit 0; the
+    server side prints the batched keys and the ceiling, the client side what its clients saw."""
+    port = _free_port()
+    server = _serve(port, "--only", "batched", "ceiling")
+    try:
+        clients = json.loads(_bench("bench.trunk", "--connect", f"127.0.0.1:{port}", "--clients", "2", "--steps", "2",
+                                    "--config", TINY, "--json").strip().splitlines()[-1])
+        out, err = server.communicate(timeout=300)
+    finally:
+        server.kill()
+    assert server.returncode == 0, err[-4000:]
+    served = json.loads(out.strip().splitlines()[-1])
+    assert served["trunk_examples_per_s_2_clients_batched_cpu"] > 0 and served["trunk_ceiling_fraction_2_cpu"] > 0
+    assert served["clients"] == clients["clients"] == "remote"
+    assert clients["client_examples_per_s_2_clients"] > 0
+
+
+def test_bench_trunk_clients_elsewhere_that_fail_fail_both_sides() -> None:
+    """Clients whose activations the trunk cannot take (another hidden size) exit non-zero, and so does the
+    server side, saying that its clients failed: no figure is printed for a run that did not happen."""
+    port = _free_port()
+    server = _serve(port, "--only", "batched")
+    try:
+        done = subprocess.run([sys.executable, "-m", "bench.trunk", "--connect", f"127.0.0.1:{port}", "--clients", "2",
+                               "--steps", "2", "--config", TINY.replace("hidden=32", "hidden=16")], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300, check=False)
+        out, err = server.communicate(timeout=300)
+    finally:
+        server.kill()
+    assert done.returncode == 1 and "INVALID_ARGUMENT" in done.stderr, done.stderr[-4000:]
+    assert server.returncode == 1 and "the clients left after 0 of 4 sync steps" in err, err[-4000:]
+    assert "trunk_examples_per_s" not in out

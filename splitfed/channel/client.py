@@ -26,7 +26,7 @@ from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel import split_channel_pb2_grpc as pb_grpc
 from splitfed.channel.lanes import Lane
-from splitfed.channel.limits import CLIENT_ID_KEY, MODEL_KEY, ChannelLimits
+from splitfed.channel.limits import CLIENT_ID_KEY, MODEL_KEY, SERVICE_NAME, ChannelLimits
 from splitfed.channel.shared import SharedLane
 from splitfed.channel.replies import channel_error, computes_on_gpu, own_reply
 from splitfed.channel.retry import RetryPolicy
@@ -210,6 +210,13 @@ class TrunkClient:
                         attempt + 1, policy.max_attempts)
             time.sleep(delay)
             delay = min(delay * policy.backoff_multiplier, policy.max_backoff_s)
+
+    def raw_unary(self, method: str) -> Callable[[bytes], bytes]:
+        """A caller of ``method`` of the split channel's service that sends and returns raw bytes, with this
+        client's channel, retry policy, deadline and metadata (what :mod:`bench.core` measures gRPC's own
+        per-call cost with). Errors raise :class:`~splitfed.errors.ChannelError`."""
+        fn = self._channel.unary_unary(f"/{SERVICE_NAME}/{method}")
+        return lambda payload: self._invoke(method, fn, payload)
 
     # -- RPCs ----------------------------------------------------------------------
     def info(self) -> pb.InfoReply:
