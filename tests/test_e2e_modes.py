@@ -1,7 +1,9 @@
-"""One short real ``flwr run . local`` per trunk mode and variant, in CI: async, quorum, per-client (SplitFed V1),
-heterogeneous client cuts, two trunk replicas, a ClientApp process killed mid-step (dropout) and a ServerApp process
-killed mid-run then resumed (restart). The sync main job is in ``test_e2e_flwr.py`` and sequential (V2) in
-``test_e2e_variants.py``; the long versions that reach the usual accuracy are slow tests. The module's runs share
+"""One short real ``flwr run . local`` per trunk mode and variant: async, quorum, two trunk replicas and a ClientApp
+process killed mid-step (dropout) in CI; per-client (SplitFed V1), heterogeneous client cuts and a ServerApp process
+killed mid-run then resumed (restart) in the slow set (in CI, ``tests/test_hetero_cuts.py`` trains
+heterogeneous cuts and ``tests/test_restart.py`` kills and resumes a run, both without ``flwr run``). The sync main job is in
+``test_e2e_flwr.py`` and sequential (V2) in ``test_e2e_variants.py``; the long versions that reach the usual
+accuracy are slow tests. The module's runs share
 one local SuperLink; every process a test starts is ended, by FLWR_HOME or Ray's temp folder."""
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ def test_quorum_run_completes_with_every_gradient_counted(federation: Federation
     assert counted == 4 * 10 and 0 < trunk["trunk-steps"] <= trunk["trunk-applied"] + trunk["trunk-downweighted"]
 
 
+@pytest.mark.slow
 def test_per_client_run_merges_a_copy_per_client(federation: Federation, tmp_path: Path) -> None:
     history = federation.run(tmp_path / "out", "trunk-mode='per-client' num-server-rounds=1 local-steps=3", TWO)
     last = _last(history)
@@ -130,6 +133,7 @@ def test_per_client_run_merges_a_copy_per_client(federation: Federation, tmp_pat
     assert last["trunk"]["trunk-applied"] == 2 * 3  # each gradient stepped its client's copy
 
 
+@pytest.mark.slow
 def test_client_cuts_run_trains_both_cuts(federation: Federation, tmp_path: Path) -> None:
     out = tmp_path / "out"
     history = federation.run(out, "client-cuts='1,6 4,9' num-server-rounds=1 local-steps=3", TWO)
@@ -177,6 +181,7 @@ def test_a_clientapp_process_killed_mid_step_is_dropped_and_the_run_completes(fe
     assert round1["train"]["train-steps"] == 2 * 200
 
 
+@pytest.mark.slow
 def test_a_serverapp_killed_mid_run_resumes_from_its_checkpoint(federation: Federation, tmp_path: Path) -> None:
     # Execute: the ServerApp's process (flwr-simulation) is killed once round 1's checkpoint is written.
     out = tmp_path / "out"
