@@ -50,6 +50,7 @@ from bench import core, trunk_remote
 from bench.ceiling import ceiling
 from bench.gpu_util import UtilSampler
 from bench.trunk_clients import BenchError, collect, pick_cores, run_client
+from splitfed.errors import SplitFedError
 
 log = logging.getLogger("bench.trunk")
 
@@ -332,7 +333,8 @@ def main() -> int:
         replicas = tuple(r for r in args.replicas if r > 1)
         if args.serve:
             results = trunk_remote.serve(args.serve, args.clients[0], device=args.device, window_ms=args.window_ms,
-                                         steps=args.steps, timeline=args.timeline, only=tuple(args.only))
+                                         steps=args.steps, timeline=args.timeline, only=tuple(args.only),
+                                         settings=dict(SERVER))
         elif args.connect:
             results = trunk_remote.connect(args.connect, args.clients[0], steps=args.steps,
                                            client_cores=args.client_cores)
@@ -344,7 +346,7 @@ def main() -> int:
         else:
             results = trunk(args.device, args.clients[0], args.window_ms, args.repeat, args.steps,
                             args.client_cores, args.socket, args.timeline, tuple(args.only))
-    except BenchError as exc:
+    except (BenchError, SplitFedError) as exc:  # SplitFedError: the server's own (a port in use, say)
         log.error("bench.trunk failed: %s", exc)
         return 1
     results["config"] = " ".join(f"{k}={v}" for k, v in core.SPLIT_STEP.items())

@@ -14,6 +14,8 @@ import torch
 
 #: Seconds a benchmark waits for its clients at any one point before it gives up.
 WAIT_S = 900.0
+#: Seconds a client of a trunk on another host waits for it to come up.
+READY_S = 120.0
 
 
 class BenchError(RuntimeError):
@@ -37,6 +39,8 @@ def run_client(address: str, i: int, settings: dict[str, int], steps: int, warmu
         c = settings
         tc = TrunkClient(address, insecure=True, client_id=f"bench-{i}", wire_dtype="bf16" if c["bf16"] else "fp32",
                          shared_memory="off" if socket else "auto")
+        if start is None:  # a trunk on another host, maybe still starting
+            tc.wait_ready(timeout=READY_S)
         size = tc.join()
         hidden = torch.randn(c["batch"], c["seq"], c["hidden"])
         grad = torch.randn(c["batch"], c["seq"], c["hidden"]) * 1e-3

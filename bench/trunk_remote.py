@@ -62,12 +62,15 @@ def _wait(what: str, ready: Any, fail: Any = None) -> float:
 
 
 def serve(address: str, clients: int, *, device: str = "cpu", window_ms: float = 50.0, steps: int = 5,
-          warmup: int = 2, timeline: str = "", only: tuple[str, ...] = ("batched", "ceiling")) -> dict[str, Any]:
+          warmup: int = 2, timeline: str = "", only: tuple[str, ...] = ("batched", "ceiling"),
+          settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """Serve the bench's trunk at ``address`` to ``clients`` clients of :func:`connect` (elsewhere), time their
-    ``steps`` sync steps after ``warmup``, and measure the ceiling. Raises :class:`BenchError` when they fail."""
+    ``steps`` sync steps after ``warmup``, and measure the ceiling. ``settings``: the server's (see
+    :data:`bench.trunk.SERVER`). Raises :class:`BenchError` when they fail."""
     from bench.trunk import SERVER, _server, step_figures
     from splitfed.trunk.timeline import TIMELINE, save
 
+    SERVER.update(settings or {})  # (run as ``python -m bench.trunk``, that module is __main__, not this one)
     if SERVER["mode"] != "sync":
         raise BenchError("--serve times sync steps; run --mode async or quorum with clients on this host")
     host, port = _host_port(address)

@@ -61,17 +61,25 @@ def _free_port() -> int:
 
 
 def _serve(port: int, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "bench.trunk", "--serve", f"127.0.0.1:{port}", "--clients", "2",
-                             "--steps", "2", "--config", TINY, "--json", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    """``bench.trunk --serve`` on ``port``, once it says that it serves (as a user waits for it)."""
+    server = subprocess.Popen([sys.executable, "-m", "bench.trunk", "--serve", f"127.0.0.1:{port}", "--clients", "2",
+                               "--steps", "2", "--config", TINY, "--json", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    assert server.stderr is not None
+    for line in server.stderr:
+        if "serving at" in line:
+            return server
+    server.kill()
+    raise AssertionError(f"bench.trunk --serve ended without serving: {server.communicate()}")
 
 
 @pytest.mark.slow
 def test_bench_trunk_with_its_clients_started_elsewhere() -> None:
     """``--serve`` and ``--connect`` (the two hosts of docs/performance.md, here on one): both sides exit 0; the
-    server side prints the batched keys and the ceiling, the client side what its clients saw."""
+    server side (with a front-end process, as the command line asks) prints the batched keys and the ceiling, the
+    client side what its clients saw."""
     port = _free_port()
-    server = _serve(port, "--only", "batched", "ceiling")
+    server = _serve(port, "--only", "batched", "ceiling", "--frontends", "1")
     try:
         clients = json.loads(_bench("bench.trunk", "--connect", f"127.0.0.1:{port}", "--clients", "2", "--steps", "2",
                                     "--config", TINY, "--json").strip().splitlines()[-1])
@@ -81,7 +89,7 @@ def test_bench_trunk_with_its_clients_started_elsewhere() -> None:
     assert server.returncode == 0, err[-4000:]
     served = json.loads(out.strip().splitlines()[-1])
     assert served["trunk_examples_per_s_2_clients_batched_cpu"] > 0 and served["trunk_ceiling_fraction_2_cpu"] > 0
-    assert served["clients"] == clients["clients"] == "remote"
+    assert served["clients"] == clients["clients"] == "remote" and served["frontends"] == 1
     assert clients["client_examples_per_s_2_clients"] > 0
 
 
