@@ -49,7 +49,7 @@ import torch
 from bench import core, trunk_remote
 from bench.ceiling import ceiling
 from bench.gpu_util import UtilSampler
-from bench.trunk_clients import BenchError, collect, pick_cores, run_client
+from bench.trunk_clients import BenchError, client_name, collect, pick_cores, run_client
 from splitfed.errors import SplitFedError
 
 log = logging.getLogger("bench.trunk")
@@ -167,7 +167,7 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
                 p.kill()
     if recorded:  # the clients' own marks, on the server's timeline
         for i, detail in done.items():
-            recorded += [{"t": t - origin, "kind": kind, "client": f"bench-{i}", "thread": "client"}
+            recorded += [{"t": t - origin, "kind": kind, "client": client_name(i), "thread": "client"}
                          for kind, t in json.loads(detail)]
         recorded.sort(key=lambda e: e["t"])
     examples = clients * steps * core.SPLIT_STEP["batch"]

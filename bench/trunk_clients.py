@@ -18,6 +18,11 @@ WAIT_S = 900.0
 READY_S = 120.0
 
 
+def client_name(i: int) -> str:
+    """The client id bench client ``i`` uses on the trunk."""
+    return f"bench-{i}"
+
+
 class BenchError(RuntimeError):
     """A benchmark could not do its job (a client died or failed, or it timed out)."""
 
@@ -37,7 +42,7 @@ def run_client(address: str, i: int, settings: dict[str, int], steps: int, warmu
             os.sched_setaffinity(0, cores)
         torch.set_num_threads(1)
         c = settings
-        tc = TrunkClient(address, insecure=True, client_id=f"bench-{i}", wire_dtype="bf16" if c["bf16"] else "fp32",
+        tc = TrunkClient(address, insecure=True, client_id=client_name(i), wire_dtype="bf16" if c["bf16"] else "fp32",
                          shared_memory="off" if socket else "auto")
         if start is None:  # a trunk on another host, maybe still starting
             tc.wait_ready(timeout=READY_S)

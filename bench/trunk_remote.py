@@ -34,7 +34,7 @@ from typing import Any
 from bench import core
 from bench.ceiling import ceiling
 from bench.gpu_util import UtilSampler
-from bench.trunk_clients import WAIT_S, BenchError, collect, pick_cores, run_client
+from bench.trunk_clients import WAIT_S, BenchError, client_name, collect, pick_cores, run_client
 
 #: Seconds between two reads of the trunk's version and step group while the server side waits on them.
 POLL_S = 0.002
@@ -108,8 +108,9 @@ def serve(address: str, clients: int, *, device: str = "cpu", window_ms: float =
         came, due = runtime.stats["backwards"], clients * (warmup + steps)
         if came < due:  # the others went on without it
             raise BenchError(f"{came} of {due} backwards came: a client failed; see the clients' output")
-    finally:
-        TIMELINE.enabled = False
+    finally:  # (both stop at once when they already stopped)
+        if TIMELINE.enabled:
+            TIMELINE.stop()
         sampler.stop()
         server.stop(grace=0)
     n = clients
@@ -173,7 +174,7 @@ def _leave_all(address: str, clients: int) -> None:
     from splitfed.errors import SplitFedError
 
     for i in range(clients):
-        tc = TrunkClient(address, insecure=True, client_id=f"bench-{i}", shared_memory="off",
+        tc = TrunkClient(address, insecure=True, client_id=client_name(i), shared_memory="off",
                          retry=RetryPolicy(max_attempts=2, timeout_s=10))
         try:
             tc.leave()
