@@ -74,10 +74,12 @@ def serve(address: str, clients: int, *, device: str = "cpu", window_ms: float =
     if SERVER["mode"] != "sync":
         raise BenchError("--serve times sync steps; run --mode async or quorum with clients on this host")
     host, port = _host_port(address)
+    # A new trunk's version is 0. It is not read after start(): clients may train before start() returns (one
+    # front-end takes calls in while the others start).
+    start = 0
     server = _server(device, window_ms, 1, clients, host=host, port=port).start()
     runtime = server.runtime
     group = runtime.aggregator
-    start = runtime.version
     sampler = UtilSampler(device)
     recorded: list[dict[str, Any]] = []
     util: dict[str, Any] = {}
@@ -87,9 +89,9 @@ def serve(address: str, clients: int, *, device: str = "cpu", window_ms: float =
               flush=True)
         seen = [0]  # the most members seen: a group that emptied again means the clients gave up
 
-        def joined() -> bool:
+        def joined() -> bool:  # (or the steps began already: a front-end took calls in while the server started)
             seen[0] = max(seen[0], len(group.members))
-            return seen[0] >= clients
+            return seen[0] >= clients or runtime.version > start
 
         def left() -> str:
             return "" if group.members or not seen[0] else (
@@ -97,6 +99,9 @@ def serve(address: str, clients: int, *, device: str = "cpu", window_ms: float =
                 "clients' output")
         _wait(f"{clients} clients joining", joined, left)
         began = _wait("the warm-up steps", lambda: runtime.version >= start + warmup, left)
+        if runtime.version > start + warmup:  # polled every POLL_S: a whole step went by unseen
+            raise BenchError(f"the timed steps began before the server could time them ({runtime.version - start} "
+                             "steps done already); start the clients once the server says that it serves")
         sampler.start()
         if timeline:
             TIMELINE.start(device)
