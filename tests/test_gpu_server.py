@@ -13,6 +13,7 @@ from conftest import tiny_model
 
 from splitfed.channel import regionio, shared
 from splitfed.channel.client import TrunkClient
+from splitfed.channel.limits import ChannelLimits
 from splitfed.errors import ChannelError
 from splitfed.split import CutState, split_model
 from splitfed.trunk import placement
@@ -22,6 +23,8 @@ from splitfed.trunk.deviceio import DeviceIO, PinnedPool
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
 LENGTHS = (5, 9, 3, 7)
+#: Every tensor call streamed, in chunks smaller than a tensor.
+STREAMED = ChannelLimits(stream_threshold_bytes=0, chunk_bytes=256)
 
 
 @pytest.fixture(autouse=True)
@@ -98,7 +101,9 @@ def _run(trunk_server, device: torch.device, transport: str, window_ms: float, s
     start = threading.Barrier(len(LENGTHS))
 
     def client(i: int) -> None:
-        c = TrunkClient(server.address, insecure=True, client_id=f"c{i}", shared_memory=transport)
+        c = TrunkClient(server.address, insecure=True, client_id=f"c{i}",
+                        shared_memory="off" if transport == "stream" else transport,
+                        limits=STREAMED if transport == "stream" else ChannelLimits())
         c.join()
         for step in range(steps):
             state = _inputs(step)[i]
@@ -123,7 +128,7 @@ def _run(trunk_server, device: torch.device, transport: str, window_ms: float, s
     return split.trunk, server, outs, errors
 
 
-@pytest.mark.parametrize("transport", ["on", "off"])
+@pytest.mark.parametrize("transport", ["on", "off", "stream"])
 def test_host_clients_of_a_gpu_trunk_train_as_on_the_cpu(trunk_server, transport: str) -> None:
     ref_trunk, _, ref_outs, _ = _run(trunk_server, torch.device("cpu"), "off", window_ms=0)
     trunk, server, outs, errors = _run(trunk_server, CUDA, transport, window_ms=500)
@@ -133,8 +138,10 @@ def test_host_clients_of_a_gpu_trunk_train_as_on_the_cpu(trunk_server, transport
     assert server.runtime._batches.stats["group-backwards"] >= 2
     if transport == "on":
         assert io.stats["out-direct"] >= 2 * len(outs)  # every reply went into the client's region directly
-    else:
+    elif transport == "off":
         assert io.stats["in-staged"] >= 2 * len(outs)
+    else:  # streamed requests gathered in pinned memory as their chunks came: no copy before the copy engine's
+        assert io.stats["in-staged"] == 0
     for key, (out, grad_in, outcome) in ref_outs.items():
         got_out, got_grad, got_outcome = outs[key]
         assert outcome == got_outcome == "APPLIED"
@@ -178,3 +185,18 @@ def test_a_retried_backward_gets_the_same_reply_from_a_gpu_trunk(trunk_server) -
     assert again.SerializeToString() == first.SerializeToString() and server.runtime.version == 1
     assert server.runtime.io.stats["brought"] == 2 and server.runtime.io.stats["out"] >= 2
     channel.close()
+
+
+def test_a_streamed_reply_to_a_gpu_client_gathers_in_pinned_memory(trunk_server) -> None:
+    split = split_model(tiny_model("llama"), cuts=(1, 3))
+    server = trunk_server(split.trunk.to(CUDA), lr=0.1)
+    state = CutState(torch.randn(2, 7, 32, device=CUDA))
+    with TrunkClient(server.address, insecure=True, shared_memory="off", limits=STREAMED) as c, \
+            TrunkClient(server.address, insecure=True, shared_memory="off") as unary:
+        out, _ = c.forward(state, train=False, owned=True)
+        ref, _ = unary.forward(CutState(state.hidden.cpu()), train=False)
+        act = uuid.uuid4().hex
+        c.forward(state, activation_id=act, train=True)
+        reply = c.backward(act, torch.ones(2, 7, 32, device=CUDA), owned=True)
+    assert out.is_pinned() and torch.equal(out, ref)  # handed over as gathered: already pinned, same bytes
+    assert reply.grad.is_pinned() and reply.grad.shape == (2, 7, 32)

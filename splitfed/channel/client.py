@@ -28,7 +28,7 @@ from splitfed.channel import split_channel_pb2_grpc as pb_grpc
 from splitfed.channel.lanes import Lane
 from splitfed.channel.limits import CLIENT_ID_KEY, MODEL_KEY, SERVICE_NAME, ChannelLimits
 from splitfed.channel.shared import SharedLane
-from splitfed.channel.replies import channel_error, computes_on_gpu, own_reply
+from splitfed.channel.replies import channel_error, computes_on_gpu, own_reply, pinned_bytes
 from splitfed.channel.retry import RetryPolicy
 from splitfed.channel.wire import (
     assemble,
@@ -49,6 +49,12 @@ from splitfed.split.base import CutState
 log = logging.getLogger(__name__)
 
 _OUTCOME_NAMES = {v: k for k, v in pb.UpdateOutcome.items()}
+
+
+def _reply_alloc(gpu: bool, reply_spec: Any) -> Callable[[int], Any] | None:
+    """Where a streamed reply gathers: pinned memory when its caller computes on a GPU and the reply comes raw
+    (it is then handed over with no copy), else numpy's."""
+    return pinned_bytes if gpu and not reply_spec.active else None
 #: The outcome of a micro-batch whose step is still open (the step's outcome comes with its last part).
 PART_OUTCOME = _OUTCOME_NAMES[pb.UPDATE_OUTCOME_UNSPECIFIED]
 
@@ -182,12 +188,14 @@ class TrunkClient:
             self.calls += 1
 
     def _stream_call(self, name: str, fn: Callable[..., Iterator[pb.Frame]], header: pb.Frame, field: str,
-                     encs: list[EncodedTensor], reply_field: str, extra: Sequence[tuple[str, str]] = ()) -> Any:
+                     encs: list[EncodedTensor], reply_field: str, extra: Sequence[tuple[str, str]] = (),
+                     alloc: Callable[[int], Any] | None = None) -> Any:
         """A streamed call, retried like unary ones (gRPC's own retries cannot replay a long request stream).
 
         Retries carry ``x-splitfed-retry`` so that the server answers them from
         what the first attempt left (a saved forward, a remembered backward):
-        a retried gradient is never applied twice.
+        a retried gradient is never applied twice. The reply's bytes gather in what ``alloc`` gives (pinned
+        memory for a caller on a GPU), else in numpy's memory.
         """
         policy = self.retry
         attempt, delay = 0, policy.initial_backoff_s
@@ -197,7 +205,7 @@ class TrunkClient:
             try:
                 replies = self._invoke(name, fn, frames(header, field, encs, self.limits.chunk_bytes),
                                        list(extra) + marker)
-                return assemble(replies, reply_field, self.limits.max_tensor_bytes)
+                return assemble(replies, reply_field, self.limits.max_tensor_bytes, alloc)
             except grpc.RpcError as exc:
                 error = channel_error(name, self.address, exc.code(), exc.details())
             except ChannelError as exc:
@@ -269,7 +277,8 @@ class TrunkClient:
                                     session_id=session_id, owned=owned)
         else:
             asm = self._stream_call("ForwardStream", lane.forward_stream, pb.Frame(forward_request=req),
-                                    "forward_request", encs, "forward_reply")
+                                    "forward_request", encs, "forward_reply",
+                                    alloc=_reply_alloc(owned and computes_on_gpu(state.hidden), act))
             reply, out = asm.header, asm.tensors
         hidden = decode_single(out, "hidden", self.tensor_limits)
         self._account(sent, payload_bytes(out))
@@ -314,7 +323,8 @@ class TrunkClient:
             reply, out = parsed.header, parsed.tensors
         else:
             asm = self._stream_call("BackwardStream", lane.backward_stream, pb.Frame(backward_request=req),
-                                    "backward_request", encs, "backward_reply")
+                                    "backward_request", encs, "backward_reply",
+                                    alloc=_reply_alloc(owned and computes_on_gpu(grad), spec))
             reply, out = asm.header, asm.tensors
         grad_in = decode_single(out, "grad", self.tensor_limits)
         if owned:

@@ -12,8 +12,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+import torch
 
 from splitfed.channel import regionio
 from splitfed.codec import EncodedTensor, RegionRef, WireDType, raw_nbytes, torch_dtype, wire_dtype
@@ -22,6 +25,11 @@ from splitfed.trunk.deviceio import Departure, EventWaiter, ReplySink
 
 #: Threads that copy received bytes into pinned memory for a trunk on a GPU (numpy's copy releases the GIL).
 COPY_THREADS = 4
+
+
+def _pinned(data: Any) -> bool:
+    """Whether ``data`` (a request's bytes) lies in pinned host memory (gathered there by a streamed request)."""
+    return isinstance(data, memoryview) and not data.readonly and torch.frombuffer(data, dtype=torch.uint8).is_pinned()
 
 
 class CutIO:
@@ -53,7 +61,7 @@ class CutIO:
             raw_nbytes(enc, self.tensor_limits)
             stage = functools.partial(io.stage, enc.name, enc.data, torch_dtype(enc.dtype), tuple(enc.shape),
                                       owned=True)
-            if io.cuda:
+            if io.cuda and not _pinned(enc.data):
                 if self._copier is None:
                     self._copier = concurrent.futures.ThreadPoolExecutor(COPY_THREADS, "splitfed-trunk-copy")
                 arrival = await asyncio.get_running_loop().run_in_executor(self._copier, stage)
@@ -62,6 +70,12 @@ class CutIO:
             ready[name] = arrival.placeholder
             arrivals.append(arrival)
         return left
+
+    def _gather_alloc(self) -> Callable[[int], np.ndarray] | None:
+        """What a streamed request's bytes gather in: pinned pool memory for a trunk on a GPU (staged then with
+        no copy), else numpy's."""
+        io = getattr(self.runtime, "io", None)
+        return io.host_buffer if io is not None and io.cuda else None
 
     def _sink(self, client: str, slot: RegionRef | None, spec: Any, reply_dtype: WireDType | None
               ) -> ReplySink | None:

@@ -4,6 +4,7 @@ error."""
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import torch
 
 from splitfed.codec import EncodedTensor
@@ -32,9 +33,17 @@ def own_reply(tensor: torch.Tensor, enc: EncodedTensor, pinned: bool) -> torch.T
     tensor itself when it already owns its memory (a streamed reply's gathered, writable buffer, or a decompressed
     tensor), else a copy of the received read-only bytes.
     """
+    views_received_bytes = enc.compressed is None and (isinstance(enc.data, bytes) or memoryview(enc.data).readonly)
     if pinned:
+        if not views_received_bytes and tensor.is_pinned():  # a streamed reply gathered in pinned memory
+            return tensor
         out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         out.copy_(tensor)
         return out
-    views_received_bytes = enc.compressed is None and (isinstance(enc.data, bytes) or memoryview(enc.data).readonly)
     return tensor.clone() if views_received_bytes else tensor
+
+
+def pinned_bytes(nbytes: int) -> np.ndarray:
+    """``nbytes`` of pinned host memory (torch's caching host allocator), for a streamed reply to gather in when
+    its caller computes on a GPU: :func:`own_reply` then needs no copy."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()

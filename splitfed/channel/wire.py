@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,49 +250,77 @@ class Assembled:
     tensors: list[EncodedTensor]
 
 
-def assemble(stream: Iterable[pb.Frame | ChunkView], field: str, max_bytes: int) -> Assembled:
-    """Read a header frame named ``field`` and the chunks that follow; check offsets and sizes.
+class Gather:
+    """A streamed message put back together frame by frame, as its frames arrive.
 
-    The tensors' bytes are gathered into one buffer allocated once the header
-    has been checked. Raises :class:`CodecError` for a missing header, chunks
-    out of order, too many or too few bytes; :class:`ResourceExhaustedError`
-    when the header declares more than ``max_bytes``.
+    Built from the header frame named ``field``; :meth:`feed` copies each chunk into one buffer allocated once
+    the header has been checked (by ``alloc``, which returns a writable uint8 array of exactly that many bytes:
+    pinned memory, say, for bytes bound for a GPU; numpy's otherwise), and :meth:`done` checks that every
+    declared byte came. Raises :class:`CodecError` for a missing header, chunks out of order, too many or too
+    few bytes; :class:`ResourceExhaustedError` when the header declares more than ``max_bytes``.
     """
-    it = iter(stream)
-    first = next(it, None)
-    if not isinstance(first, pb.Frame) or first.WhichOneof("body") != field:
-        got = "nothing" if first is None else "chunk" if isinstance(first, ChunkView) else first.WhichOneof("body")
-        raise CodecError(f"stream must start with a {field} header frame, got {got}")
-    header = getattr(first, field)
-    sizes = []
-    for t in header.tensors:
-        if t.data:
-            raise CodecError(f"header tensor {t.name!r} carries inline data; streamed tensors travel as chunks")
-        sizes.append(stream_nbytes(t))
-    total = sum(sizes)
-    if total > max_bytes:
-        raise ResourceExhaustedError(f"streamed tensors declare {total} bytes, above the limit of {max_bytes}")
-    buf = np.empty(total, dtype=np.uint8)
-    received = 0
-    for frame in it:
+
+    def __init__(self, first: pb.Frame | ChunkView | None, field: str, max_bytes: int,
+                 alloc: Callable[[int], np.ndarray] | None = None) -> None:
+        if not isinstance(first, pb.Frame) or first.WhichOneof("body") != field:
+            got = "nothing" if first is None else "chunk" if isinstance(first, ChunkView) else first.WhichOneof(
+                "body")
+            raise CodecError(f"stream must start with a {field} header frame, got {got}")
+        self.header = getattr(first, field)
+        self.sizes = []
+        for t in self.header.tensors:
+            if t.data:
+                raise CodecError(f"header tensor {t.name!r} carries inline data; streamed tensors travel as chunks")
+            self.sizes.append(stream_nbytes(t))
+        self.total = sum(self.sizes)
+        if self.total > max_bytes:
+            raise ResourceExhaustedError(f"streamed tensors declare {self.total} bytes, above the limit of "
+                                         f"{max_bytes}")
+        # Not a numpy slice of it: numpy would hand a slice's views the array beneath, and ``alloc``'s array may
+        # own the buffer's lifetime (a pool buffer goes back once that array is gone).
+        self.buf = (alloc or _numpy_bytes)(self.total)
+        if len(self.buf) != self.total:
+            raise ValueError(f"alloc gave {len(self.buf)} bytes for {self.total}")
+        self.received = 0
+
+    def feed(self, frame: pb.Frame | ChunkView) -> None:
+        """Copy the chunk ``frame`` into its place."""
         if isinstance(frame, pb.Frame):
             if frame.WhichOneof("body") != "chunk":
                 raise CodecError(f"unexpected {frame.WhichOneof('body')} frame after the header; only chunks "
                                  "may follow")
             frame = ChunkView(frame.chunk.offset, frame.chunk.data)
-        if frame.offset != received:
-            raise CodecError(f"chunk at offset {frame.offset} arrived out of order; expected offset {received}")
+        if frame.offset != self.received:
+            raise CodecError(f"chunk at offset {frame.offset} arrived out of order; expected offset "
+                             f"{self.received}")
         size = len(frame.data)
-        if received + size > total:
-            raise CodecError(f"stream carries more than the {total} bytes its header declares")
+        if self.received + size > self.total:
+            raise CodecError(f"stream carries more than the {self.total} bytes its header declares")
         if size:
-            buf[received:received + size] = np.frombuffer(frame.data, dtype=np.uint8)
-        received += size
-    if received != total:
-        raise CodecError(f"stream truncated: received {received} of {total} declared bytes")
-    view = memoryview(buf)
-    tensors, offset = [], 0
-    for t, size in zip(header.tensors, sizes):
-        tensors.append(from_proto(t, view[offset:offset + size]))
-        offset += size
-    return Assembled(header, tensors)
+            self.buf[self.received:self.received + size] = np.frombuffer(frame.data, dtype=np.uint8)
+        self.received += size
+
+    def done(self) -> Assembled:
+        """The message, once every declared byte came."""
+        if self.received != self.total:
+            raise CodecError(f"stream truncated: received {self.received} of {self.total} declared bytes")
+        view = memoryview(self.buf)
+        tensors, offset = [], 0
+        for t, size in zip(self.header.tensors, self.sizes):
+            tensors.append(from_proto(t, view[offset:offset + size]))
+            offset += size
+        return Assembled(self.header, tensors)
+
+
+def _numpy_bytes(n: int) -> np.ndarray:
+    return np.empty(n, dtype=np.uint8)
+
+
+def assemble(stream: Iterable[pb.Frame | ChunkView], field: str, max_bytes: int,
+             alloc: Callable[[int], np.ndarray] | None = None) -> Assembled:
+    """Read a header frame named ``field`` and the chunks that follow into one buffer (see :class:`Gather`)."""
+    it = iter(stream)
+    gather = Gather(next(it, None), field, max_bytes, alloc)
+    for frame in it:
+        gather.feed(frame)
+    return gather.done()

@@ -194,6 +194,16 @@ class DeviceIO:
             return Arrival(name, view, dtype, tuple(shape), owned=True, lease=lease)
         return Arrival(name, flat, dtype, tuple(shape), guard=guard, owned=owned)
 
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` of pinned host memory as a writable array, for bytes the copy engine will read (a streamed
+        request gathered in place, which :meth:`stage` then takes without a copy): a pool buffer, back in the pool
+        once nothing references the array or a view of its bytes. (Views must come by ``memoryview`` of the array
+        itself: a numpy slice's views skip it for the array beneath.)"""
+        lease = self.pool.take(nbytes)
+        owner = lease.numpy()[:nbytes]
+        weakref.finalize(owner, self.pool.give, lease)
+        return owner
+
     def bring(self, arrivals: Sequence[Arrival]) -> list[bool]:
         """Bring ``arrivals`` to the device (each gets its :attr:`Arrival.tensor`) and say which are free of
         NaN/Inf. Called by the thread that computes; returns once the copies are done.
