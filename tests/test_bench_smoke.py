@@ -85,6 +85,14 @@ def test_get_from_returns_what_a_process_sent_before_it_ended_and_fails_when_it_
         get_from(ctx.Queue(), [], 1, "a reply")
 
 
+def test_bench_transport() -> None:
+    results = _json(_bench("bench.transport", "--mib", "0.25", "--repeat", "1", "--json"))
+    assert results["transport_bytes"] == 1 << 18
+    for key in ("transport_grpc_unary_ms", "transport_grpc_stream_ms", "transport_grpc_channels4_ms",
+                "transport_tcp_ms", "transport_tcp_conns4_ms", "transport_grpc_stream_vs_tcp"):
+        assert results[key] > 0, key
+
+
 def test_bench_checkpointing() -> None:
     results = _json(_bench("bench.checkpointing", "--seq", "8", "--repeat", "1", "--config",
                            "layers=3 hidden=32 heads=2 vocab=64"))
