@@ -29,18 +29,39 @@ def own_reply(tensor: torch.Tensor, enc: EncodedTensor, pinned: bool) -> torch.T
     """A decoded reply (``tensor``, from ``enc``) in memory of its own.
 
     For a caller on a GPU, pinned host memory (its host -> device copy then runs at the copy engine's speed
-    without the host waiting; from pageable memory it is several times slower and synchronous). Otherwise the
+    without the host waiting; from pageable memory it is several times slower and synchronous): where a streamed
+    reply was gathered (:func:`pinned_bytes`), that memory itself, else a copy. Otherwise the
     tensor itself when it already owns its memory (a streamed reply's gathered, writable buffer, or a decompressed
     tensor), else a copy of the received read-only bytes.
     """
     views_received_bytes = enc.compressed is None and (isinstance(enc.data, bytes) or memoryview(enc.data).readonly)
     if pinned:
-        if not views_received_bytes and tensor.is_pinned():  # a streamed reply gathered in pinned memory
-            return tensor
+        gathered = _in_pinned_gather(tensor, enc)
+        if gathered is not None:
+            return gathered
         out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         out.copy_(tensor)
         return out
     return tensor.clone() if views_received_bytes else tensor
+
+
+def _in_pinned_gather(tensor: torch.Tensor, enc: EncodedTensor) -> torch.Tensor | None:
+    """``tensor`` as a view of the pinned tensor :func:`pinned_bytes` gathered its streamed reply in (None when it
+    was not gathered there). A view of that tensor's own storage, not of its bytes: a copy to the GPU from it is then
+    known to torch's caching host allocator, which reuses the memory only once that copy is done."""
+    if enc.compressed is not None or not isinstance(enc.data, memoryview):
+        return None
+    owner = getattr(enc.data.obj, "base", None)
+    if not isinstance(owner, torch.Tensor) or owner.dtype != torch.uint8 or not owner.is_pinned():
+        return None
+    start = tensor.data_ptr() - owner.data_ptr()
+    nbytes = tensor.numel() * tensor.element_size()
+    if start < 0 or start + nbytes > owner.numel() or not tensor.is_contiguous():
+        return None
+    try:
+        return owner[start:start + nbytes].view(tensor.dtype).view(tensor.shape)
+    except RuntimeError:  # an offset the dtype cannot view from: copied instead
+        return None
 
 
 def pinned_bytes(nbytes: int) -> np.ndarray:
