@@ -218,6 +218,54 @@ def test_compressed_tensors_stream_in_chunks() -> None:
     assert payload_bytes(asm.tensors) == payload_bytes(encs)
 
 
+def test_a_stream_gathers_chunk_by_chunk_into_the_buffer_alloc_gives() -> None:
+    import gc
+    import weakref
+
+    import numpy as np
+
+    from splitfed.channel.wire import Gather
+
+    x = torch.randn(8, 50)
+    encs = [encode("hidden", x), encode("mask", torch.ones(8, dtype=torch.long))]
+    stream = [fastwire.parse_frame(fastwire.serialize_frame(f))
+              for f in frames(pb.Frame(forward_request=pb.ForwardRequest(activation_id="g")), "forward_request",
+                              encs, chunk_bytes=100)]
+    given: list[np.ndarray] = []
+    released: list[int] = []
+
+    def alloc(n: int) -> np.ndarray:
+        # As a pool lends a buffer: an array that views a larger one, back in the pool once it is gone.
+        buf = torch.full((n + 64,), 0xAB, dtype=torch.uint8).numpy()[:n]
+        weakref.finalize(buf, released.append, n)
+        given.append(buf)
+        return buf
+
+    gather = Gather(stream[0], "forward_request", 1 << 20, alloc)
+    total = payload_bytes(encs)
+    assert len(given) == 1 and len(given[0]) == total and gather.received == 0
+    for i, frame in enumerate(stream[1:], 1):  # each chunk lands in place as it comes
+        gather.feed(frame)
+        assert gather.received == min(100 * i, total)
+        assert (given[0][gather.received:] == 0xAB).all()
+    asm = gather.done()
+    assert torch.equal(decode(asm.tensors[0]), x) and torch.equal(decode(asm.tensors[1]), torch.ones(8).long())
+    hidden = decode(asm.tensors[0])
+    assert hidden.data_ptr() == given[0].ctypes.data  # a view of the given buffer: no copy after the chunks
+    del given[:], gather, asm
+    gc.collect()
+    assert released == []  # the decoded tensor still views the buffer: it must not go back yet
+    del hidden
+    gc.collect()
+    assert released == [total]
+    with pytest.raises(ValueError, match="alloc gave"):
+        Gather(stream[0], "forward_request", 1 << 20, lambda n: np.empty(n + 1, dtype=np.uint8))
+    short = Gather(stream[0], "forward_request", 1 << 20)
+    short.feed(stream[1])
+    with pytest.raises(CodecError, match="truncated"):
+        short.done()
+
+
 def test_reply_spec_refuses_bad_requests() -> None:
     with pytest.raises(CodecError, match="topk_ratio"):
         reply_spec(pb.BackwardRequest(reply_compression=pb.CompressionSpec(method=pb.TOPK, topk_ratio=0.0)))
