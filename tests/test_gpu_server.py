@@ -200,3 +200,21 @@ def test_a_streamed_reply_to_a_gpu_client_gathers_in_pinned_memory(trunk_server)
         reply = c.backward(act, torch.ones(2, 7, 32, device=CUDA), owned=True)
     assert out.is_pinned() and torch.equal(out, ref)  # handed over as gathered: already pinned, same bytes
     assert reply.grad.is_pinned() and reply.grad.shape == (2, 7, 32)
+
+
+def test_streams_gather_in_pinned_memory_only_up_to_a_cap() -> None:
+    import gc
+
+    io = DeviceIO(CUDA, PinnedPool())
+    io.max_gathering = 1 << 20  # a stream declares its size before its bytes come: pinned memory is lent up to this
+    first = io.host_buffer(600_000)
+    over = io.host_buffer(600_000)
+    assert torch.from_numpy(first).is_pinned() and not torch.from_numpy(over).is_pinned()
+    view = torch.frombuffer(memoryview(first)[1000:2000], dtype=torch.uint8)
+    del first
+    gc.collect()
+    assert not torch.from_numpy(io.host_buffer(600_000)).is_pinned()  # still lent: a view of its bytes lives
+    del view
+    gc.collect()
+    again = io.host_buffer(600_000)
+    assert torch.from_numpy(again).is_pinned() and io.pool.allocated == 1  # given back, and reused

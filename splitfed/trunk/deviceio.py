@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 MIN_BUFFER = 1 << 16
 
 
+#: Pinned bytes lent at once to streamed requests gathering in place (:meth:`DeviceIO.host_buffer`).
+MAX_GATHERING_BYTES = 1 << 30
+
+
 def _size_class(nbytes: int) -> int:
     return max(MIN_BUFFER, 1 << (max(nbytes, 1) - 1).bit_length())
 
@@ -172,6 +176,10 @@ class DeviceIO:
         self.inbound = torch.cuda.Stream(self.device) if self.cuda else None
         self.outbound = torch.cuda.Stream(self.device) if self.cuda else None
         self._in_lock = threading.Lock()  # the inbound stream's work is issued in the order of this lock
+        #: Bytes of streamed requests that may be gathering in pinned memory at once (see :meth:`host_buffer`).
+        self.max_gathering = MAX_GATHERING_BYTES
+        self._gathering = 0
+        self._gathering_lock = threading.Lock()
         self.stats: dict[str, int] = {"in": 0, "in-staged": 0, "brought": 0, "out": 0, "out-direct": 0}
 
     # -- in ------------------------------------------------------------------------------------
@@ -195,14 +203,27 @@ class DeviceIO:
         return Arrival(name, flat, dtype, tuple(shape), guard=guard, owned=owned)
 
     def host_buffer(self, nbytes: int) -> np.ndarray:
-        """``nbytes`` of pinned host memory as a writable array, for bytes the copy engine will read (a streamed
-        request gathered in place, which :meth:`stage` then takes without a copy): a pool buffer, back in the pool
-        once nothing references the array or a view of its bytes. (Views must come by ``memoryview`` of the array
-        itself: a numpy slice's views skip it for the array beneath.)"""
+        """``nbytes`` of host memory as a writable array, for bytes the copy engine will read (a streamed request
+        gathered in place as its chunks arrive, which :meth:`stage` then takes without a copy): a pinned pool
+        buffer, back in the pool once nothing references the array or a view of its bytes. (Views must come by
+        ``memoryview`` of the array itself: a numpy slice's views skip it for the array beneath.)
+
+        At most :attr:`max_gathering` bytes are lent so at once (a stream declares its size before its bytes
+        come, and page-locked memory is the host's to keep); beyond that the array is pageable memory, which
+        :meth:`stage` copies into a pinned buffer once it is complete."""
+        with self._gathering_lock:
+            if self._gathering + nbytes > self.max_gathering:
+                return np.empty(nbytes, dtype=np.uint8)
+            self._gathering += nbytes
         lease = self.pool.take(nbytes)
         owner = lease.numpy()[:nbytes]
-        weakref.finalize(owner, self.pool.give, lease)
+        weakref.finalize(owner, self._returned, lease, nbytes)
         return owner
+
+    def _returned(self, lease: torch.Tensor, nbytes: int) -> None:
+        with self._gathering_lock:
+            self._gathering -= nbytes
+        self.pool.give(lease)
 
     def bring(self, arrivals: Sequence[Arrival]) -> list[bool]:
         """Bring ``arrivals`` to the device (each gets its :attr:`Arrival.tensor`) and say which are free of
