@@ -29,7 +29,8 @@ COPY_THREADS = 4
 
 def _pinned(data: Any) -> bool:
     """Whether ``data`` (a request's bytes) lies in pinned host memory (gathered there by a streamed request)."""
-    return isinstance(data, memoryview) and not data.readonly and torch.frombuffer(data, dtype=torch.uint8).is_pinned()
+    return isinstance(data, memoryview) and not data.readonly and len(data) > 0 \
+        and torch.frombuffer(data, dtype=torch.uint8).is_pinned()
 
 
 class CutIO:
