@@ -49,14 +49,15 @@ from splitfed.split.base import CutState
 log = logging.getLogger(__name__)
 
 _OUTCOME_NAMES = {v: k for k, v in pb.UpdateOutcome.items()}
+#: The outcome of a micro-batch whose step is still open (the step's outcome comes with its last part).
+PART_OUTCOME = _OUTCOME_NAMES[pb.UPDATE_OUTCOME_UNSPECIFIED]
 
 
 def _reply_alloc(gpu: bool, reply_spec: Any) -> Callable[[int], Any] | None:
     """Where a streamed reply gathers: pinned memory when its caller computes on a GPU and the reply comes raw
     (it is then handed over with no copy), else numpy's."""
     return pinned_bytes if gpu and not reply_spec.active else None
-#: The outcome of a micro-batch whose step is still open (the step's outcome comes with its last part).
-PART_OUTCOME = _OUTCOME_NAMES[pb.UPDATE_OUTCOME_UNSPECIFIED]
+
 
 T = TypeVar("T")
 

@@ -1,5 +1,5 @@
-"""The servicer's side of the cut's copies: a request's large tensors handed to the device thread, and each reply
-taken back from where the device thread sent it.
+"""The servicer's side of the cut's copies: a streamed request gathered as it arrives, a request's large tensors
+handed to the device thread, and each reply taken back from where the device thread sent it.
 
 A mixin of :class:`~splitfed.channel.servicer.SplitChannelServicer`. With the trunk on a GPU, nothing here waits
 on the device: tensors that came as bytes are staged in pinned memory on copy threads
@@ -12,15 +12,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from splitfed.channel import regionio
+from splitfed.channel import fastwire, regionio
+from splitfed.channel.handlers import check_parsed
+from splitfed.channel.wire import Assembled, Gather
 from splitfed.codec import EncodedTensor, RegionRef, WireDType, raw_nbytes, torch_dtype, wire_dtype
-from splitfed.errors import CodecError, SplitFedError
+from splitfed.errors import CodecError, ResourceExhaustedError, SplitFedError
 from splitfed.trunk.deviceio import Departure, EventWaiter, ReplySink
 
 #: Threads that copy received bytes into pinned memory for a trunk on a GPU (numpy's copy releases the GIL).
@@ -37,6 +39,7 @@ class CutIO:
     """Arrivals in and replies out for a servicer (see the module docstring)."""
 
     runtime: Any
+    limits: Any
     replies: Any
     tensor_limits: Any
     _io: Any
@@ -71,6 +74,25 @@ class CutIO:
             ready[name] = arrival.placeholder
             arrivals.append(arrival)
         return left
+
+    async def _gather(self, requests: AsyncIterator[Any], field: str) -> Assembled:
+        """A streamed request put together as its frames arrive (each chunk copied into place as it comes, while
+        the rest is still on the way), refusing more bytes than a request may carry. For a trunk on a GPU the
+        bytes gather in pinned memory, from which the copy engine reads them with no copy of their own."""
+        gather, total = None, 0
+        budget = self.limits.max_tensor_bytes + self.limits.max_message_bytes
+        async for frame in requests:
+            check_parsed(frame)
+            total += len(getattr(frame, "data", b"")) if isinstance(frame, fastwire.ChunkView) else frame.ByteSize()
+            if total > budget:
+                raise ResourceExhaustedError(f"streamed request exceeds {budget} bytes")
+            if gather is None:
+                gather = Gather(frame, field, self.limits.max_tensor_bytes, self._gather_alloc())
+            else:
+                gather.feed(frame)
+        if gather is None:
+            Gather(None, field, self.limits.max_tensor_bytes)  # raises: nothing came
+        return gather.done()
 
     def _gather_alloc(self) -> Callable[[int], np.ndarray] | None:
         """What a streamed request's bytes gather in: pinned pool memory for a trunk on a GPU (staged then with

@@ -32,8 +32,6 @@ from splitfed.channel.handlers import (
 )
 from splitfed.channel.limits import CLIENT_ID_KEY, RETRY_KEYS, ChannelLimits
 from splitfed.channel.wire import (
-    Assembled,
-    Gather,
     ReplyCompression,
     decode_single,
     decode_state,
@@ -341,25 +339,6 @@ class SplitChannelServicer(RegionService, CutIO):
             check_parsed(request)
             return fastwire.Parsed(*await self._backward(identity, request.header, request.tensors, unary=True))
         return await self._call(context, run)
-
-    async def _gather(self, requests: AsyncIterator[Any], field: str) -> Assembled:
-        """A streamed request put together as its frames arrive (each chunk copied into place as it comes, while
-        the rest is still on the way), refusing more bytes than a request may carry. For a trunk on a GPU the
-        bytes gather in pinned memory, from which the copy engine reads them with no copy of their own."""
-        gather, total = None, 0
-        budget = self.limits.max_tensor_bytes + self.limits.max_message_bytes
-        async for frame in requests:
-            check_parsed(frame)
-            total += len(getattr(frame, "data", b"")) if isinstance(frame, fastwire.ChunkView) else frame.ByteSize()
-            if total > budget:
-                raise ResourceExhaustedError(f"streamed request exceeds {budget} bytes")
-            if gather is None:
-                gather = Gather(frame, field, self.limits.max_tensor_bytes, self._gather_alloc())
-            else:
-                gather.feed(frame)
-        if gather is None:
-            Gather(None, field, self.limits.max_tensor_bytes)  # raises: nothing came
-        return gather.done()
 
     async def _stream(self, requests: AsyncIterator[Any], context: Any, field: str, reply_field: str,
                       handler: Callable[..., Awaitable[tuple[Any, list]]]) -> AsyncIterator[Any]:
