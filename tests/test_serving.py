@@ -184,6 +184,46 @@ def test_unknown_model_is_not_found_with_the_names_held_and_nothing_changes(two_
     assert two_models.models() == {"cnn": ModelState.READY, "llm": ModelState.READY}
 
 
+def test_models_a_starting_server_has_yet_to_load_are_loading_not_missing(llama_dir: Path, monkeypatch) -> None:
+    from splitfed.channel import registry
+
+    first_loads, go_on = threading.Event(), threading.Event()
+    build = registry.unit_from_spec
+
+    def slow_first(spec, *args):  # type: ignore[no-untyped-def]
+        if spec.name == "llm":  # the first model loads until the test has called the other one
+            first_loads.set()
+            assert go_on.wait(60)
+        return build(spec, *args)
+
+    monkeypatch.setattr(registry, "unit_from_spec", slow_first)
+    server = TrunkServer(models=[ModelSpec(str(llama_dir), name="llm", cuts=(1, 3)),
+                                 ModelSpec("mnist-cnn", name="cnn")], insecure=True)
+    starting = threading.Thread(target=server.start)
+    starting.start()
+    try:
+        assert first_loads.wait(60)
+        once = RetryPolicy(max_attempts=1)
+        for model in ("cnn", "llm", ""):  # the one not loading yet, the one loading, and one named by none
+            with TrunkClient(server.address, insecure=True, model=model, retry=once) as client:
+                with pytest.raises(ChannelError) as info:
+                    client.info()
+            assert info.value.code == ("INVALID_ARGUMENT" if not model else "UNAVAILABLE"), model
+            assert not model or f"model {model!r} is loading" in str(info.value)
+        with TrunkClient(server.address, insecure=True, model="nope", retry=once) as client:
+            with pytest.raises(ChannelError) as info:
+                client.info()
+            assert info.value.code == "NOT_FOUND"
+        go_on.set()
+        starting.join(120)
+        with TrunkClient(server.address, insecure=True, model="cnn") as client:
+            assert client.info().model == "cnn"
+    finally:
+        go_on.set()
+        starting.join(120)
+        server.stop(grace=0)
+
+
 # -- lifecycle -----------------------------------------------------------------------------------
 def test_unloading_one_leaves_the_other_serving_and_reloading_restores_it(two_models, llama_dir: Path) -> None:
     server = two_models

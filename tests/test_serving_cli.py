@@ -35,6 +35,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _serving(address: str, *models: str, timeout: float = 120.0) -> None:
+    """Wait until each of ``models`` is SERVING in the server's gRPC health (as a deployment's probe would)."""
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from splitfed.channel.modelhealth import health_name
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        for model in models:
+            while True:
+                try:
+                    status = check(health_pb2.HealthCheckRequest(service=health_name(model)), timeout=5).status
+                except grpc.RpcError:
+                    status = None  # not serving yet, or the model not announced yet
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+                assert time.monotonic() < deadline, f"model {model!r} not SERVING within {timeout}s"
+                time.sleep(0.1)
+
+
 def _models(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
     assert main(["models", *argv]) == 0
     return json.loads(capsys.readouterr().out)
@@ -57,7 +81,7 @@ def test_serve_several_models_and_manage_them_from_the_command_line(tmp_path: Pa
     try:
         with TrunkClient(address, insecure=True, model="cnn") as cnn, \
                 TrunkClient(address, insecure=True, model="llm") as llm:
-            cnn.wait_ready(120)
+            _serving(address, "llm", "cnn")  # the server serves while it loads them, one after the other
             assert list(cnn.info().cuts) == [3, 6]
             assert (llm.info().trunk_mode, list(llm.info().cuts)) == ("async", [1, 3])
             listed = {m["name"]: m for m in _models(capsys, "list", *admin)["models"]}

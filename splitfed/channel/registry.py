@@ -69,6 +69,9 @@ class ModelRegistry:
         self.on_ready = on_ready or (lambda unit: None)
         self.entries: dict[str, Entry] = {}
         self._claimed: set[str] = set()  # names whose load is being checked (not listed yet)
+        #: Names the server loads once it serves (its start's models), not loading yet: calls for them are told
+        #: to retry, not that the server does not hold them.
+        self.pending: set[str] = set()
         self._builds: set[asyncio.Task[None]] = set()  # running builds (the loop keeps only weak references)
         self._estimator = ThreadPoolExecutor(2, thread_name_prefix="splitfed-estimate")
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="splitfed-loader")
@@ -81,18 +84,29 @@ class ModelRegistry:
     def _held(self) -> str:
         return ", ".join(repr(n) for n in self.names()) or "none"
 
+    def _coming(self) -> set[str]:
+        """Names that will be loaded and are not listed yet."""
+        return (self.pending | self._claimed).difference(self.entries)
+
     def route(self, name: str) -> ModelUnit:
         """The unit a call naming ``name`` ("" for none) goes to, or :class:`Refused` with the status to answer."""
         entries = self.entries
         if not name:
-            if len(entries) != 1:
+            coming = self._coming()
+            if len(entries) + len(coming) != 1:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"this server holds {len(entries)} models ({self._held()}); name one with the "
-                              "x-splitfed-model metadata (TrunkClient(..., model=NAME))")
+                              f"this server holds {len(entries) + len(coming)} models ({self._held()}); name one "
+                              "with the x-splitfed-model metadata (TrunkClient(..., model=NAME))")
+            if coming:
+                raise Refused(grpc.StatusCode.UNAVAILABLE, f"model {next(iter(coming))!r} is loading; retry when "
+                                                           "`splitfed models list` shows it READY")
             (entry,) = entries.values()
         else:
             got = entries.get(name)
             if got is None:
+                if name in self._coming():
+                    raise Refused(grpc.StatusCode.UNAVAILABLE, f"model {name!r} is loading; retry when "
+                                                               "`splitfed models list` shows it READY")
                 raise Refused(grpc.StatusCode.NOT_FOUND, f"this server does not hold model {name!r}; it holds: "
                                                          f"{self._held()}")
             entry = got
@@ -150,6 +164,7 @@ class ModelRegistry:
         entry = Entry(name, ModelState.LOADING, spec, estimate=est, loaded=loop.create_future())
         self.entries[name] = entry
         self._claimed.discard(name)
+        self.pending.discard(name)
         self.on_state(name, ModelState.LOADING)
         log.info("loading model %s (%s, about %.1f MiB on %s)", name, spec.model, est.total / 2**20, est.device)
         build = asyncio.ensure_future(self._build(entry))

@@ -276,6 +276,7 @@ class TrunkServer:
         for entry in self.registry.entries.values():
             if entry.unit is not None:
                 entry.unit.start()
+        self.registry.pending = {spec.name for spec in self._initial}  # told to retry until they load
         try:
             self._run(self._start())
             if self.metrics is not None:
