@@ -37,6 +37,12 @@ from splitfed.serving.spec import ModelSpec
 log = logging.getLogger(__name__)
 
 
+def _loading(name: str) -> Refused:
+    """What a call to a model that is loading (or about to) is told: retry."""
+    return Refused(grpc.StatusCode.UNAVAILABLE, f"model {name!r} is loading; retry when `splitfed models list` "
+                                                "shows it READY")
+
+
 @dataclass
 class Entry:
     """One model the server holds (or is loading, or failed to load)."""
@@ -98,23 +104,20 @@ class ModelRegistry:
                               f"this server holds {len(entries) + len(coming)} models ({self._held()}); name one "
                               "with the x-splitfed-model metadata (TrunkClient(..., model=NAME))")
             if coming:
-                raise Refused(grpc.StatusCode.UNAVAILABLE, f"model {next(iter(coming))!r} is loading; retry when "
-                                                           "`splitfed models list` shows it READY")
+                raise _loading(next(iter(coming)))
             (entry,) = entries.values()
         else:
             got = entries.get(name)
             if got is None:
                 if name in self._coming():
-                    raise Refused(grpc.StatusCode.UNAVAILABLE, f"model {name!r} is loading; retry when "
-                                                               "`splitfed models list` shows it READY")
+                    raise _loading(name)
                 raise Refused(grpc.StatusCode.NOT_FOUND, f"this server does not hold model {name!r}; it holds: "
                                                          f"{self._held()}")
             entry = got
         if entry.state is ModelState.READY and entry.unit is not None:
             return entry.unit
         if entry.state is ModelState.LOADING:
-            raise Refused(grpc.StatusCode.UNAVAILABLE, f"model {entry.name!r} is loading; retry when "
-                                                       "`splitfed models list` shows it READY")
+            raise _loading(entry.name)
         if entry.state is ModelState.UNLOADING:
             raise Refused(grpc.StatusCode.UNAVAILABLE, going_away(entry.name))
         raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
