@@ -49,9 +49,10 @@ def main() -> int:
     parser.add_argument("--wire-compression", default="none", choices=("none", "int8", "topk"),
                         help="split_step: what crosses the cut (int8: activations and gradients; topk: int8 "
                              "activations, top-k gradients)")
-    parser.add_argument("--transports", nargs="*", default=["auto", "socket"], choices=("auto", "socket"),
-                        help="split_step: auto (shared memory, client and trunk on one host) and/or socket "
-                             "(loopback TCP; keys with _socket)")
+    parser.add_argument("--transports", nargs="*", default=["auto", "socket"], choices=("auto", "socket", "bulk"),
+                        help="split_step: auto (shared memory, client and trunk on one host), socket "
+                             "(loopback TCP; keys with _socket) and/or bulk (loopback TCP with a bulk link of 4 "
+                             "connections; keys with _bulk)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     tune_malloc()  # as the trunk server and client do; applies to both sides of every comparison

@@ -96,6 +96,10 @@ def _cuts() -> tuple[int, int]:
     return n // 3, n - n // 3
 
 
+#: Connections of a bulk link (the split step's ``bulk`` transport).
+BULK_CONNECTIONS = 4
+
+
 def _trunk_server(device: str, settings: dict[str, int]) -> Any:
     from splitfed.channel.server import TrunkServer
     from splitfed.split import split_model
@@ -105,7 +109,7 @@ def _trunk_server(device: str, settings: dict[str, int]) -> Any:
     trunk = split_model(_gpt2().to(device), _cuts()).trunk
     runtime = TrunkRuntime(trunk, torch.optim.SGD(trunk.parameters(), lr=1e-3),
                            autocast_dtype=torch.bfloat16 if settings["bf16"] else None)
-    return TrunkServer(runtime, insecure=True).start()
+    return TrunkServer(runtime, insecure=True, bulk_connections=BULK_CONNECTIONS).start()
 
 
 def _serve_trunk(settings: dict[str, int], port_queue: Any, stop: Any, threads: int, device: str) -> None:
@@ -138,7 +142,8 @@ def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple
     (none, int8, topk) is what crosses the cut in every split run (reported as ``split_step_wire_compression``).
     ``transports``: ``auto`` (the client's default: through a shared-memory region, client and trunk being on
     one host) and ``socket`` (every byte over loopback TCP: what another host would pay before the network
-    itself), the latter reported with ``_socket`` in the key.
+    itself), the latter reported with ``_socket`` in the key; ``bulk`` is the socket with a bulk link of
+    :data:`BULK_CONNECTIONS` TCP connections carrying the streamed calls' bytes (keys with ``_bulk``).
     """
     from splitfed.channel.client import RemoteTrunk
     from splitfed.split import SplitModel, split_model
@@ -174,14 +179,15 @@ def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple
             opt_ref.zero_grad()
             sync()
 
-        runs = [(f"{where}{'' if transport == 'auto' else '_socket'}{'' if k == 1 else f'_mb{k}'}", address, k,
+        runs = [(f"{where}{'' if transport == 'auto' else '_' + transport}{'' if k == 1 else f'_mb{k}'}", address, k,
                  transport) for where, address in addresses.items() for transport in transports for k in micro_batches]
         for suffix, address, k, transport in runs:
             parts = split_model(_gpt2().to(device), cuts)
             remote = RemoteTrunk(address, insecure=True, wire_dtype="bf16" if bf16 else "fp32",
                                  channels=min(k, 4), max_in_flight=2 * k,
                                  wire_compression=_wire(wire_compression),
-                                 shared_memory="off" if transport == "socket" else "auto")
+                                 shared_memory="auto" if transport == "auto" else "off",
+                                 bulk_connections=BULK_CONNECTIONS if transport == "bulk" else 0)
             model = SplitModel(parts.bottom, remote, parts.top, task="causal-lm", micro_batches=k)
             opt_split = torch.optim.SGD(parts.client_modules().parameters(), lr=1e-3)
 
@@ -199,6 +205,10 @@ def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple
             out[f"unsplit_step{suffix}_s"] = t_ref
             if k == 1 and transport == "socket":
                 out["split_bytes_per_call"] = remote.client.bytes_sent / max(remote.client.calls, 1)
+            if transport == "bulk":
+                if remote.client.bulk.failed is not None:
+                    raise RuntimeError(f"split_step{suffix}: the bulk link was given up: {remote.client.bulk.failed}")
+                out[f"split_step_bulk_fraction{suffix}"] = remote.client.bulk.calls / max(remote.client.calls, 1)
             if transport == "auto":
                 out[f"split_step_shared_fraction{suffix}"] = remote.client.shared.bytes / max(
                     remote.client.bytes_sent + remote.client.bytes_received, 1)

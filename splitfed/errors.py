@@ -93,6 +93,15 @@ class ChannelError(SplitFedError):
         self.code = code
 
 
+class BulkLinkError(SplitFedError):
+    """A bulk link (:mod:`splitfed.channel.bulk`) broke, or its peer broke its protocol: the link is closed, and
+    the call that used it can be retried over gRPC alone."""
+
+
+class BulkUnavailableError(SplitFedError):
+    """The trunk server offers no bulk links (it serves TLS, or was not started with ``bulk_connections``)."""
+
+
 class ModelLoadError(SplitFedError):
     """A model or checkpoint could not be found or read; the message says where it looked."""
 

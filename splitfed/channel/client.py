@@ -25,6 +25,7 @@ import torch
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel import split_channel_pb2_grpc as pb_grpc
+from splitfed.channel.bulkclient import BulkLane
 from splitfed.channel.lanes import Lane
 from splitfed.channel.limits import CLIENT_ID_KEY, MODEL_KEY, SERVICE_NAME, ChannelLimits
 from splitfed.channel.shared import SharedLane
@@ -43,7 +44,7 @@ from splitfed.codec import EncodedTensor, TensorLimits, WireDType, encode_packed
 from splitfed.codec import wire_dtype as to_wire_dtype
 from splitfed.compression import ErrorFeedback, WireCompression
 from splitfed.tuning import tune_malloc
-from splitfed.errors import ChannelError, ConfigError
+from splitfed.errors import BulkLinkError, ChannelError, ConfigError
 from splitfed.split.base import CutState
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,9 @@ class TrunkClient:
         shared_memory_bytes: size of that region.
         model: the model this client's calls are for, on a server that holds several (sent as
             ``x-splitfed-model`` metadata; empty: none is sent, and a server holding one model serves it).
+        bulk_connections: ask the server for a bulk link of this many TCP connections, over which streamed
+            calls send and receive their tensor bytes instead of gRPC chunks (:mod:`splitfed.channel.bulk`; 0:
+            none). Where the server offers none, calls stream over gRPC.
     """
 
     def __init__(self, address: str, *, client_id: str | None = None, insecure: bool = False,
@@ -114,7 +118,8 @@ class TrunkClient:
                  options: Sequence[tuple[str, Any]] = (),
                  wire_compression: WireCompression | str | None = None,
                  cut: tuple[int, int] | None = None, channels: int = 1, max_in_flight: int = 4,
-                 shared_memory: str = "auto", shared_memory_bytes: int = 64 << 20, model: str = "") -> None:
+                 shared_memory: str = "auto", shared_memory_bytes: int = 64 << 20, model: str = "",
+                 bulk_connections: int = 0) -> None:
         tune_malloc()
         self.cut = (0, 0) if cut is None else (int(cut[0]), int(cut[1]))
         if credentials is None and not insecure:
@@ -162,6 +167,7 @@ class TrunkClient:
         self.bytes_received = 0
         self.calls = 0
         self.shared = SharedLane(self, shared_memory, shared_memory_bytes)
+        self.bulk = BulkLane(self, bulk_connections)
         #: Whether this client may be in the trunk's step group (it joined, or sent a training forward, which
         #: joins); :meth:`close` then leaves, so a sync step never waits for a client that is done.
         self.member = False
@@ -203,7 +209,11 @@ class TrunkClient:
         deadline = time.monotonic() + policy.timeout_s
         while True:
             marker = [("x-splitfed-retry", str(attempt))] if attempt else []
+            link = self.bulk.ready(alloc is not None)
             try:
+                if link is not None:
+                    return self.bulk.call(link, lambda it: self._invoke(name, fn, it, list(extra) + marker), header,
+                                          field, encs, reply_field, max(deadline - time.monotonic(), 0.0))
                 replies = self._invoke(name, fn, frames(header, field, encs, self.limits.chunk_bytes),
                                        list(extra) + marker)
                 return assemble(replies, reply_field, self.limits.max_tensor_bytes, alloc)
@@ -211,6 +221,10 @@ class TrunkClient:
                 error = channel_error(name, self.address, exc.code(), exc.details())
             except ChannelError as exc:
                 error = exc
+            except BulkLinkError as exc:
+                error = ChannelError(f"{name} to trunk server {self.address} lost its bulk link: {exc}", "UNAVAILABLE")
+            if link is not None:
+                self.bulk.give_up(f"{name} failed over it ({error})")
             attempt += 1
             if (error.code not in policy.retryable_codes or attempt >= max(policy.max_attempts, 1)
                     or time.monotonic() + delay > deadline):
@@ -377,6 +391,7 @@ class TrunkClient:
             except grpc.RpcError as exc:  # the server drops a silent member after its trunk-timeout anyway
                 log.debug("leaving the step group of %s on close failed: %s", self.address, exc.code())
         self.shared.close()
+        self.bulk.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         for channel in self._channels:

@@ -46,6 +46,7 @@ class CutIO:
     _region_io: Any
     _copier: concurrent.futures.ThreadPoolExecutor | None = None
     _event_waiter: EventWaiter | None = None
+    _bulk_take: Any
 
     async def _arrive(self, tensors: list, name: str, ready: dict, arrivals: list) -> list:
         """A request's main tensor (``name``) that came as bytes, handed to the device thread as an
@@ -75,10 +76,12 @@ class CutIO:
             arrivals.append(arrival)
         return left
 
-    async def _gather(self, requests: AsyncIterator[Any], field: str) -> Assembled:
+    async def _gather(self, requests: AsyncIterator[Any], field: str, client: str = "", context: Any = None
+                      ) -> Assembled:
         """A streamed request put together as its frames arrive (each chunk copied into place as it comes, while
         the rest is still on the way), refusing more bytes than a request may carry. For a trunk on a GPU the
-        bytes gather in pinned memory, from which the copy engine reads them with no copy of their own."""
+        bytes gather in pinned memory, from which the copy engine reads them with no copy of their own. A header
+        that names a bulk transfer takes its bytes from ``client``'s bulk link instead."""
         gather, total = None, 0
         budget = self.limits.max_tensor_bytes + self.limits.max_message_bytes
         async for frame in requests:
@@ -92,6 +95,8 @@ class CutIO:
                 gather.feed(frame)
         if gather is None:
             Gather(None, field, self.limits.max_tensor_bytes)  # raises: nothing came
+        if gather.bulk is not None:
+            await self._bulk_take(client, gather, context)
         return gather.done()
 
     def _gather_alloc(self) -> Callable[[int], np.ndarray] | None:

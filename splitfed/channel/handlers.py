@@ -20,6 +20,8 @@ from splitfed.errors import (
     ActivationNotFoundError,
     ActivationStateError,
     AuthError,
+    BulkLinkError,
+    BulkUnavailableError,
     CodecError,
     ConfigError,
     DuplicateActivationError,
@@ -44,6 +46,8 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (ActivationStateError, grpc.StatusCode.FAILED_PRECONDITION),
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (TrunkBusyError, grpc.StatusCode.UNAVAILABLE),
+    (BulkLinkError, grpc.StatusCode.UNAVAILABLE),
+    (BulkUnavailableError, grpc.StatusCode.FAILED_PRECONDITION),
     (TrunkStepError, grpc.StatusCode.INTERNAL),
     (CodecError, grpc.StatusCode.INVALID_ARGUMENT),
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -96,7 +100,8 @@ def method_handlers(servicer: Any) -> grpc.GenericRpcHandler:
     """
     plain = {"Info": pb.InfoRequest, "Join": pb.JoinRequest, "Leave": pb.LeaveRequest,
              "OpenSession": pb.OpenSessionRequest, "CloseSession": pb.CloseSessionRequest,
-             "OpenRegion": pb.OpenRegionRequest, "CloseRegion": pb.CloseRegionRequest}
+             "OpenRegion": pb.OpenRegionRequest, "CloseRegion": pb.CloseRegionRequest,
+             "OpenBulk": pb.OpenBulkRequest}
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for name, request in plain.items():
         reply = getattr(pb, request.__name__.replace("Request", "Reply"))

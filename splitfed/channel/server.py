@@ -35,6 +35,7 @@ from grpc_health.v1 import health
 from torch import nn
 
 from splitfed.channel.admin.service import AdminServicer, admin_handlers, check_admin_token
+from splitfed.channel.bulkhub import BulkHub, host_memory
 from splitfed.channel.dispatch import ModelDispatch
 from splitfed.channel.handlers import status_for
 from splitfed.channel.hosts import is_loopback
@@ -122,6 +123,9 @@ class TrunkServer:
         reuse_port: let other processes of this same server listen on ``port`` too (``SO_REUSEPORT``: the
             kernel spreads connections over them). Off (default), a port another process listens on is refused
             at :meth:`start`, so two servers never share a port by accident.
+        bulk_connections: offer bulk links of up to this many TCP connections (:mod:`splitfed.channel.bulk`):
+            a client that asks for one sends and receives the bytes of its streamed calls over them instead of
+            gRPC chunks (0: none). Plaintext servers only (the bytes are not encrypted), without ``frontends``.
     """
 
     def __init__(self, trunk: nn.Module | TrunkRuntime | None = None, *, host: str = "127.0.0.1", port: int = 0,
@@ -139,7 +143,7 @@ class TrunkServer:
                  shared_memory_total_bytes: int = 4 << 30, models: Iterable[ModelSpec] = (),
                  admin_token: str | None = None, max_memory: Mapping[str, int] | None = None,
                  frontends: int = 0, frontend_tls: tuple[bytes, bytes, bytes | None] | None = None,
-                 reuse_port: bool = False) -> None:
+                 reuse_port: bool = False, bulk_connections: int = 0) -> None:
         tune_malloc()
         if credentials is None and not insecure:
             raise ConfigError("the trunk server needs TLS credentials, or insecure=True to serve plaintext "
@@ -151,6 +155,14 @@ class TrunkServer:
         if frontends and credentials is not None and frontend_tls is None:
             raise ConfigError("front-end processes serve TLS from PEM files: pass frontend_tls=(key, chain, client_ca) "
                               "with the credentials (splitfed serve does)")
+        if bulk_connections < 0:
+            raise ConfigError(f"bulk_connections must be >= 0, got {bulk_connections}")
+        if bulk_connections and credentials is not None:
+            raise ConfigError("bulk links carry tensor bytes unencrypted: a TLS server offers none (leave "
+                              "bulk_connections at 0)")
+        if bulk_connections and frontends:
+            raise ConfigError("bulk links and front-end processes exclude each other: set one of bulk_connections "
+                              "and frontends")
         self._frontend_count = frontends
         self._frontend_tls = frontend_tls
         self.frontends: Any = None
@@ -179,7 +191,10 @@ class TrunkServer:
 
             self.metrics = TrunkMetrics()
             self._interceptors.insert(0, self.metrics.interceptor())
-        self.options = ServerOptions(limits, authenticate, shared_memory_total_bytes, session_limits)
+        self.bulk = None if not bulk_connections else BulkHub(
+            host, max_connections=bulk_connections, max_bytes=limits.max_tensor_bytes,
+            max_pending_bytes=2 * limits.max_tensor_bytes + limits.max_message_bytes, alloc=host_memory())
+        self.options = ServerOptions(limits, authenticate, shared_memory_total_bytes, session_limits, self.bulk)
         self.registry = ModelRegistry(self.options, MemoryBudget(max_memory), on_state=self._on_state,
                                       on_ready=self._on_ready)
         if self.metrics is not None:
@@ -278,6 +293,8 @@ class TrunkServer:
                 entry.unit.start()
         self.registry.pending = {spec.name for spec in self._initial}  # told to retry until they load
         try:
+            if self.bulk is not None:
+                self.bulk.start()
             self._run(self._start())
             if self.metrics is not None:
                 self.metrics_port = self.metrics.serve(self._metrics_port or 0, self._metrics_host)
@@ -320,6 +337,8 @@ class TrunkServer:
             else:
                 self._run(self.registry.close())
         finally:
+            if self.bulk is not None:
+                self.bulk.close()
             self._shutdown_loop()
             if self.metrics is not None:
                 self.metrics.stop()

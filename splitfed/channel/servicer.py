@@ -22,8 +22,8 @@ import grpc
 
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
+from splitfed.channel.bulkio import BulkService
 from splitfed.channel.cutio import CutIO
-from splitfed.channel.regionio import RegionIO, RegionService
 from splitfed.channel.handlers import (
     Malformed,
     check_parsed,
@@ -31,6 +31,7 @@ from splitfed.channel.handlers import (
     status_for,
 )
 from splitfed.channel.limits import CLIENT_ID_KEY, RETRY_KEYS, ChannelLimits
+from splitfed.channel.regionio import RegionIO, RegionService
 from splitfed.channel.wire import (
     ReplyCompression,
     decode_single,
@@ -92,7 +93,7 @@ def _device_out(ready: dict, slot: RegionRef | None) -> bool:
     return bool(ready) and slot is not None and slot.event > 0
 
 
-class SplitChannelServicer(RegionService, CutIO):
+class SplitChannelServicer(RegionService, CutIO, BulkService):
     """Decodes, schedules trunk work, awaits it, encodes; every error becomes a precise status."""
 
     def __init__(self, runtime: TrunkRuntime, scheduler: TrunkScheduler, limits: ChannelLimits, *,
@@ -345,12 +346,14 @@ class SplitChannelServicer(RegionService, CutIO):
         async def run() -> list[Any]:
             identity = self._identity(context)  # before a byte of payload is read
             try:
-                msg = await self._gather(requests, field)
+                msg = await self._gather(requests, field, identity[0], context)
             except SplitFedError:  # a refused request: the step must not wait for this client
                 await self._refused(identity[0])
                 raise
             reply, encs = await handler(identity, msg.header, msg.tensors)
             header = pb.Frame(**{reply_field: reply})
+            if msg.bulk is not None:
+                return await self._bulk_reply(identity[0], msg.bulk, header, reply_field, encs)
             return list(frames(header, reply_field, encs, self.limits.chunk_bytes))
         for frame in await self._call(context, run):
             yield frame

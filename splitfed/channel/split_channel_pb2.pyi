@@ -185,18 +185,28 @@ class Chunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("forward_request", "forward_reply", "backward_request", "backward_reply", "chunk")
+    __slots__ = ("forward_request", "forward_reply", "backward_request", "backward_reply", "chunk", "bulk")
     FORWARD_REQUEST_FIELD_NUMBER: _ClassVar[int]
     FORWARD_REPLY_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_REQUEST_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_REPLY_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
     forward_request: ForwardRequest
     forward_reply: ForwardReply
     backward_request: BackwardRequest
     backward_reply: BackwardReply
     chunk: Chunk
-    def __init__(self, forward_request: _Optional[_Union[ForwardRequest, _Mapping]] = ..., forward_reply: _Optional[_Union[ForwardReply, _Mapping]] = ..., backward_request: _Optional[_Union[BackwardRequest, _Mapping]] = ..., backward_reply: _Optional[_Union[BackwardReply, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+    bulk: BulkRef
+    def __init__(self, forward_request: _Optional[_Union[ForwardRequest, _Mapping]] = ..., forward_reply: _Optional[_Union[ForwardReply, _Mapping]] = ..., backward_request: _Optional[_Union[BackwardRequest, _Mapping]] = ..., backward_reply: _Optional[_Union[BackwardReply, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ...) -> None: ...
+
+class BulkRef(_message.Message):
+    __slots__ = ("link", "transfer")
+    LINK_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    link: str
+    transfer: int
+    def __init__(self, link: _Optional[str] = ..., transfer: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -309,3 +319,21 @@ class CloseRegionRequest(_message.Message):
 class CloseRegionReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class OpenBulkRequest(_message.Message):
+    __slots__ = ("connections",)
+    CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    connections: int
+    def __init__(self, connections: _Optional[int] = ...) -> None: ...
+
+class OpenBulkReply(_message.Message):
+    __slots__ = ("link", "ticket", "port", "connections")
+    LINK_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    link: str
+    ticket: bytes
+    port: int
+    connections: int
+    def __init__(self, link: _Optional[str] = ..., ticket: _Optional[bytes] = ..., port: _Optional[int] = ..., connections: _Optional[int] = ...) -> None: ...

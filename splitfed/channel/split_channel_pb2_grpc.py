@@ -89,6 +89,11 @@ class SplitChannelStub:
                 request_serializer=splitfed_dot_channel_dot_split__channel__pb2.CloseRegionRequest.SerializeToString,
                 response_deserializer=splitfed_dot_channel_dot_split__channel__pb2.CloseRegionReply.FromString,
                 _registered_method=True)
+        self.OpenBulk = channel.unary_unary(
+                '/splitfed.v1.SplitChannel/OpenBulk',
+                request_serializer=splitfed_dot_channel_dot_split__channel__pb2.OpenBulkRequest.SerializeToString,
+                response_deserializer=splitfed_dot_channel_dot_split__channel__pb2.OpenBulkReply.FromString,
+                _registered_method=True)
 
 
 class SplitChannelServicer:
@@ -160,6 +165,12 @@ class SplitChannelServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenBulk(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SplitChannelServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +228,11 @@ def add_SplitChannelServicer_to_server(servicer, server):
                     servicer.CloseRegion,
                     request_deserializer=splitfed_dot_channel_dot_split__channel__pb2.CloseRegionRequest.FromString,
                     response_serializer=splitfed_dot_channel_dot_split__channel__pb2.CloseRegionReply.SerializeToString,
+            ),
+            'OpenBulk': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenBulk,
+                    request_deserializer=splitfed_dot_channel_dot_split__channel__pb2.OpenBulkRequest.FromString,
+                    response_serializer=splitfed_dot_channel_dot_split__channel__pb2.OpenBulkReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -516,6 +532,33 @@ class SplitChannel:
             '/splitfed.v1.SplitChannel/CloseRegion',
             splitfed_dot_channel_dot_split__channel__pb2.CloseRegionRequest.SerializeToString,
             splitfed_dot_channel_dot_split__channel__pb2.CloseRegionReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenBulk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitfed.v1.SplitChannel/OpenBulk',
+            splitfed_dot_channel_dot_split__channel__pb2.OpenBulkRequest.SerializeToString,
+            splitfed_dot_channel_dot_split__channel__pb2.OpenBulkReply.FromString,
             options,
             channel_credentials,
             insecure,

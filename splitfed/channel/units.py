@@ -55,6 +55,8 @@ class ServerOptions:
     authenticate: Callable[[dict[str, str]], str] | None = None
     shared_memory_total_bytes: int = 4 << 30
     session_limits: SessionLimits = SessionLimits()
+    #: The server's bulk links (a :class:`~splitfed.channel.bulkhub.BulkHub`; None: it offers none).
+    bulk: Any = None
 
 
 class ModelUnit:
@@ -93,6 +95,7 @@ class ModelUnit:
         runtime.defer = self._defer  # a batch's backward runs on the device thread
         self.servicer = SplitChannelServicer(runtime, self.scheduler, options.limits, model_name=name, cuts=cuts,
                                              authenticate=options.authenticate, sessions=sessions)
+        self.servicer.bulk = options.bulk
         if shared_memory_bytes > 0 and options.shared_memory_total_bytes > 0 and regions_available():
             self.servicer.regions = RegionTable(shared_memory_bytes, options.shared_memory_total_bytes,
                                                 pin=runtime.device.type == "cuda")

@@ -18,8 +18,8 @@ from splitfed.codec import (
     TensorLimits,
     WireDType,
     compressed_sizes,
-    decode,
     declared_nbytes,
+    decode,
     encode,
     encode_packed,
     torch_dtype,
@@ -248,6 +248,8 @@ class Assembled:
 
     header: Any
     tensors: list[EncodedTensor]
+    #: The bulk transfer the tensors' bytes came by (a ``pb.BulkRef``), or None when they came as chunks.
+    bulk: Any = None
 
 
 class Gather:
@@ -276,12 +278,25 @@ class Gather:
         if self.total > max_bytes:
             raise ResourceExhaustedError(f"streamed tensors declare {self.total} bytes, above the limit of "
                                          f"{max_bytes}")
+        #: The bulk transfer that carries the bytes instead of chunks (see :meth:`adopt`).
+        self.bulk = first.bulk if first.HasField("bulk") else None
+        self.received = 0
+        if self.bulk is not None:
+            self.buf = _numpy_bytes(0)
+            return
         # Not a numpy slice of it: numpy would hand a slice's views the array beneath, and ``alloc``'s array may
         # own the buffer's lifetime (a pool buffer goes back once that array is gone).
         self.buf = (alloc or _numpy_bytes)(self.total)
         if len(self.buf) != self.total:
             raise ValueError(f"alloc gave {len(self.buf)} bytes for {self.total}")
-        self.received = 0
+
+    def adopt(self, buf: np.ndarray) -> None:
+        """Take ``buf`` (every byte of a bulk transfer) as the message's bytes."""
+        if self.bulk is None or self.received:
+            raise CodecError("only a bulk message's bytes are adopted, once")
+        if len(buf) != self.total:
+            raise CodecError(f"bulk transfer holds {len(buf)} bytes; the header declares {self.total}")
+        self.buf, self.received = buf, self.total
 
     def feed(self, frame: pb.Frame | ChunkView) -> None:
         """Copy the chunk ``frame`` into its place."""
@@ -290,6 +305,8 @@ class Gather:
                 raise CodecError(f"unexpected {frame.WhichOneof('body')} frame after the header; only chunks "
                                  "may follow")
             frame = ChunkView(frame.chunk.offset, frame.chunk.data)
+        if self.bulk is not None:
+            raise CodecError("a message whose bytes come by a bulk link carries no chunks")
         if frame.offset != self.received:
             raise CodecError(f"chunk at offset {frame.offset} arrived out of order; expected offset "
                              f"{self.received}")
@@ -309,7 +326,7 @@ class Gather:
         for t, size in zip(self.header.tensors, self.sizes):
             tensors.append(from_proto(t, view[offset:offset + size]))
             offset += size
-        return Assembled(self.header, tensors)
+        return Assembled(self.header, tensors, self.bulk)
 
 
 def _numpy_bytes(n: int) -> np.ndarray:
