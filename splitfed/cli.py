@@ -72,6 +72,9 @@ def _build_server(rank: int, args: argparse.Namespace) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.replicas > 1 and args.bulk_connections:
+        raise SystemExit("splitfed serve: --bulk-connections needs --replicas 1 (the router does not route bulk "
+                         "links)")
     if args.replicas <= 1 or args.models_file or len(args.model or []) != 1:
         from splitfed.cli_models import serve_models
 

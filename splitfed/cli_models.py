@@ -45,6 +45,9 @@ def add_serve_options(serve: argparse.ArgumentParser) -> None:
                        help="take calls in with this many front-end processes sharing --port, so gRPC's per-call "
                             "work runs on several cores (many clients on one GPU; default: %(default)s, the "
                             "server's own event loop); see docs/performance.md")
+    serve.add_argument("--bulk-connections", type=int, default=0,
+                       help="offer clients bulk links of up to this many TCP connections for the bytes of large "
+                            "tensors (plaintext servers only; 0: none, the default); see docs/performance.md")
 
 
 def spec_from_flag(text: str, args: argparse.Namespace) -> Any:
@@ -118,7 +121,7 @@ def serve_models(args: argparse.Namespace) -> int:
         server = TrunkServer(host=args.host, port=args.port, insecure=args.insecure, credentials=credentials,
                              models=specs, admin_token=read_token(args), max_memory=parse_budget(args.max_memory),
                              metrics_port=args.metrics_port, metrics_host=args.host, frontends=args.frontends,
-                             frontend_tls=frontend_tls).start()
+                             frontend_tls=frontend_tls, bulk_connections=args.bulk_connections).start()
     except SplitFedError as exc:
         raise SystemExit(f"splitfed serve: {exc}") from None
     log.info("serving %s on %s", ", ".join(names), server.address)

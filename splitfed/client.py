@@ -91,7 +91,7 @@ def connect_trunk(cfg: RunConfig, address: str, token: str | None, client_id: st
                            topk_ratio=cfg.topk_ratio, error_feedback=cfg.wire_error_feedback),
                        retry=RetryPolicy(timeout_s=_call_timeout(cfg)),
                        cut=cfg.cuts if cfg.client_cuts else None, channels=lanes, max_in_flight=2 * lanes,
-                       shared_memory=cfg.shared_memory)
+                       shared_memory=cfg.shared_memory, bulk_connections=cfg.bulk_connections)
 
 
 def _call_timeout(cfg: RunConfig) -> float:

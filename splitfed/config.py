@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ class RunConfig:
     micro_batches: str = "1"  # pipelined split step: micro-batches per client batch, or "auto"
     shared_memory: str = "auto"  # tensors through shared memory when client and trunk share a host: auto, on, off
     trunk_shared_memory_mib: int = 256  # shared memory each client on the trunk's host may map (0: none)
+    bulk_connections: int = 0  # TCP connections of a bulk link for streamed tensors (0: none; plaintext trunks only)
     # Data.
     dataset: str = ""  # empty: the model's embedded data; else a hub dataset (needs a network)
     partitioner: str = "iid"
@@ -137,6 +139,16 @@ class RunConfig:
     def effective_trunk_lr(self) -> float:
         """Learning rate of the trunk's optimizer."""
         return self.trunk_lr or self.lr
+
+    def bulk_offer(self, plaintext: bool) -> int:
+        """Connections of the bulk links the trunk server offers: ``bulk-connections`` on a plaintext trunk, none on
+        a TLS one (a link's bytes are not encrypted; its clients then stream over gRPC), said in the log."""
+        if self.bulk_connections and not plaintext:
+            logging.getLogger(__name__).warning(
+                "bulk-connections = %d is ignored: the trunk serves TLS, and bulk links are not encrypted; "
+                "tensors stream over gRPC", self.bulk_connections)
+            return 0
+        return self.bulk_connections
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
@@ -198,12 +210,16 @@ class RunConfig:
                                 ("trunk-max-batch-tokens", self.trunk_max_batch_tokens, 1),
                                 ("trunk-max-concurrent-rpcs", self.trunk_max_concurrent_rpcs, 1),
                                 ("trunk-replicas", self.trunk_replicas, 1),
-                                ("trunk-shared-memory-mib", self.trunk_shared_memory_mib, 0)]:
+                                ("trunk-shared-memory-mib", self.trunk_shared_memory_mib, 0),
+                                ("bulk-connections", self.bulk_connections, 0)]:
             if value < low:
                 raise ConfigError(f"{key} must be >= {low}, got {value}")
         if self.trunk_replicas > 1 and self.trunk_mode not in ("sync", "async", "quorum"):
             raise ConfigError(f"trunk-replicas = {self.trunk_replicas} needs trunk-mode sync, async or quorum, got "
                               f"{self.trunk_mode!r}; set trunk-replicas = 1")
+        if self.trunk_replicas > 1 and self.bulk_connections:
+            raise ConfigError("bulk-connections needs trunk-replicas = 1 (the router in front of the replicas does not "
+                              "route bulk links); set bulk-connections = 0")
         if self.trunk_replicas > 1 and self.client_cuts:
             raise ConfigError("trunk-replicas > 1 does not combine with client-cuts yet (the round-end merge of "
                               "the trunk's blocks updates one replica); set trunk-replicas = 1")

@@ -116,7 +116,8 @@ class ServerRunner:
                                   metrics_host=cfg.trunk_bind, batch_window_ms=cfg.trunk_batch_window_ms,
                                   max_batch_tokens=cfg.trunk_max_batch_tokens,
                                   max_concurrent_rpcs=cfg.trunk_max_concurrent_rpcs,
-                                  shared_memory_bytes=cfg.trunk_shared_memory_mib << 20)
+                                  shared_memory_bytes=cfg.trunk_shared_memory_mib << 20,
+                                  bulk_connections=cfg.bulk_offer(self.transport.insecure))
         self._round_started = time.monotonic()
 
     # -- lifecycle --------------------------------------------------------------------------

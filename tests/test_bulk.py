@@ -350,3 +350,29 @@ def test_calls_in_flight_at_once_share_links_and_get_their_own_replies(trunk_ser
     assert [c.bulk.calls for c in clients] == [8, 8, 8] and server.bulk.links == 3
     for client in clients:
         client.close()
+
+
+# -- configuration ----------------------------------------------------------------------------------------------
+def test_a_run_config_offers_bulk_links_on_a_plaintext_trunk_and_its_clients_open_them(
+        tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    from flower_harness import default_run_config
+
+    from splitfed.client import connect_trunk
+    from splitfed.config import RunConfig
+    from splitfed.server import ServerRunner
+
+    with pytest.raises(ConfigError, match="bulk-connections"):
+        RunConfig.from_mapping(default_run_config(bulk_connections=-1))
+    with pytest.raises(ConfigError, match="trunk-replicas = 1"):
+        RunConfig.from_mapping(default_run_config(bulk_connections=2, trunk_replicas=2))
+    cfg = RunConfig.from_mapping(default_run_config(bulk_connections=2, output_dir=str(tmp_path)))
+    assert cfg.bulk_offer(plaintext=False) == 0 and "bulk-connections = 2 is ignored" in caplog.text
+    runner = ServerRunner(cfg, output_dir=tmp_path).start()
+    try:
+        assert runner.server.bulk is not None and runner.server.bulk.max_connections == 2
+        remote = connect_trunk(cfg, runner.server.address, runner.tokens.issue(1, 1), "node-1")
+        assert remote.client.bulk.connections == 2
+        assert remote.client.bulk.ready(gpu=False) is not None and runner.server.bulk.links == 1
+        remote.close()
+    finally:
+        runner.server.stop(grace=0)

@@ -17,6 +17,7 @@ import torch
 from test_serving import CNN_INPUT, save_llama
 
 from splitfed.channel.client import TrunkClient
+from splitfed.channel.limits import ChannelLimits
 from splitfed.cli import main
 from splitfed.split import CutState
 
@@ -74,12 +75,14 @@ def test_serve_several_models_and_manage_them_from_the_command_line(tmp_path: Pa
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "splitfed.cli", "serve", "--model", "cnn=mnist-cnn:3,6",
                              "--models-file", str(models_file), "--admin-token-file", str(token_file),
-                             "--port", str(port), "--insecure"],
+                             "--port", str(port), "--insecure", "--bulk-connections", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     address = f"127.0.0.1:{port}"
     admin = ["--server", address, "--admin-token-file", str(token_file), "--json"]
     try:
-        with TrunkClient(address, insecure=True, model="cnn") as cnn, \
+        # The CNN's client streams its tensors over a bulk link (a low stream threshold: they are small).
+        with TrunkClient(address, insecure=True, model="cnn", shared_memory="off", bulk_connections=2,
+                         limits=ChannelLimits(stream_threshold_bytes=1 << 10)) as cnn, \
                 TrunkClient(address, insecure=True, model="llm") as llm:
             _serving(address, "llm", "cnn")  # the server serves while it loads them, one after the other
             assert list(cnn.info().cuts) == [3, 6]
@@ -93,6 +96,7 @@ def test_serve_several_models_and_manage_them_from_the_command_line(tmp_path: Pa
             act = uuid.uuid4().hex
             out, _ = cnn.forward(CutState(torch.randn(*CNN_INPUT)), activation_id=act, train=True)
             assert cnn.backward(act, torch.ones_like(out)).trunk_version == 1
+            assert cnn.bulk.calls == 2 and cnn.bulk.failed is None
             (reloaded,) = _models(capsys, "reload", "cnn", *admin)["models"]
             assert (reloaded["state"], reloaded["trunk_version"]) == ("READY", 0)
             (unloaded,) = _models(capsys, "unload", "cnn2", *admin)["models"]
