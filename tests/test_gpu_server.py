@@ -95,15 +95,17 @@ def _run(trunk_server, device: torch.device, transport: str, window_ms: float, s
     torch.manual_seed(0)
     split = split_model(tiny_model("llama").train(), cuts=(1, 3))
     server = trunk_server(split.trunk.to(device), lr=0.1, aggregator=make_aggregator("sync", timeout=60),
-                          batch_window_ms=window_ms)
+                          batch_window_ms=window_ms, bulk_connections=2 if transport == "bulk" else 0)
     outs: dict = {}
     errors: dict = {}
     start = threading.Barrier(len(LENGTHS))
 
     def client(i: int) -> None:
+        streamed = transport in ("stream", "bulk")
         c = TrunkClient(server.address, insecure=True, client_id=f"c{i}",
-                        shared_memory="off" if transport == "stream" else transport,
-                        limits=STREAMED if transport == "stream" else ChannelLimits())
+                        shared_memory="off" if streamed else transport,
+                        limits=STREAMED if streamed else ChannelLimits(),
+                        bulk_connections=2 if transport == "bulk" else 0)
         c.join()
         for step in range(steps):
             state = _inputs(step)[i]
@@ -118,6 +120,8 @@ def _run(trunk_server, device: torch.device, transport: str, window_ms: float, s
                 continue
             reply = c.backward(act, torch.sin(out * (1 + i)))
             outs[(i, step)] = (out, reply.grad, reply.outcome)
+        if transport == "bulk":
+            assert c.bulk.calls == 2 * steps and c.bulk.failed is None
         c.close()
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(LENGTHS))]
@@ -128,7 +132,7 @@ def _run(trunk_server, device: torch.device, transport: str, window_ms: float, s
     return split.trunk, server, outs, errors
 
 
-@pytest.mark.parametrize("transport", ["on", "off", "stream"])
+@pytest.mark.parametrize("transport", ["on", "off", "stream", "bulk"])
 def test_host_clients_of_a_gpu_trunk_train_as_on_the_cpu(trunk_server, transport: str) -> None:
     ref_trunk, _, ref_outs, _ = _run(trunk_server, torch.device("cpu"), "off", window_ms=0)
     trunk, server, outs, errors = _run(trunk_server, CUDA, transport, window_ms=500)
@@ -140,7 +144,7 @@ def test_host_clients_of_a_gpu_trunk_train_as_on_the_cpu(trunk_server, transport
         assert io.stats["out-direct"] >= 2 * len(outs)  # every reply went into the client's region directly
     elif transport == "off":
         assert io.stats["in-staged"] >= 2 * len(outs)
-    else:  # streamed requests gathered in pinned memory as their chunks came: no copy before the copy engine's
+    else:  # streamed requests gathered (or read off a bulk link) in pinned memory: no copy before the copy engine's
         assert io.stats["in-staged"] == 0
     for key, (out, grad_in, outcome) in ref_outs.items():
         got_out, got_grad, got_outcome = outs[key]
@@ -199,6 +203,22 @@ def test_a_streamed_reply_to_a_gpu_client_gathers_in_pinned_memory(trunk_server)
         c.forward(state, activation_id=act, train=True)
         reply = c.backward(act, torch.ones(2, 7, 32, device=CUDA), owned=True)
     assert out.is_pinned() and torch.equal(out, ref)  # handed over as gathered: already pinned, same bytes
+    assert reply.grad.is_pinned() and reply.grad.shape == (2, 7, 32)
+
+
+def test_a_gpu_client_over_a_bulk_link_gets_its_replies_in_pinned_memory(trunk_server) -> None:
+    split = split_model(tiny_model("llama"), cuts=(1, 3))
+    server = trunk_server(split.trunk.to(CUDA), lr=0.1, bulk_connections=2)
+    state = CutState(torch.randn(2, 7, 32, device=CUDA))
+    with TrunkClient(server.address, insecure=True, shared_memory="off", limits=STREAMED, bulk_connections=2) as c, \
+            TrunkClient(server.address, insecure=True, shared_memory="off") as unary:
+        out, _ = c.forward(state, train=False, owned=True)
+        ref, _ = unary.forward(CutState(state.hidden.cpu()), train=False)
+        act = uuid.uuid4().hex
+        c.forward(state, activation_id=act, train=True)
+        reply = c.backward(act, torch.ones(2, 7, 32, device=CUDA), owned=True)
+        assert c.bulk.calls == 3 and c.bulk.failed is None
+    assert out.is_pinned() and torch.equal(out, ref)  # read off the link into pinned memory, handed over as is
     assert reply.grad.is_pinned() and reply.grad.shape == (2, 7, 32)
 
 
