@@ -376,3 +376,43 @@ def test_a_run_config_offers_bulk_links_on_a_plaintext_trunk_and_its_clients_ope
         remote.close()
     finally:
         runner.server.stop(grace=0)
+
+
+def test_slow_handshakes_chunks_after_a_bulk_header_and_too_many_links_are_refused(
+        trunk_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    from splitfed.channel import bulkhub
+
+    monkeypatch.setattr(bulkhub, "HANDSHAKE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(bulkhub, "MAX_LINKS_PER_CLIENT", 2)
+    server = trunk_server(split_model(tiny_model("gpt2"), (1, 3)).trunk, limits=LIMITS, bulk_connections=2,
+                          authenticate=lambda md: md.get("authorization", "") and "alice" or _no_token())
+    with socket.create_connection(("127.0.0.1", server.bulk.port), timeout=10) as idle:
+        start = time.monotonic()
+        assert _closed(idle) and time.monotonic() - start < 5  # said nothing: dropped after the timeout
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.SplitChannelStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.OpenBulk(pb.OpenBulkRequest(connections=2), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        md = [("authorization", "Bearer t")]
+        offers = [stub.OpenBulk(pb.OpenBulkRequest(connections=2), timeout=10, metadata=md) for _ in range(2)]
+        with pytest.raises(grpc.RpcError) as info:
+            stub.OpenBulk(pb.OpenBulkRequest(connections=2), timeout=10, metadata=md)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        socks = _attach(server.bulk.port, offers[0].ticket, range(2))
+        header = pb.Frame(forward_request=pb.ForwardRequest(activation_id="a", train=False))
+        encs = encode_state(CutState(torch.randn(4, 16, 32), None, None), "fp32")
+        first, *chunks = frames(header, "forward_request", encs, 1000)
+        chunked = [first] + [pb.Frame(chunk=pb.Chunk(offset=c.offset, data=bytes(c.data))) for c in chunks]
+        chunked[0].bulk.CopyFrom(pb.BulkRef(link=offers[0].link, transfer=1))
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.ForwardStream(iter(chunked), timeout=10, metadata=md))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "carries no chunks" in info.value.details()
+    for sock in socks:
+        sock.close()
+
+
+def _no_token() -> str:
+    from splitfed.errors import AuthError
+
+    raise AuthError("missing authorization metadata")
