@@ -352,31 +352,6 @@ def test_calls_in_flight_at_once_share_links_and_get_their_own_replies(trunk_ser
         client.close()
 
 
-# -- configuration ----------------------------------------------------------------------------------------------
-def test_a_run_config_offers_bulk_links_on_a_plaintext_trunk_and_its_clients_open_them(
-        tmp_path, caplog: pytest.LogCaptureFixture) -> None:
-    from flower_harness import default_run_config
-
-    from splitfed.client import connect_trunk
-    from splitfed.config import RunConfig
-    from splitfed.server import ServerRunner
-
-    with pytest.raises(ConfigError, match="bulk-connections"):
-        RunConfig.from_mapping(default_run_config(bulk_connections=-1))
-    with pytest.raises(ConfigError, match="trunk-replicas = 1"):
-        RunConfig.from_mapping(default_run_config(bulk_connections=2, trunk_replicas=2))
-    cfg = RunConfig.from_mapping(default_run_config(bulk_connections=2, output_dir=str(tmp_path)))
-    assert cfg.bulk_offer(plaintext=False) == 0 and "bulk-connections = 2 is ignored" in caplog.text
-    runner = ServerRunner(cfg, output_dir=tmp_path).start()
-    try:
-        assert runner.server.bulk is not None and runner.server.bulk.max_connections == 2
-        remote = connect_trunk(cfg, runner.server.address, runner.tokens.issue(1, 1), "node-1")
-        assert remote.client.bulk.connections == 2
-        assert remote.client.bulk.ready(gpu=False) is not None and runner.server.bulk.links == 1
-        remote.close()
-    finally:
-        runner.server.stop(grace=0)
-
 
 def test_slow_handshakes_chunks_after_a_bulk_header_and_too_many_links_are_refused(
         trunk_server, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -416,3 +391,16 @@ def _no_token() -> str:
     from splitfed.errors import AuthError
 
     raise AuthError("missing authorization metadata")
+
+
+def test_a_client_with_a_bulk_link_streams_mid_sized_tensors_over_it(trunk_server) -> None:
+    # 320 KiB: a unary call under the default 4 MiB threshold, but above BULK_MIN_BYTES: over the link.
+    split = split_model(tiny_model("gpt2").eval(), (1, 3))
+    server = trunk_server(split.trunk, bulk_connections=2)
+    state = CutState(torch.randn(64, 40, 32), None, None)
+    assert 4 * state.hidden.numel() > bulk.BULK_MIN_BYTES
+    with TrunkClient(server.address, insecure=True, shared_memory="off", bulk_connections=2) as client, \
+            TrunkClient(server.address, insecure=True, shared_memory="off") as plain:
+        out, _ = client.forward(state, train=False)
+        want, _ = plain.forward(state, train=False)
+        assert client.bulk.calls == 1 and plain.bulk.calls == 0 and torch.equal(out, want)

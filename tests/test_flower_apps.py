@@ -31,6 +31,30 @@ def test_bad_config_values_name_the_key(key: str, value: object, fragment: str) 
         RunConfig.from_mapping(default_run_config(**{key: value}))
 
 
+def test_a_run_config_offers_bulk_links_on_a_plaintext_trunk_and_its_clients_open_them(
+        tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    from splitfed.client import connect_trunk
+    from splitfed.config import RunConfig
+    from splitfed.server import ServerRunner
+
+    # Bulk links (splitfed.channel.bulk; tests/test_bulk.py): offered by a plaintext trunk, opened by its clients.
+    with pytest.raises(ConfigError, match="bulk-connections"):
+        RunConfig.from_mapping(default_run_config(bulk_connections=-1))
+    with pytest.raises(ConfigError, match="trunk-replicas = 1"):
+        RunConfig.from_mapping(default_run_config(bulk_connections=2, trunk_replicas=2))
+    cfg = RunConfig.from_mapping(default_run_config(bulk_connections=2, output_dir=str(tmp_path)))
+    assert cfg.bulk_offer(plaintext=False) == 0 and "bulk-connections = 2 is ignored" in caplog.text
+    runner = ServerRunner(cfg, output_dir=tmp_path).start()
+    try:
+        assert runner.server.bulk is not None and runner.server.bulk.max_connections == 2
+        remote = connect_trunk(cfg, runner.server.address, runner.tokens.issue(1, 1), "node-1")
+        assert remote.client.bulk.connections == 2
+        assert remote.client.bulk.ready(gpu=False) is not None and runner.server.bulk.links == 1
+        remote.close()
+    finally:
+        runner.server.stop(grace=0)
+
+
 def _history(out) -> dict:
     return json.loads((out / "history.json").read_text())
 

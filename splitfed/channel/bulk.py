@@ -44,6 +44,8 @@ ACK = b"\x01"
 SEGMENT = struct.Struct("<QQQQ")  # transfer, total, offset, length
 #: A transfer is cut into at most one stripe per connection, each at least this large.
 MIN_STRIPE_BYTES = 256 << 10
+#: Above this many bytes a client with a bulk link streams its calls over it, whatever its unary threshold.
+BULK_MIN_BYTES = 256 << 10
 #: A transfer nobody took within this long is dropped (its sender's call has failed or moved on).
 TRANSFER_TTL_S = 120.0
 #: Socket buffers asked for on each connection.
@@ -344,4 +346,4 @@ def parts_of(encs: Sequence[Any]) -> list[memoryview]:
     return out
 
 
-__all__ = ["ACK", "HANDSHAKE", "MAGIC", "BulkLink", "BulkLinkError", "connect", "parts_of", "stripes"]
+__all__ = ["ACK", "BULK_MIN_BYTES", "HANDSHAKE", "MAGIC", "BulkLink", "BulkLinkError", "connect", "parts_of", "stripes"]

@@ -44,6 +44,11 @@ class BulkLane:
         self.failed: str | None = None
 
     @property
+    def wanted(self) -> bool:
+        """Whether streamed calls go over a link (one is open, or will be opened by the next)."""
+        return not self._off
+
+    @property
     def active(self) -> bool:
         """Whether a link is open and in use."""
         return self.link is not None and self.link.closed is None

@@ -25,6 +25,7 @@ import torch
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel import split_channel_pb2_grpc as pb_grpc
+from splitfed.channel.bulk import BULK_MIN_BYTES
 from splitfed.channel.bulkclient import BulkLane
 from splitfed.channel.lanes import Lane
 from splitfed.channel.limits import CLIENT_ID_KEY, MODEL_KEY, SERVICE_NAME, ChannelLimits
@@ -194,6 +195,13 @@ class TrunkClient:
             self.bytes_received += received
             self.calls += 1
 
+    def _stream_threshold(self) -> int:
+        """Bytes above which a call streams: the limits' threshold, or :data:`~splitfed.channel.bulk.BULK_MIN_BYTES`
+        when lower and a bulk link carries streamed calls' bytes (a large unary message costs more than a bulk
+        transfer)."""
+        threshold = self.limits.stream_threshold_bytes
+        return min(threshold, BULK_MIN_BYTES) if self.bulk.wanted else threshold
+
     def _stream_call(self, name: str, fn: Callable[..., Iterator[pb.Frame]], header: pb.Frame, field: str,
                      encs: list[EncodedTensor], reply_field: str, extra: Sequence[tuple[str, str]] = (),
                      alloc: Callable[[int], Any] | None = None) -> Any:
@@ -280,7 +288,7 @@ class TrunkClient:
             return shared[1], shared[0].trunk_version
         encs = encode_state(state, self.wire_dtype, act)
         sent = payload_bytes(encs)
-        if sent <= self.limits.stream_threshold_bytes and not self._reply_needs_stream:
+        if sent <= self._stream_threshold() and not self._reply_needs_stream:
             try:
                 parsed = self._invoke("Forward", lane.forward, fastwire.Parsed(req, encs))
                 reply, out = parsed.header, parsed.tensors
@@ -333,7 +341,7 @@ class TrunkClient:
             encs = [encode("grad", grad, self.wire_dtype)]
         sent, lane = payload_bytes(encs), self._lane()
         reply_bytes = 0 if input_numel is None else input_numel * torch_dtype(self.wire_dtype).itemsize
-        if max(sent, reply_bytes) <= self.limits.stream_threshold_bytes:
+        if max(sent, reply_bytes) <= self._stream_threshold():
             parsed = self._invoke("Backward", lane.backward, fastwire.Parsed(req, encs))
             reply, out = parsed.header, parsed.tensors
         else:
