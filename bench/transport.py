@@ -12,7 +12,11 @@ transport beneath it. This bench times, for one payload size, an echo round trip
   (4 TCP connections);
 * ``transport_tcp_ms`` / ``transport_tcp_conns4_ms``: a raw TCP socket (``sendall`` of the bytes, ``recv_into``
   a buffer allocated once), on 1 connection and on 4 at once;
-* ``transport_grpc_stream_vs_tcp``: the streamed gRPC echo over the single TCP connection's.
+* ``transport_bulk_link4_ms``: splitfed's bulk link (:mod:`splitfed.channel.bulk`) of 4 connections, the
+  payload striped over them each way, read into a buffer of the receiver's own (what a streamed call's bytes take
+  with ``bulk_connections = 4``);
+* ``transport_grpc_stream_vs_tcp``: the streamed gRPC echo over the single TCP connection's;
+  ``transport_bulk_vs_grpc_stream``: the bulk link's echo over the streamed gRPC echo.
 
 Servers run in processes of their own (``spawn``) on 127.0.0.1; the raw TCP echo is a loopback bench server only.
 ``channel_vs_grpc_ratio_*`` (``python -m bench --only channel``) compares the split channel itself with a gRPC echo.
@@ -99,6 +103,42 @@ def _serve_tcp(port_queue: Any, max_bytes: int) -> None:
         threading.Thread(target=_echo_connection, args=(conn, max_bytes), daemon=True).start()
 
 
+def _serve_bulk(port_queue: Any, nbytes: int, connections: int) -> None:
+    """A bulk link echo: ``connections`` connections (each first sends its index, one byte) make one link; transfer
+    i comes back as transfer i."""
+    from splitfed.channel.bulk import BulkLink, tune
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port_queue.put(listener.getsockname()[1])
+    socks: list[socket.socket | None] = [None] * connections
+    for _ in range(connections):
+        conn, _ = listener.accept()
+        tune(conn)
+        socks[conn.recv(1)[0]] = conn
+    link = BulkLink("echo", [s for s in socks if s is not None], max_bytes=nbytes).start()
+    transfer = 0
+    while link.closed is None:
+        transfer += 1
+        try:
+            buf = link.take(transfer, nbytes, timeout=None)
+            for future in link.send(transfer, [memoryview(buf)], nbytes):
+                future.result()
+        except Exception:  # noqa: BLE001 - the client went away: the echo ends
+            return
+
+
+def _bulk_client(port: int, nbytes: int, connections: int) -> Any:
+    from splitfed.channel.bulk import BulkLink, tune
+
+    socks = []
+    for index in range(connections):
+        sock = socket.create_connection(("127.0.0.1", port))
+        tune(sock)
+        sock.sendall(bytes([index]))
+        socks.append(sock)
+    return BulkLink("echo", socks, max_bytes=nbytes).start()
+
+
 class _TcpClient:
     def __init__(self, port: int, max_bytes: int) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port))
@@ -142,13 +182,15 @@ def _parts(data: bytes, k: int) -> list[memoryview]:
 def transport(nbytes: int = 12_582_912, repeat: int = 15) -> dict[str, float]:
     """Echo round trips of ``nbytes`` over loopback: Python gRPC (unary, streamed, 4 channels) and raw TCP."""
     ctx = mp.get_context("spawn")
-    grpc_port, tcp_port = ctx.Queue(), ctx.Queue()
+    grpc_port, tcp_port, bulk_port = ctx.Queue(), ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_serve_grpc, args=(grpc_port,), daemon=True),
-             ctx.Process(target=_serve_tcp, args=(tcp_port, nbytes), daemon=True)]
+             ctx.Process(target=_serve_tcp, args=(tcp_port, nbytes), daemon=True),
+             ctx.Process(target=_serve_bulk, args=(bulk_port, nbytes, 4), daemon=True)]
     for p in procs:
         p.start()
     pool = ThreadPoolExecutor(4)
     channels: list[grpc.Channel] = []
+    link = None
     try:
         gport = get_from(grpc_port, procs, 60, "the gRPC echo server's port")
         tport = get_from(tcp_port, procs, 60, "the TCP echo server's port")
@@ -158,6 +200,16 @@ def transport(nbytes: int = 12_582_912, repeat: int = 15) -> dict[str, float]:
         unary = [c.unary_unary("/bench.Echo/Unary") for c in channels]
         stream = channels[0].stream_stream("/bench.Echo/Stream")
         tcp = [_TcpClient(tport, nbytes) for _ in range(4)]
+        link = _bulk_client(get_from(bulk_port, procs, 60, "the bulk link echo's port"), nbytes, 4)
+        transfers = iter(range(1, 1 << 30))
+
+        def bulk_echo() -> int:
+            transfer = next(transfers)
+            sent = link.send(transfer, [memoryview(data)], nbytes)
+            got = len(link.take(transfer, nbytes, timeout=60))
+            for future in sent:
+                future.result()
+            return got
 
         def streamed() -> int:
             chunks = (data[i:i + CHUNK] for i in range(0, nbytes, CHUNK))
@@ -177,11 +229,15 @@ def transport(nbytes: int = 12_582_912, repeat: int = 15) -> dict[str, float]:
             "transport_grpc_channels4_ms": _median_ms(grpc_parallel, nbytes, repeat),
             "transport_tcp_ms": _median_ms(lambda: tcp[0].echo(memoryview(data)), nbytes, repeat),
             "transport_tcp_conns4_ms": _median_ms(tcp_parallel, nbytes, repeat),
+            "transport_bulk_link4_ms": _median_ms(bulk_echo, nbytes, repeat),
         }
         out["transport_grpc_stream_vs_tcp"] = out["transport_grpc_stream_ms"] / out["transport_tcp_ms"]
+        out["transport_bulk_vs_grpc_stream"] = out["transport_bulk_link4_ms"] / out["transport_grpc_stream_ms"]
         out["transport_bytes"] = float(nbytes)
         return out
     finally:
+        if link is not None:
+            link.close()
         for c in channels:
             c.close()
         pool.shutdown(wait=False)

@@ -89,8 +89,18 @@ def test_bench_transport() -> None:
     results = _json(_bench("bench.transport", "--mib", "0.25", "--repeat", "1", "--json"))
     assert results["transport_bytes"] == 1 << 18
     for key in ("transport_grpc_unary_ms", "transport_grpc_stream_ms", "transport_grpc_channels4_ms",
-                "transport_tcp_ms", "transport_tcp_conns4_ms", "transport_grpc_stream_vs_tcp"):
+                "transport_tcp_ms", "transport_tcp_conns4_ms", "transport_grpc_stream_vs_tcp",
+                "transport_bulk_link4_ms", "transport_bulk_vs_grpc_stream"):
         assert results[key] > 0, key
+
+
+def test_bench_split_step_over_a_bulk_link() -> None:
+    # 512 KiB at the cut: every Forward and Backward streams over the link (above BULK_MIN_BYTES).
+    results = _json(_bench("bench", "--quick", "--only", "split_step", "--transports", "bulk", "--json",
+                           "--split-config", "layers=4 hidden=128 heads=2 vocab=256 batch=4 seq=256"))
+    for key in ("split_step_ratio_bulk", "split_step_ratio_process_bulk"):
+        assert results[key] > 0, key
+    assert results["split_step_bulk_fraction_bulk"] == results["split_step_bulk_fraction_process_bulk"] == 1.0
 
 
 def test_bench_checkpointing() -> None:
