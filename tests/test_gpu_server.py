@@ -191,34 +191,22 @@ def test_a_retried_backward_gets_the_same_reply_from_a_gpu_trunk(trunk_server) -
     channel.close()
 
 
-def test_a_streamed_reply_to_a_gpu_client_gathers_in_pinned_memory(trunk_server) -> None:
+@pytest.mark.parametrize("bulk", [0, 2])
+def test_a_streamed_reply_to_a_gpu_client_gathers_in_pinned_memory(trunk_server, bulk: int) -> None:
+    # Gathered from gRPC's chunks, or read off a bulk link (bulk > 0): pinned memory either way.
     split = split_model(tiny_model("llama"), cuts=(1, 3))
-    server = trunk_server(split.trunk.to(CUDA), lr=0.1)
+    server = trunk_server(split.trunk.to(CUDA), lr=0.1, bulk_connections=bulk)
     state = CutState(torch.randn(2, 7, 32, device=CUDA))
-    with TrunkClient(server.address, insecure=True, shared_memory="off", limits=STREAMED) as c, \
+    with TrunkClient(server.address, insecure=True, shared_memory="off", limits=STREAMED,
+                     bulk_connections=bulk) as c, \
             TrunkClient(server.address, insecure=True, shared_memory="off") as unary:
         out, _ = c.forward(state, train=False, owned=True)
         ref, _ = unary.forward(CutState(state.hidden.cpu()), train=False)
         act = uuid.uuid4().hex
         c.forward(state, activation_id=act, train=True)
         reply = c.backward(act, torch.ones(2, 7, 32, device=CUDA), owned=True)
-    assert out.is_pinned() and torch.equal(out, ref)  # handed over as gathered: already pinned, same bytes
-    assert reply.grad.is_pinned() and reply.grad.shape == (2, 7, 32)
-
-
-def test_a_gpu_client_over_a_bulk_link_gets_its_replies_in_pinned_memory(trunk_server) -> None:
-    split = split_model(tiny_model("llama"), cuts=(1, 3))
-    server = trunk_server(split.trunk.to(CUDA), lr=0.1, bulk_connections=2)
-    state = CutState(torch.randn(2, 7, 32, device=CUDA))
-    with TrunkClient(server.address, insecure=True, shared_memory="off", limits=STREAMED, bulk_connections=2) as c, \
-            TrunkClient(server.address, insecure=True, shared_memory="off") as unary:
-        out, _ = c.forward(state, train=False, owned=True)
-        ref, _ = unary.forward(CutState(state.hidden.cpu()), train=False)
-        act = uuid.uuid4().hex
-        c.forward(state, activation_id=act, train=True)
-        reply = c.backward(act, torch.ones(2, 7, 32, device=CUDA), owned=True)
-        assert c.bulk.calls == 3 and c.bulk.failed is None
-    assert out.is_pinned() and torch.equal(out, ref)  # read off the link into pinned memory, handed over as is
+        assert c.bulk.calls == (3 if bulk else 0) and c.bulk.failed is None
+    assert out.is_pinned() and torch.equal(out, ref)  # handed over as received: already pinned, same bytes
     assert reply.grad.is_pinned() and reply.grad.shape == (2, 7, 32)
 
 
