@@ -92,6 +92,27 @@ def test_a_transfer_that_does_not_come_times_out_and_holds_nothing(small_stripes
         b.close()
 
 
+def test_transfers_nobody_takes_lapse_and_the_link_goes_on(small_stripes: None, monkeypatch) -> None:
+    monkeypatch.setattr(bulk, "TRANSFER_TTL_S", 0.05)
+    a, b = _pair(2)
+    try:
+        data = memoryview(np.arange(3000, dtype=np.uint8).tobytes())
+        for future in a.send(1, [data], len(data)):  # arrives whole; nobody takes it
+            future.result(10)
+        deadline = time.monotonic() + 10
+        while b.bytes_received < len(data) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        a.send(2, [data], len(data))  # its arrival drops transfer 1, which had completed
+        assert bytes(b.take(2, len(data), timeout=10)) == bytes(data)
+        assert b.closed is None and list(b._transfers) == [] and b._pending == 0
+        with pytest.raises(BulkLinkError, match="did not arrive"):
+            b.take(1, len(data), timeout=0.1)  # lapsed: gone
+    finally:
+        a.close()
+        b.close()
+
+
 def _closed(sock: socket.socket) -> bool:
     """Whether the other end closed ``sock`` (reset, when it left bytes unread)."""
     try:

@@ -86,6 +86,17 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
+def _settle(future: concurrent.futures.Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    """Complete ``future`` unless it already is (a transfer's bytes and its taker's giving up may cross)."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
 def _numpy_bytes(nbytes: int) -> np.ndarray:
     return np.empty(nbytes, dtype=np.uint8)
 
@@ -223,8 +234,8 @@ class BulkLink:
             if now - entry.created > TRANSFER_TTL_S:
                 del self._transfers[transfer]
                 self._pending -= entry.total
-                entry.done.set_exception(BulkLinkError(f"transfer {transfer} was not taken within "
-                                                       f"{TRANSFER_TTL_S:.0f}s"))
+                _settle(entry.done, error=BulkLinkError(f"transfer {transfer} was not taken within "
+                                                        f"{TRANSFER_TTL_S:.0f}s"))
 
     def _read(self, index: int) -> None:
         sock, head = self.socks[index], bytearray(SEGMENT.size)
@@ -247,10 +258,10 @@ class BulkLink:
                     self.bytes_received += length
                     entry.parts -= 1
                     complete = entry.parts == 0
-                if complete and not entry.done.done():
-                    entry.done.set_result(entry.buf)
+                if complete:
+                    _settle(entry.done, entry.buf)
             self.close(f"connection {index} closed by the peer")
-        except (OSError, BulkLinkError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a reader never ends without closing its link
             if self.closed is None:
                 log.warning("bulk link %s: %s; closing it", self.name, exc)
             self.close(str(exc))
@@ -272,8 +283,8 @@ class BulkLink:
             entry = self._transfers.pop(transfer, None)
             if entry is not None:
                 self._pending -= entry.total
-        if entry is not None and not entry.done.done():
-            entry.done.set_exception(BulkLinkError(f"transfer {transfer} was given up"))
+        if entry is not None:
+            _settle(entry.done, error=BulkLinkError(f"transfer {transfer} was given up"))
 
     def take(self, transfer: int, total: int, timeout: float | None) -> np.ndarray:
         """Wait (at most ``timeout`` seconds) for ``transfer``'s ``total`` bytes; raises :class:`BulkLinkError`
@@ -305,8 +316,7 @@ class BulkLink:
         for sender in self._senders:
             sender.shutdown(wait=False, cancel_futures=True)
         for entry in waiting:
-            if not entry.done.done():
-                entry.done.set_exception(BulkLinkError(f"bulk link {self.name} closed: {why}"))
+            _settle(entry.done, error=BulkLinkError(f"bulk link {self.name} closed: {why}"))
         if self._on_close is not None:
             self._on_close(self, why)
 
