@@ -343,17 +343,4 @@ def connect(host: str, port: int, ticket: bytes, connections: int, *, timeout: f
     return socks
 
 
-def parts_of(encs: Sequence[Any]) -> list[memoryview]:
-    """The bytes of encoded tensors in the order a streamed message's chunks carry them (data, then a
-    compressed tensor's scales and indices)."""
-    out = []
-    for enc in encs:
-        for part in ([enc.data] if enc.compressed is None else
-                     [enc.data, enc.compressed.scales, enc.compressed.indices]):
-            view = part if isinstance(part, memoryview) else memoryview(part)
-            if len(view):
-                out.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
-    return out
-
-
-__all__ = ["ACK", "BULK_MIN_BYTES", "HANDSHAKE", "MAGIC", "BulkLink", "BulkLinkError", "connect", "parts_of", "stripes"]
+__all__ = ["ACK", "BULK_MIN_BYTES", "HANDSHAKE", "MAGIC", "BulkLink", "BulkLinkError", "connect", "stripes"]

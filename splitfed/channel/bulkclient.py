@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.bulk import BulkLink, connect, parts_of
+from splitfed.channel.bulk import BulkLink, connect
 from splitfed.channel.hosts import host_of
 from splitfed.channel.replies import pinned_bytes
-from splitfed.channel.wire import Assembled, Gather, frames
+from splitfed.channel.wire import Assembled, Gather, frames, payload_parts
 from splitfed.codec import EncodedTensor
 from splitfed.errors import BulkLinkError, ChannelError, CodecError
 
@@ -106,7 +106,7 @@ class BulkLane:
         transfer = link.next_transfer()
         next(frames(header, field, encs, 1))  # the header's tensors, without their bytes
         header.bulk.CopyFrom(pb.BulkRef(link=link.name, transfer=transfer))
-        parts = parts_of(encs)
+        parts = payload_parts(encs)
         total = sum(len(p) for p in parts)
         try:
             sent = link.send(transfer, parts, total) if total else []

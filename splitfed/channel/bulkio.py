@@ -12,9 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.bulk import parts_of
 from splitfed.channel.bulkhub import BulkHub
-from splitfed.channel.wire import Gather, to_proto
+from splitfed.channel.wire import Gather, frames, payload_parts
 from splitfed.codec import EncodedTensor
 from splitfed.errors import BulkLinkError, BulkUnavailableError
 
@@ -66,10 +65,8 @@ class BulkService:
                           encs: Sequence[EncodedTensor]) -> list[pb.Frame]:
         """The reply as one header frame naming ``ref``, its tensors' bytes sent over the link first."""
         link = self._hub().link(client, ref.link)
-        msg = getattr(header, field)
-        del msg.tensors[:]
-        msg.tensors.extend(to_proto(e, with_data=False) for e in encs)
-        parts = parts_of(encs)
+        next(frames(header, field, encs, 1))  # the header's tensors, without their bytes
+        parts = payload_parts(encs)
         total = sum(len(p) for p in parts)
         if total:
             await asyncio.gather(*(asyncio.wrap_future(f) for f in link.send(ref.transfer, parts, total)))

@@ -12,7 +12,6 @@ import itertools
 import logging
 import os
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,19 +24,17 @@ import torch
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel import split_channel_pb2_grpc as pb_grpc
-from splitfed.channel.bulk import BULK_MIN_BYTES
 from splitfed.channel.bulkclient import BulkLane
 from splitfed.channel.lanes import Lane
 from splitfed.channel.limits import CLIENT_ID_KEY, MODEL_KEY, SERVICE_NAME, ChannelLimits
 from splitfed.channel.shared import SharedLane
+from splitfed.channel.streamcall import stream_call, stream_threshold
 from splitfed.channel.replies import channel_error, computes_on_gpu, own_reply, pinned_bytes
 from splitfed.channel.retry import RetryPolicy
 from splitfed.channel.wire import (
-    assemble,
     decode_single,
     encode,
     encode_state,
-    frames,
     payload_bytes,
     spec_to_proto,
 )
@@ -45,7 +42,7 @@ from splitfed.codec import EncodedTensor, TensorLimits, WireDType, encode_packed
 from splitfed.codec import wire_dtype as to_wire_dtype
 from splitfed.compression import ErrorFeedback, WireCompression
 from splitfed.tuning import tune_malloc
-from splitfed.errors import BulkLinkError, ChannelError, ConfigError
+from splitfed.errors import ChannelError, ConfigError
 from splitfed.split.base import CutState
 
 log = logging.getLogger(__name__)
@@ -196,51 +193,12 @@ class TrunkClient:
             self.calls += 1
 
     def _stream_threshold(self) -> int:
-        """Bytes above which a call streams: the limits' threshold, or :data:`~splitfed.channel.bulk.BULK_MIN_BYTES`
-        when lower and a bulk link carries streamed calls' bytes (a large unary message costs more than a bulk
-        transfer)."""
-        threshold = self.limits.stream_threshold_bytes
-        return min(threshold, BULK_MIN_BYTES) if self.bulk.wanted else threshold
+        return stream_threshold(self)
 
     def _stream_call(self, name: str, fn: Callable[..., Iterator[pb.Frame]], header: pb.Frame, field: str,
                      encs: list[EncodedTensor], reply_field: str, extra: Sequence[tuple[str, str]] = (),
                      alloc: Callable[[int], Any] | None = None) -> Any:
-        """A streamed call, retried like unary ones (gRPC's own retries cannot replay a long request stream).
-
-        Retries carry ``x-splitfed-retry`` so that the server answers them from
-        what the first attempt left (a saved forward, a remembered backward):
-        a retried gradient is never applied twice. The reply's bytes gather in what ``alloc`` gives (pinned
-        memory for a caller on a GPU), else in numpy's memory.
-        """
-        policy = self.retry
-        attempt, delay = 0, policy.initial_backoff_s
-        deadline = time.monotonic() + policy.timeout_s
-        while True:
-            marker = [("x-splitfed-retry", str(attempt))] if attempt else []
-            link = self.bulk.ready(alloc is not None)
-            try:
-                if link is not None:
-                    return self.bulk.call(link, lambda it: self._invoke(name, fn, it, list(extra) + marker), header,
-                                          field, encs, reply_field, max(deadline - time.monotonic(), 0.0))
-                replies = self._invoke(name, fn, frames(header, field, encs, self.limits.chunk_bytes),
-                                       list(extra) + marker)
-                return assemble(replies, reply_field, self.limits.max_tensor_bytes, alloc)
-            except grpc.RpcError as exc:
-                error = channel_error(name, self.address, exc.code(), exc.details())
-            except ChannelError as exc:
-                error = exc
-            except BulkLinkError as exc:
-                error = ChannelError(f"{name} to trunk server {self.address} lost its bulk link: {exc}", "UNAVAILABLE")
-            if link is not None:
-                self.bulk.give_up(f"{name} failed over it ({error})")
-            attempt += 1
-            if (error.code not in policy.retryable_codes or attempt >= max(policy.max_attempts, 1)
-                    or time.monotonic() + delay > deadline):
-                raise error from None
-            log.warning("%s failed with %s; retrying in %.2fs (attempt %d of %d)", name, error.code, delay,
-                        attempt + 1, policy.max_attempts)
-            time.sleep(delay)
-            delay = min(delay * policy.backoff_multiplier, policy.max_backoff_s)
+        return stream_call(self, name, fn, header, field, encs, reply_field, extra, alloc)
 
     def raw_unary(self, method: str) -> Callable[[bytes], bytes]:
         """A caller of ``method`` of the split channel's service that sends and returns raw bytes, with this

@@ -232,14 +232,24 @@ def frames(header: pb.Frame, field: str, encs: Sequence[EncodedTensor], chunk_by
     msg.tensors.extend(to_proto(e, with_data=False) for e in encs)
     yield header
     offset = 0
+    for view in payload_parts(encs):
+        for start in range(0, len(view), chunk_bytes):
+            piece = view[start:start + chunk_bytes]
+            yield ChunkView(offset, piece)
+            offset += len(piece)
+
+
+def payload_parts(encs: Sequence[EncodedTensor]) -> list[memoryview]:
+    """The bytes a streamed message carries after its header, in order, as flat byte views: each tensor's data,
+    then a compressed tensor's scales and indices (empty parts left out)."""
+    out = []
     for enc in encs:
-        parts = [enc.data] if enc.compressed is None else [enc.data, enc.compressed.scales, enc.compressed.indices]
-        for part in parts:
-            view = memoryview(part).cast("B") if not isinstance(part, bytes) else memoryview(part)
-            for start in range(0, len(view), chunk_bytes):
-                piece = view[start:start + chunk_bytes]
-                yield ChunkView(offset, piece)
-                offset += len(piece)
+        for part in [enc.data] if enc.compressed is None else [enc.data, enc.compressed.scales,
+                                                               enc.compressed.indices]:
+            view = memoryview(part)
+            if len(view):
+                out.append(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
+    return out
 
 
 @dataclass
