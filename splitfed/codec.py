@@ -277,9 +277,14 @@ def _view(data: bytes | memoryview, dtype: torch.dtype) -> torch.Tensor:
     return flat.view(dtype)
 
 
-def _decode_compressed(enc: EncodedTensor, limits: TensorLimits) -> torch.Tensor:
+def decode_packed(enc: EncodedTensor, limits: TensorLimits = TensorLimits()) -> Packed:
+    """A compressed tensor's parts, checked against each other and ``limits`` but not yet rebuilt: its payload,
+    scales and indices view the received bytes (see :func:`~splitfed.compression.decompress` to rebuild it, on
+    whatever device its parts are moved to). Raises :class:`CodecError` (:class:`TensorValueError` for an empty
+    tensor ``limits`` refuse)."""
     info = enc.compressed
-    assert info is not None
+    if info is None:
+        raise CodecError(f"tensor {enc.name!r} is not compressed")
     method = _method(enc.name, info)
     out_dtype = torch_dtype(info.dtype)
     if not out_dtype.is_floating_point:
@@ -324,7 +329,7 @@ def _decode_compressed(enc: EncodedTensor, limits: TensorLimits) -> torch.Tensor
         packed = Packed("topk", enc.shape, out_dtype, _view(enc.data, value_dtype),
                         indices=_view(info.indices, torch.int32))
     check_packed(enc.name, packed)
-    return decompress(packed)
+    return packed
 
 
 def raw_nbytes(enc: EncodedTensor, limits: TensorLimits = TensorLimits()) -> int:
@@ -349,7 +354,7 @@ def decode(enc: EncodedTensor, limits: TensorLimits = TensorLimits()) -> torch.T
     tensor is checked part by part and rebuilt into memory of its own.
     """
     if enc.compressed is not None:
-        return _decode_compressed(enc, limits)
+        return decompress(decode_packed(enc, limits))
     tdtype = torch_dtype(enc.dtype)
     nbytes = raw_nbytes(enc, limits)
     if nbytes == 0:

@@ -89,9 +89,9 @@ def _inputs(step: int) -> list[CutState]:
 
 
 def _run(trunk_server, device: torch.device, transport: str, window_ms: float, steps: int = 2,
-         poison: int | None = None):  # type: ignore[no-untyped-def]
+         poison: int | None = None, wire: str = "none"):  # type: ignore[no-untyped-def]
     """4 clients (host tensors) train ``steps`` sync steps of a tiny Llama trunk on ``device``; client ``poison``
-    sends NaN at its first forward."""
+    sends NaN at its first forward; ``wire``: the clients' wire compression."""
     torch.manual_seed(0)
     split = split_model(tiny_model("llama").train(), cuts=(1, 3))
     server = trunk_server(split.trunk.to(device), lr=0.1, aggregator=make_aggregator("sync", timeout=60),
@@ -105,7 +105,7 @@ def _run(trunk_server, device: torch.device, transport: str, window_ms: float, s
         c = TrunkClient(server.address, insecure=True, client_id=f"c{i}",
                         shared_memory="off" if streamed else transport,
                         limits=STREAMED if streamed else ChannelLimits(),
-                        bulk_connections=2 if transport == "bulk" else 0)
+                        bulk_connections=2 if transport == "bulk" else 0, wire_compression=wire)
         c.join()
         for step in range(steps):
             state = _inputs(step)[i]

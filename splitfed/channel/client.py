@@ -29,7 +29,7 @@ from splitfed.channel.lanes import Lane
 from splitfed.channel.limits import CLIENT_ID_KEY, MODEL_KEY, SERVICE_NAME, ChannelLimits
 from splitfed.channel.shared import SharedLane
 from splitfed.channel.streamcall import stream_call, stream_threshold
-from splitfed.channel.replies import channel_error, computes_on_gpu, own_reply, pinned_bytes
+from splitfed.channel.replies import channel_error, computes_on_gpu, decoded_on, own_reply, pinned_bytes
 from splitfed.channel.retry import RetryPolicy
 from splitfed.channel.wire import (
     decode_single,
@@ -52,10 +52,12 @@ _OUTCOME_NAMES = {v: k for k, v in pb.UpdateOutcome.items()}
 PART_OUTCOME = _OUTCOME_NAMES[pb.UPDATE_OUTCOME_UNSPECIFIED]
 
 
-def _reply_alloc(gpu: bool, reply_spec: Any) -> Callable[[int], Any] | None:
-    """Where a streamed reply gathers: pinned memory when its caller computes on a GPU and the reply comes raw
-    (it is then handed over with no copy), else numpy's."""
-    return pinned_bytes if gpu and not reply_spec.active else None
+def _reply_alloc(sent: torch.Tensor, reply_spec: Any, owned: bool, on_device: bool) -> Callable[[int], Any] | None:
+    """Where a streamed reply gathers: pinned memory when its caller computes on a GPU and the reply is either
+    raw and ``owned`` (it is then handed over with no copy) or compressed and rebuilt on the GPU (``on_device``:
+    its parts cross from there at the copy engine's speed), else numpy's."""
+    pinned = (on_device and sent.is_cuda) if reply_spec.active else (owned and computes_on_gpu(sent))
+    return pinned_bytes if pinned else None
 
 
 T = TypeVar("T")
@@ -230,8 +232,8 @@ class TrunkClient:
 
         The output is in host memory; it may view the reply's read-only bytes unless ``owned`` (then it is
         memory of its own, pinned when ``state`` is on a GPU).
-        ``on_device``: the output may stay on ``state``'s GPU (when a shared-memory region with CUDA events
-        carries it: no host waits for the GPU).
+        ``on_device``: the output may stay on ``state``'s GPU: when a shared-memory region with CUDA events
+        carries it (no host waits for the GPU), or when it comes compressed (it is rebuilt on the GPU).
         """
         activation_id = activation_id or os.urandom(16).hex()
         if train and not session_id:
@@ -259,10 +261,12 @@ class TrunkClient:
         else:
             asm = self._stream_call("ForwardStream", lane.forward_stream, pb.Frame(forward_request=req),
                                     "forward_request", encs, "forward_reply",
-                                    alloc=_reply_alloc(owned and computes_on_gpu(state.hidden), act))
+                                    alloc=_reply_alloc(state.hidden, act, owned, on_device))
             reply, out = asm.header, asm.tensors
-        hidden = decode_single(out, "hidden", self.tensor_limits)
         self._account(sent, payload_bytes(out))
+        if on_device and (hidden := decoded_on(out, "hidden", self.tensor_limits, state.hidden.device)) is not None:
+            return hidden, reply.trunk_version
+        hidden = decode_single(out, "hidden", self.tensor_limits)
         return (own_reply(hidden, out[0], computes_on_gpu(state.hidden)) if owned else hidden), reply.trunk_version
 
     def backward(self, activation_id: str, grad: torch.Tensor, *, input_numel: int | None = None,
@@ -305,11 +309,13 @@ class TrunkClient:
         else:
             asm = self._stream_call("BackwardStream", lane.backward_stream, pb.Frame(backward_request=req),
                                     "backward_request", encs, "backward_reply",
-                                    alloc=_reply_alloc(owned and computes_on_gpu(grad), spec))
+                                    alloc=_reply_alloc(grad, spec, owned, on_device))
             reply, out = asm.header, asm.tensors
-        grad_in = decode_single(out, "grad", self.tensor_limits)
-        if owned:
-            grad_in = own_reply(grad_in, out[0], computes_on_gpu(grad))
+        grad_in = decoded_on(out, "grad", self.tensor_limits, grad.device) if on_device else None
+        if grad_in is None:
+            grad_in = decode_single(out, "grad", self.tensor_limits)
+            if owned:
+                grad_in = own_reply(grad_in, out[0], computes_on_gpu(grad))
         if token is not None:
             self.feedback.commit(token)
         self._account(sent, payload_bytes(out))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -21,7 +22,18 @@ import torch
 from splitfed.channel import fastwire, regionio
 from splitfed.channel.handlers import check_parsed
 from splitfed.channel.wire import Assembled, Gather
-from splitfed.codec import EncodedTensor, RegionRef, WireDType, raw_nbytes, torch_dtype, wire_dtype
+from splitfed.codec import (
+    CompressionMethod,
+    EncodedTensor,
+    RegionRef,
+    WireDType,
+    decode_packed,
+    encode_packed,
+    raw_nbytes,
+    torch_dtype,
+    wire_dtype,
+)
+from splitfed.compression import Packed
 from splitfed.errors import CodecError, ResourceExhaustedError, SplitFedError
 from splitfed.trunk.deviceio import Departure, EventWaiter, ReplySink
 
@@ -57,15 +69,22 @@ class CutIO:
             return tensors
         left = []
         for enc in tensors:
-            if enc.name != name or enc.compressed is not None or enc.region is not None \
-                    or len(enc.data) < regionio.ARRIVAL_MIN_BYTES or not torch_dtype(enc.dtype).is_floating_point:
+            int8 = io.cuda and enc.compressed is not None and enc.compressed.method == CompressionMethod.INT8_BLOCKWISE
+            if enc.name != name or (enc.compressed is not None and not int8) or enc.region is not None \
+                    or len(enc.data) < regionio.ARRIVAL_MIN_BYTES \
+                    or not (int8 or torch_dtype(enc.dtype).is_floating_point):
                 left.append(enc)
                 continue
             if name in ready:
                 raise CodecError(f"tensor {name!r} appears twice")
-            raw_nbytes(enc, self.tensor_limits)
-            stage = functools.partial(io.stage, enc.name, enc.data, torch_dtype(enc.dtype), tuple(enc.shape),
-                                      owned=True)
+            if int8:  # checked here, rebuilt on the GPU: half the bytes of bf16 cross to it, and no host pass
+                packed = decode_packed(enc, self.tensor_limits)
+                stage = functools.partial(io.stage, enc.name, enc.data, packed.dtype, tuple(enc.shape), owned=True,
+                                          scales=enc.compressed.scales, block_size=packed.block_size)
+            else:
+                raw_nbytes(enc, self.tensor_limits)
+                stage = functools.partial(io.stage, enc.name, enc.data, torch_dtype(enc.dtype), tuple(enc.shape),
+                                          owned=True)
             if io.cuda and not _pinned(enc.data):
                 if self._copier is None:
                     self._copier = concurrent.futures.ThreadPoolExecutor(COPY_THREADS, "splitfed-trunk-copy")
@@ -107,14 +126,14 @@ class CutIO:
 
     def _sink(self, client: str, slot: RegionRef | None, spec: Any, reply_dtype: WireDType | None
               ) -> ReplySink | None:
-        """Where the device thread sends a reply's tensor computed on a GPU (None on the CPU, and for a slice
-        that a CUDA event orders, see ``device_out``): the offered slice of a registered region when the reply is
-        raw, else a pinned buffer."""
+        """Where the device thread sends a reply's tensor computed on a GPU: the offered slice of a registered
+        region when it fits there, else a pinned buffer. None on the CPU, for a slice that a CUDA event orders
+        (see ``device_out``), and for a compressed reply (``spec``), which :meth:`_reply` compresses on the GPU."""
         io = getattr(self.runtime, "io", None)
-        if io is None or not io.cuda or (slot is not None and slot.event):
+        if io is None or not io.cuda or (slot is not None and slot.event) or spec is not None:
             return None
-        dtype = torch_dtype(reply_dtype) if reply_dtype and spec is None else None
-        if slot is not None and spec is None and self._io is not None:
+        dtype = torch_dtype(reply_dtype) if reply_dtype else None
+        if slot is not None and self._io is not None:
             try:
                 region = self._io.table.region(client, slot.region)
             except SplitFedError:
@@ -153,6 +172,9 @@ class CutIO:
                 if placed is not None:
                     return [placed]
         if out.device.type != "cpu":  # a device output that could not take its slice
+            if io is not None and out.is_cuda and spec is not None and out.is_floating_point():
+                packed = self.replies.pack(client, activation_id, name, out, reply_dtype, spec, feedback=feedback)
+                return [encode_packed(name, await self._packed_to_host(io, packed))]
             if io is not None and out.is_cuda:
                 raw = spec is None and out.is_floating_point() and reply_dtype is not None
                 departure = io.to_host(out, torch_dtype(reply_dtype) if raw else None)  # type: ignore[arg-type]
@@ -161,6 +183,15 @@ class CutIO:
             else:
                 out = out.cpu()
         return [self.replies.encode(client, activation_id, name, out, reply_dtype, spec, feedback=feedback)]
+
+    async def _packed_to_host(self, io: Any, packed: Packed) -> Packed:
+        """A reply compressed on the GPU (:meth:`~splitfed.channel.wire.ReplyCompression.pack`), its parts copied
+        to pinned memory by the copy engine (in order on one stream: the last part's event ends them all)."""
+        parts = {f: getattr(packed, f) for f in ("payload", "scales", "indices") if getattr(packed, f) is not None}
+        copies = {f: io.to_host(t) for f, t in parts.items()}
+        await self._landed(list(copies.values())[-1].event)
+        io.stats["out-packed"] += 1
+        return dataclasses.replace(packed, **{f: c.host for f, c in copies.items()})
 
     async def _landed(self, event: Any) -> None:
         """Wait, holding no thread, until a copy ending with ``event`` is done."""

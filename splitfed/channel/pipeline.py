@@ -80,9 +80,10 @@ class RemotePipeline:
         return share + (1 if part < extra else 0)
 
     def _gpu_ordered(self, tensor: torch.Tensor, compressed: bool) -> bool:
-        """Whether ``tensor`` (not ``compressed``) crosses the cut through a shared-memory region whose copies
-        CUDA events order (then it is handed over on the device, and the result comes back there)."""
-        return tensor.is_cuda and not compressed and self.client.shared.gpu_ordered(tensor)
+        """Whether ``tensor`` is handed to the client's call on its GPU, and the result comes back there: when it
+        is ``compressed`` (compressed and rebuilt on the GPU: only the compressed parts cross to and from the
+        host), or when it crosses the cut through a shared-memory region whose copies CUDA events order."""
+        return tensor.is_cuda and (compressed or self.client.shared.gpu_ordered(tensor))
 
     def send(self, part: int, state: CutState) -> None:
         """Start micro-batch ``part``'s copy to the host and its Forward; returns at once."""

@@ -114,9 +114,12 @@ class RemoteTrunk(nn.Module):
             # The anchor makes the output require grad even when the bottom is frozen,
             # so the trunk and top still train.
             hidden = state.hidden
-            if self.gpu_pipeline and hidden.is_cuda and self.client.shared.gpu_ordered(hidden):
-                # Client and trunk share a GPU's host: the cut's copies are ordered by CUDA events, and the
-                # pipeline's autograd nodes keep the output on the device without a thread waiting on it.
+            wire = self.client.wire_compression
+            if self.gpu_pipeline and hidden.is_cuda and (wire.activations.active or wire.gradients.active
+                                                         or self.client.shared.gpu_ordered(hidden)):
+                # The cut's tensors are compressed and rebuilt on the GPU, or client and trunk share a GPU's host
+                # (the cut's copies are ordered by CUDA events): the pipeline's autograd nodes keep the output on
+                # the device without a thread waiting on it.
                 pipe = self.pipeline(1, train=True)
                 pipe.send(0, state)
                 return pipe.receive(0)

@@ -3,12 +3,15 @@ error."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import numpy as np
 import torch
 
-from splitfed.codec import EncodedTensor
-from splitfed.errors import ChannelError
+from splitfed.codec import EncodedTensor, TensorLimits, decode_packed
+from splitfed.compression import decompress
+from splitfed.errors import ChannelError, TensorValueError
 
 
 def channel_error(name: str, address: str, code: grpc.StatusCode, details: str | None) -> ChannelError:
@@ -23,6 +26,21 @@ def channel_error(name: str, address: str, code: grpc.StatusCode, details: str |
 def computes_on_gpu(tensor: torch.Tensor) -> bool:
     """Whether the caller that sent ``tensor`` computes on a GPU (it is on one, or in pinned host memory)."""
     return tensor.is_cuda or (torch.cuda.is_available() and tensor.is_pinned())
+
+
+def decoded_on(encs: list[EncodedTensor], name: str, limits: TensorLimits, device: torch.device
+               ) -> torch.Tensor | None:
+    """A compressed reply's one tensor (``name``) rebuilt on ``device``, a GPU: its parts are checked here and
+    cross to the GPU as they came (an int8 payload is half the bytes of bf16), where the tensor is rebuilt; no
+    pass over it on the host. None for a reply that is not compressed, or a device that is not a GPU."""
+    if device.type != "cuda" or len(encs) != 1 or encs[0].compressed is None:
+        return None
+    if encs[0].name != name:
+        raise TensorValueError(f"expected exactly one tensor named {name!r}, got {[encs[0].name]}")
+    packed = decode_packed(encs[0], limits)
+    parts = {f: getattr(packed, f).to(device) for f in ("payload", "scales", "indices")
+             if getattr(packed, f) is not None}
+    return decompress(dataclasses.replace(packed, **parts))
 
 
 def own_reply(tensor: torch.Tensor, enc: EncodedTensor, pinned: bool) -> torch.Tensor:

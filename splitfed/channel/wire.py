@@ -24,7 +24,7 @@ from splitfed.codec import (
     encode_packed,
     torch_dtype,
 )
-from splitfed.compression import DEFAULT_BLOCK, CompressionSpec, FeedbackStore
+from splitfed.compression import DEFAULT_BLOCK, CompressionSpec, FeedbackStore, Packed, compress
 from splitfed.errors import CodecError, ResourceExhaustedError, TensorValueError
 from splitfed.split.base import CUT_FIELDS, CutState
 
@@ -155,16 +155,22 @@ class ReplyCompression:
     def __init__(self, store: FeedbackStore | None = None) -> None:
         self.store = store or FeedbackStore()
 
-    def encode(self, client: str, request_id: str, name: str, tensor: torch.Tensor, dtype: WireDType | None,
-               spec: CompressionSpec | None, feedback: bool = True) -> EncodedTensor:
-        """Encode a reply tensor as ``spec`` asks (uncompressed without one)."""
-        if spec is None or not tensor.is_floating_point():
-            return encode(name, tensor, dtype)
+    def pack(self, client: str, request_id: str, name: str, tensor: torch.Tensor, dtype: WireDType | None,
+             spec: CompressionSpec, feedback: bool = True) -> Packed:
+        """A floating reply tensor compressed as ``spec`` asks, on the device it lies on (a trunk's GPU computes
+        it there; the parts then cross at a fraction of the tensor's bytes). With ``feedback``, the client's
+        residual of ``name`` is added first and the new one kept; a retried ``request_id`` gets the same parts."""
         target = torch_dtype(dtype) if dtype else tensor.dtype
         if not (feedback and spec.error_feedback):
-            return encode(name, tensor, dtype, spec)
-        return self.store.compress(client, request_id, name, tensor, spec, target,
-                                   build=lambda packed: encode_packed(name, packed))
+            return compress(tensor, spec, target)
+        return self.store.compress(client, request_id, name, tensor, spec, target)
+
+    def encode(self, client: str, request_id: str, name: str, tensor: torch.Tensor, dtype: WireDType | None,
+               spec: CompressionSpec | None, feedback: bool = True) -> EncodedTensor:
+        """Encode a reply tensor (in host memory) as ``spec`` asks (uncompressed without one)."""
+        if spec is None or not tensor.is_floating_point():
+            return encode(name, tensor, dtype)
+        return encode_packed(name, self.pack(client, request_id, name, tensor, dtype, spec, feedback))
 
     def forget(self, client: str) -> None:
         """Drop a client's residuals (it left)."""

@@ -23,13 +23,13 @@ def compress_with_feedback(x: torch.Tensor, spec: CompressionSpec, dtype: torch.
                            residual: torch.Tensor | None) -> tuple[Packed, torch.Tensor | None]:
     """Compress ``x + residual``; returns the packed tensor and the new residual (None without feedback).
 
-    A residual of another shape (a smaller last batch) is not added; the new
+    A residual of another shape (a smaller last batch) or on another device is not added; the new
     residual is that of ``x`` alone then.
     """
     if not spec.error_feedback:
         return compress(x, spec, dtype), None
     target = x.detach().float()
-    if residual is not None and residual.shape == target.shape:
+    if residual is not None and residual.shape == target.shape and residual.device == target.device:
         target = target + residual
     packed = compress(target, spec, dtype or x.dtype)
     return packed, target - decompress(packed).float()
@@ -85,7 +85,8 @@ class _ClientFeedback:
     @property
     def nbytes(self) -> int:
         held = sum(r.numel() * r.element_size() for r in self.residuals.values())
-        return held + int(getattr(self.last_reply, "wire_nbytes", 0))
+        reply = self.last_reply
+        return held + int(reply.nbytes if isinstance(reply, Packed) else getattr(reply, "wire_nbytes", 0))
 
 
 class FeedbackStore:

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from splitfed.compression import dequantize_int8
 from splitfed.finite import is_finite
 from splitfed.trunk.requests import Promise
 
@@ -126,6 +127,10 @@ class Arrival:
     owned: bool = False  # ``src`` is the server's own, immutable memory (a request's bytes): no copy needed
     lease: torch.Tensor | None = None  # the pinned pool buffer ``src`` lies in
     tensor: torch.Tensor | None = None  # on the trunk's device, once brought
+    #: For an int8 payload (``src`` one int8 per element): its fp32 scales' bytes, one per ``block_size``
+    #: elements; the tensor is rebuilt in ``dtype`` where it is brought (on the GPU: half the bytes cross).
+    scales: torch.Tensor | None = None
+    block_size: int = 0
 
     @property
     def placeholder(self) -> torch.Tensor:
@@ -180,27 +185,39 @@ class DeviceIO:
         self.max_gathering = MAX_GATHERING_BYTES
         self._gathering = 0
         self._gathering_lock = threading.Lock()
-        self.stats: dict[str, int] = {"in": 0, "in-staged": 0, "brought": 0, "out": 0, "out-direct": 0}
+        self.stats: dict[str, int] = {"in": 0, "in-staged": 0, "in-int8": 0, "brought": 0, "out": 0,
+                                       "out-direct": 0, "out-packed": 0}
 
     # -- in ------------------------------------------------------------------------------------
     def stage(self, name: str, src: torch.Tensor | memoryview | bytes, dtype: torch.dtype, shape: Sequence[int], *,
-              guard: Callable[[], AbstractContextManager[Any]] | None = None, owned: bool = False) -> Arrival:
+              guard: Callable[[], AbstractContextManager[Any]] | None = None, owned: bool = False,
+              scales: torch.Tensor | memoryview | bytes | None = None, block_size: int = 0) -> Arrival:
         """An arrival of ``src`` (raw little-endian bytes of a ``dtype`` tensor of ``shape``).
 
         For a GPU, bytes in pageable memory are first copied into a pinned pool buffer, on the calling thread
         (numpy's copy, which releases the GIL), so that the copy engine can read them; registered or pinned
         ``src`` (a client's region) stays where it is, read under ``guard`` (the region stays mapped meanwhile).
         ``owned``: ``src`` is immutable memory of the server's own (a request's bytes).
+
+        ``scales``/``block_size``: ``src`` is a checked int8 payload (one int8 per element, one fp32 scale per
+        ``block_size`` elements; see :func:`~splitfed.compression.quantize_int8`) that :meth:`bring` rebuilds as
+        a ``dtype`` tensor on the device.
         """
         flat = _as_uint8(src)
+        extra = _as_uint8(scales) if scales is not None else None
         self.stats["in"] += 1
-        if self.cuda and flat.numel() and not flat.is_pinned():
-            lease = self.pool.take(flat.numel())
-            view = lease[: flat.numel()]
+        if self.cuda and flat.numel() and not (flat.is_pinned() and (extra is None or extra.is_pinned())):
+            n, m = flat.numel(), 0 if extra is None else extra.numel()
+            lease = self.pool.take(_aligned(n) + m)
+            view = lease[:n]
             np.copyto(view.numpy(), flat.numpy())
+            if extra is not None:
+                np.copyto(lease[_aligned(n): _aligned(n) + m].numpy(), extra.numpy())
+                extra = lease[_aligned(n): _aligned(n) + m]
             self.stats["in-staged"] += 1
-            return Arrival(name, view, dtype, tuple(shape), owned=True, lease=lease)
-        return Arrival(name, flat, dtype, tuple(shape), guard=guard, owned=owned)
+            return Arrival(name, view, dtype, tuple(shape), owned=True, lease=lease, scales=extra,
+                           block_size=block_size)
+        return Arrival(name, flat, dtype, tuple(shape), guard=guard, owned=owned, scales=extra, block_size=block_size)
 
     def host_buffer(self, nbytes: int) -> np.ndarray:
         """``nbytes`` of host memory as a writable array, for bytes the copy engine will read (a streamed request
@@ -243,21 +260,33 @@ class DeviceIO:
             for a in arrivals:
                 if a.guard is not None:
                     guards.enter_context(a.guard())
+            rebuilt = []
             with self._in_lock, torch.cuda.stream(self.inbound):
-                sizes = [a.src.numel() for a in arrivals]
-                buf = torch.empty(sum(_aligned(n) for n in sizes), dtype=torch.uint8, device=self.device)
+                sizes = [(a.src.numel(), 0 if a.scales is None else a.scales.numel()) for a in arrivals]
+                buf = torch.empty(sum(_aligned(n) + _aligned(m) for n, m in sizes), dtype=torch.uint8,
+                                  device=self.device)
                 at = 0
-                for a, n in zip(arrivals, sizes):
+                for a, (n, m) in zip(arrivals, sizes):
                     piece = buf[at: at + n]
                     piece.copy_(a.src, non_blocking=True)
-                    a.tensor = piece.view(a.dtype).view(a.shape)
                     at += _aligned(n)
+                    if a.scales is None:
+                        a.tensor = piece.view(a.dtype).view(a.shape)
+                        continue
+                    scales = buf[at: at + m]
+                    scales.copy_(a.scales, non_blocking=True)
+                    at += _aligned(m)
+                    a.tensor = dequantize_int8(piece.view(torch.int8), scales.view(torch.float32), a.block_size,
+                                               a.shape, a.dtype)
+                    rebuilt.append(a.tensor)
+                    self.stats["in-int8"] += 1
                 checked = [a for a in arrivals if a.dtype.is_floating_point and a.tensor.numel()]
                 finite = iter(torch.stack(torch._foreach_norm([a.tensor for a in checked], 2, dtype=torch.float32))
                               .isfinite().cpu().tolist() if checked else [])  # the read: the copies are done
                 verdicts = [bool(next(finite)) or bool(torch.isfinite(a.tensor).all())
                             if a.dtype.is_floating_point and a.tensor.numel() else True for a in arrivals]
-            buf.record_stream(torch.cuda.current_stream(self.device))  # the compute stream uses it from now on
+            for used in [buf, *rebuilt]:  # the compute stream uses them from now on
+                used.record_stream(torch.cuda.current_stream(self.device))
         for a in arrivals:
             if a.lease is not None:
                 self.pool.give(a.lease)
@@ -266,7 +295,10 @@ class DeviceIO:
 
     @staticmethod
     def _bring_here(a: Arrival) -> bool:
-        if a.owned:
+        if a.scales is not None:
+            a.tensor = dequantize_int8(a.src.view(torch.int8), a.scales.clone().view(torch.float32), a.block_size,
+                                       a.shape, a.dtype)
+        elif a.owned:
             a.tensor = a.src.view(a.dtype).view(a.shape)
         else:
             own = torch.empty(a.src.numel(), dtype=torch.uint8)
