@@ -128,12 +128,12 @@ def test_feedback_store_is_bounded_and_answers_a_retry_with_the_same_reply() -> 
     assert again is first  # a retry does not apply the feedback twice
     assert store.residual("a", "grad") is not None
     store.compress("b", "act-2", "grad", x, TOPK, torch.float32)
-    store.compress("c", "act-3", "grad", x, TOPK, torch.float32)
+    kept = store.compress("c", "act-3", "grad", x, TOPK, torch.float32)
     assert len(store) == 2 and store.residual("a", "grad") is None and store.evictions == 1
     store.drop("b")
-    assert len(store) == 1 and store.nbytes == 10 * 10 * 4
+    assert len(store) == 1 and store.nbytes == 10 * 10 * 4 + kept.nbytes  # the residual and the reply kept
     small = FeedbackStore(max_bytes=500)
-    small.compress("a", "1", "grad", x, TOPK, torch.float32)  # 400 bytes of residual: kept
+    small.compress("a", "1", "grad", x, TOPK, torch.float32)  # 400 bytes of residual and its reply: kept
     small.compress("b", "2", "grad", x, TOPK, torch.float32)  # 800 in all: the older client goes
     assert len(small) == 1 and small.residual("b", "grad") is not None
     idle = FeedbackStore(ttl_s=0.0)
