@@ -24,12 +24,14 @@ INT8 = CompressionSpec("int8")
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_int8_parts_are_the_same_on_the_gpu_and_the_host(dtype: torch.dtype) -> None:
-    x = (torch.randn(3, 1001) * 5).to(dtype)  # not a whole number of blocks
-    q, scales = quantize_int8(x)
-    gq, gscales = quantize_int8(x.to(CUDA))
-    assert torch.equal(q, gq.cpu()) and torch.equal(scales, gscales.cpu())
-    back = dequantize_int8(q, scales, INT8.block_size, (3, 1001), dtype)
-    assert torch.equal(back, dequantize_int8(gq, gscales, INT8.block_size, (3, 1001), dtype).cpu())
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        x = (torch.randn(3, 100_001, generator=g) * 5).to(dtype)  # not a whole number of blocks
+        q, scales = quantize_int8(x)
+        gq, gscales = quantize_int8(x.to(CUDA))
+        assert torch.equal(q, gq.cpu()) and torch.equal(scales, gscales.cpu())
+        back = dequantize_int8(q, scales, INT8.block_size, tuple(x.shape), dtype)
+        assert torch.equal(back, dequantize_int8(gq, gscales, INT8.block_size, tuple(x.shape), dtype).cpu())
 
 
 def test_an_int8_arrival_is_rebuilt_on_the_gpu_as_on_the_host() -> None:

@@ -23,7 +23,9 @@ def quantize_int8(x: torch.Tensor, block_size: int = DEFAULT_BLOCK) -> tuple[tor
         flat = torch.nn.functional.pad(flat, (0, blocks * block_size - n))
     view = flat.view(blocks, block_size)
     scales = view.abs().amax(dim=1)
-    inv = torch.where(scales > 0, 127.0 / scales, torch.zeros_like(scales))
+    # Tensor by tensor, correctly rounded on every device: a division by a Python number may run as a
+    # multiplication by its reciprocal on a GPU, and the parts would differ from the host's.
+    inv = torch.where(scales > 0, torch.full_like(scales, 127.0) / scales, torch.zeros_like(scales))
     q = (view * inv[:, None]).round_().clamp_(-127, 127).to(torch.int8).reshape(-1)
     return (q[:n] if q.numel() != n else q), scales
 
@@ -34,7 +36,7 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, block_size: int, shap
     n = q.numel()
     full = n // block_size
     out = torch.empty(n, dtype=torch.float32, device=q.device)
-    step = scales.float() / 127.0
+    step = scales.float() / torch.full_like(scales, 127.0, dtype=torch.float32)  # as in quantize_int8
     if full:
         torch.mul(q[:full * block_size].view(full, block_size), step[:full, None],
                   out=out[:full * block_size].view(full, block_size))
