@@ -8,7 +8,7 @@ import gc
 
 import torch
 
-from splitfed.trunk import deviceio
+from splitfed.trunk import pinned
 from splitfed.trunk.deviceio import DeviceIO, PinnedPool
 
 
@@ -16,7 +16,7 @@ class _HostPool(PinnedPool):
     """A pool whose buffers are pageable: page-locking needs a GPU, the lending does not."""
 
     def take(self, nbytes: int) -> torch.Tensor:
-        size = deviceio._size_class(nbytes)
+        size = pinned._size_class(nbytes)
         with self._lock:
             free = self._free.get(size)
             if free:
