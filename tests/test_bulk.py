@@ -237,11 +237,11 @@ def test_a_server_without_bulk_links_is_streamed_to_over_grpc(trunk_server) -> N
     client.close()
 
 
-def test_bulk_links_are_refused_with_tls_or_front_ends() -> None:
+def test_bulk_links_need_tls_on_a_tls_server_and_exclude_front_ends() -> None:
     from splitfed.channel.server import TrunkServer
 
     creds = grpc.local_server_credentials()  # any credentials: the server serves TLS-like transport security
-    with pytest.raises(ConfigError, match="unencrypted"):
+    with pytest.raises(ConfigError, match="need TLS too"):  # (tests/test_bulk_tls.py: TLS links)
         TrunkServer(torch.nn.Linear(2, 2), credentials=creds, bulk_connections=2)
     with pytest.raises(ConfigError, match="exclude each other"):
         TrunkServer(torch.nn.Linear(2, 2), insecure=True, bulk_connections=2, frontends=2)

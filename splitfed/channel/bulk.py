@@ -27,11 +27,14 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from splitfed.errors import BulkLinkError
+
+if TYPE_CHECKING:
+    from splitfed.channel.bulktls import BulkTLS
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +122,8 @@ class BulkLink:
     Args:
         name: the link's name (what :class:`BulkRef` messages carry).
         socks: the connections, connection ``i`` at index ``i``.
+        out_socks: the connections this end writes to, when they are others than those it reads from (a TLS
+            link: see :mod:`splitfed.channel.bulktls`); ``socks`` by default.
         alloc: what an incoming transfer's bytes are read into (a writable uint8 array of exactly the bytes
             asked; pinned memory, say, for bytes bound for a GPU); numpy's memory by default.
         max_bytes: the largest transfer this end takes.
@@ -126,13 +131,14 @@ class BulkLink:
         on_close: called once the link closed, with the reason.
     """
 
-    def __init__(self, name: str, socks: Sequence[socket.socket], *,
+    def __init__(self, name: str, socks: Sequence[socket.socket], *, out_socks: Sequence[socket.socket] | None = None,
                  alloc: Callable[[int], np.ndarray] | None = None, max_bytes: int = 1 << 30,
                  max_pending_bytes: int = 4 << 30, on_close: Callable[[BulkLink, str], None] | None = None) -> None:
-        if not socks:
-            raise ValueError("a bulk link needs at least one connection")
+        if not socks or (out_socks is not None and not out_socks):
+            raise ValueError("a bulk link needs at least one connection each way")
         self.name = name
         self.socks = list(socks)
+        self.out_socks = list(socks if out_socks is None else out_socks)
         self.alloc = alloc or _numpy_bytes
         self.max_bytes = int(max_bytes)
         self.max_pending_bytes = int(max_pending_bytes)
@@ -142,7 +148,7 @@ class BulkLink:
         self._pending = 0
         self._ids = itertools.count(1)
         self._senders = [concurrent.futures.ThreadPoolExecutor(1, f"splitfed-bulk-send-{i}")
-                         for i in range(len(self.socks))]
+                         for i in range(len(self.out_socks))]
         self._readers = [threading.Thread(target=self._read, args=(i,), name=f"splitfed-bulk-read-{i}", daemon=True)
                          for i in range(len(self.socks))]
         self.closed: str | None = None
@@ -158,7 +164,7 @@ class BulkLink:
 
     @property
     def connections(self) -> int:
-        """How many connections the link has."""
+        """How many connections the link reads from (as many as it writes to)."""
         return len(self.socks)
 
     def next_transfer(self) -> int:
@@ -177,7 +183,7 @@ class BulkLink:
         if sum(len(v) for v in views) != total:
             raise ValueError(f"parts hold {sum(len(v) for v in views)} bytes, not {total}")
         futures = []
-        for index, (offset, length) in enumerate(stripes(total, len(self.socks))):
+        for index, (offset, length) in enumerate(stripes(total, len(self.out_socks))):
             pieces, start = [], 0
             for view in views:
                 lo, hi = max(offset, start), min(offset + length, start + len(view))
@@ -189,7 +195,7 @@ class BulkLink:
         return futures
 
     def _write(self, index: int, head: bytes, pieces: list[memoryview]) -> None:
-        sock = self.socks[index]
+        sock = self.out_socks[index]
         try:
             sock.sendall(head)
             for piece in pieces:
@@ -307,7 +313,7 @@ class BulkLink:
             waiting = list(self._transfers.values())
             self._transfers.clear()
             self._pending = 0
-        for sock in self.socks:
+        for sock in dict.fromkeys([*self.socks, *self.out_socks]):
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -321,15 +327,21 @@ class BulkLink:
             self._on_close(self, why)
 
 
-def connect(host: str, port: int, ticket: bytes, connections: int, *, timeout: float = 5.0) -> list[socket.socket]:
+def connect(host: str, port: int, ticket: bytes, connections: int, *, timeout: float = 5.0,
+            tls: BulkTLS | None = None) -> list[socket.socket]:
     """Open a link's ``connections`` to ``host:port`` and hand each the ``ticket`` and its index; returns them
-    once the server attached every one. Raises :class:`BulkLinkError` (closing what opened) otherwise."""
+    once the server attached every one. With ``tls``, twice as many, each a TLS connection that verified the
+    server's certificate before the ticket goes (one direction each: see :mod:`splitfed.channel.bulktls`).
+    Raises :class:`BulkLinkError` (closing what opened) otherwise."""
     socks: list[socket.socket] = []
     try:
-        for index in range(connections):
+        for index in range(connections * (2 if tls is not None else 1)):
             sock = socket.create_connection((host, port), timeout=timeout)
             socks.append(sock)
             tune(sock)
+            if tls is not None:
+                sock = tls.context.wrap_socket(sock, server_hostname=tls.server_name or host.strip("[]"))
+                socks[-1] = sock
             sock.sendall(HANDSHAKE.pack(MAGIC, ticket, index))
         for index, sock in enumerate(socks):
             ack = bytearray(len(ACK))

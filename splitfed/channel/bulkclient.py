@@ -15,6 +15,7 @@ from typing import Any
 
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel.bulk import BulkLink, connect
+from splitfed.channel.bulktls import split_directions
 from splitfed.channel.hosts import host_of
 from splitfed.channel.replies import pinned_bytes
 from splitfed.channel.wire import Assembled, Gather, frames, payload_parts
@@ -79,11 +80,15 @@ class BulkLane:
     def _open(self, gpu: bool) -> BulkLink:
         client = self.client
         reply = client._invoke("OpenBulk", client._stub.OpenBulk, pb.OpenBulkRequest(connections=self.connections))
-        socks = connect(host_of(client.address), reply.port, reply.ticket, reply.connections)
+        tls = client.bulk_tls
+        socks = connect(host_of(client.address), reply.port, reply.ticket, reply.connections, tls=tls)
+        ins, outs = split_directions(socks, tls is not None, server=False)
         limits = client.limits
-        link = BulkLink(reply.link, socks, alloc=pinned_bytes if gpu else None, max_bytes=limits.max_tensor_bytes,
+        link = BulkLink(reply.link, ins, out_socks=outs, alloc=pinned_bytes if gpu else None,
+                        max_bytes=limits.max_tensor_bytes,
                         max_pending_bytes=2 * limits.max_tensor_bytes + limits.max_message_bytes).start()
-        log.info("bulk link to %s open: %d connections", client.address, link.connections)
+        log.info("bulk link to %s open: %d connections%s", client.address, link.connections,
+                 " each way, TLS" if tls is not None else "")
         return link
 
     def give_up(self, why: str) -> None:

@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import socket
+import ssl
 import threading
 import time
 import weakref
@@ -35,6 +36,7 @@ from splitfed.channel.bulk import (
     recv_exact,
     tune,
 )
+from splitfed.channel.bulktls import split_directions
 from splitfed.errors import BulkLinkError, PermissionDeniedError, ResourceExhaustedError
 
 log = logging.getLogger(__name__)
@@ -105,8 +107,10 @@ class BulkHub:
     """
 
     def __init__(self, host: str = "127.0.0.1", *, max_connections: int = 4, max_bytes: int = 1 << 30,
-                 max_pending_bytes: int = 4 << 30, alloc: Callable[[int], np.ndarray] | None = None) -> None:
+                 max_pending_bytes: int = 4 << 30, alloc: Callable[[int], np.ndarray] | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.host = host
+        self.tls = tls
         self.max_connections = max(1, min(int(max_connections), MAX_CONNECTIONS))
         self.max_bytes = int(max_bytes)
         self.max_pending_bytes = int(max_pending_bytes)
@@ -151,7 +155,8 @@ class BulkHub:
                 raise ResourceExhaustedError(f"this server holds {MAX_LINKS} bulk links; try again later")
             ticket = secrets.token_bytes(TICKET_BYTES)
             name = os.urandom(8).hex()
-            self._offers[hashlib.sha256(ticket).digest()] = _Offer(name, owner, count, now, [None] * count)
+            slots = count * (2 if self.tls is not None else 1)  # TLS: one direction a connection
+            self._offers[hashlib.sha256(ticket).digest()] = _Offer(name, owner, count, now, [None] * slots)
         return name, ticket, self.port, count
 
     def _lapse(self, now: float) -> None:
@@ -205,6 +210,8 @@ class BulkHub:
     def _shake(self, sock: socket.socket) -> None:
         try:
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            if self.tls is not None:  # TLS first: the ticket travels encrypted
+                sock = self.tls.wrap_socket(sock, server_side=True)
             head = bytearray(HANDSHAKE.size)
             if not recv_exact(sock, memoryview(head)):
                 raise BulkLinkError("closed before its handshake")
@@ -222,7 +229,7 @@ class BulkHub:
             offer = self._offers.get(digest)
             if offer is None:
                 raise BulkLinkError("unknown or lapsed ticket")
-            if index >= offer.connections or offer.socks[index] is not None:
+            if index >= len(offer.socks) or offer.socks[index] is not None:
                 raise BulkLinkError(f"connection index {index} is not free on link {offer.name}")
             offer.socks[index] = sock
             complete = all(s is not None for s in offer.socks)
@@ -234,7 +241,8 @@ class BulkHub:
             sock.sendall(ACK)
             return
         socks = [s for s in offer.socks if s is not None]
-        link = BulkLink(offer.name, socks, alloc=self.alloc, max_bytes=self.max_bytes,
+        ins, outs = split_directions(socks, self.tls is not None, server=True)
+        link = BulkLink(offer.name, ins, out_socks=outs, alloc=self.alloc, max_bytes=self.max_bytes,
                         max_pending_bytes=self.max_pending_bytes, on_close=self._closed_link)
         with self._lock:
             if self._closed:

@@ -25,6 +25,7 @@ from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel import split_channel_pb2_grpc as pb_grpc
 from splitfed.channel.bulkclient import BulkLane
+from splitfed.channel.bulktls import BulkTLS
 from splitfed.channel.lanes import Lane
 from splitfed.channel.limits import CLIENT_ID_KEY, MODEL_KEY, SERVICE_NAME, ChannelLimits
 from splitfed.channel.shared import SharedLane
@@ -109,6 +110,8 @@ class TrunkClient:
         bulk_connections: ask the server for a bulk link of this many TCP connections, over which streamed
             calls send and receive their tensor bytes instead of gRPC chunks (:mod:`splitfed.channel.bulk`; 0:
             none). Where the server offers none, calls stream over gRPC.
+        bulk_tls: a TLS client's bulk links (:class:`~splitfed.channel.bulktls.BulkTLS`: the same trust root as
+            ``credentials``, ``BulkTLS.client(ca_pem)``); required with ``credentials`` and ``bulk_connections``.
     """
 
     def __init__(self, address: str, *, client_id: str | None = None, insecure: bool = False,
@@ -119,11 +122,18 @@ class TrunkClient:
                  wire_compression: WireCompression | str | None = None,
                  cut: tuple[int, int] | None = None, channels: int = 1, max_in_flight: int = 4,
                  shared_memory: str = "auto", shared_memory_bytes: int = 64 << 20, model: str = "",
-                 bulk_connections: int = 0) -> None:
+                 bulk_connections: int = 0, bulk_tls: BulkTLS | None = None) -> None:
         tune_malloc()
         self.cut = (0, 0) if cut is None else (int(cut[0]), int(cut[1]))
         if credentials is None and not insecure:
             raise ConfigError("the trunk client needs TLS credentials, or insecure=True for plaintext")
+        if bulk_connections and (credentials is None) != (bulk_tls is None):
+            raise ConfigError("a bulk link is TLS exactly when the channel is: pass bulk_tls=BulkTLS.client(ca_pem) "
+                              "(the CA the channel's credentials trust) with TLS credentials, and neither for "
+                              "plaintext" if credentials is not None else
+                              "bulk_tls is for a TLS channel: pass its credentials too, or drop bulk_tls")
+        #: TLS for the bulk link (None: plaintext, as the channel).
+        self.bulk_tls = bulk_tls
         self.address = address
         self.client_id = client_id or uuid.uuid4().hex[:12]
         self.wire_dtype = to_wire_dtype(wire_dtype)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import ssl
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -125,7 +126,10 @@ class TrunkServer:
             at :meth:`start`, so two servers never share a port by accident.
         bulk_connections: offer bulk links of up to this many TCP connections (:mod:`splitfed.channel.bulk`):
             a client that asks for one sends and receives the bytes of its streamed calls over them instead of
-            gRPC chunks (0: none). Plaintext servers only (the bytes are not encrypted), without ``frontends``.
+            gRPC chunks (0: none). Not with ``frontends``.
+        bulk_tls: a TLS server's bulk links (an ``ssl.SSLContext`` from
+            :func:`~splitfed.channel.bulktls.server_context`, with the gRPC server's certificate chain, key and
+            client CA); required with ``credentials`` and ``bulk_connections``.
     """
 
     def __init__(self, trunk: nn.Module | TrunkRuntime | None = None, *, host: str = "127.0.0.1", port: int = 0,
@@ -143,7 +147,8 @@ class TrunkServer:
                  shared_memory_total_bytes: int = 4 << 30, models: Iterable[ModelSpec] = (),
                  admin_token: str | None = None, max_memory: Mapping[str, int] | None = None,
                  frontends: int = 0, frontend_tls: tuple[bytes, bytes, bytes | None] | None = None,
-                 reuse_port: bool = False, bulk_connections: int = 0) -> None:
+                 reuse_port: bool = False, bulk_connections: int = 0, bulk_tls: ssl.SSLContext | None = None
+                 ) -> None:
         tune_malloc()
         if credentials is None and not insecure:
             raise ConfigError("the trunk server needs TLS credentials, or insecure=True to serve plaintext "
@@ -157,9 +162,11 @@ class TrunkServer:
                               "with the credentials (splitfed serve does)")
         if bulk_connections < 0:
             raise ConfigError(f"bulk_connections must be >= 0, got {bulk_connections}")
-        if bulk_connections and credentials is not None:
-            raise ConfigError("bulk links carry tensor bytes unencrypted: a TLS server offers none (leave "
-                              "bulk_connections at 0)")
+        if bulk_connections and (credentials is None) != (bulk_tls is None):
+            raise ConfigError("a TLS server's bulk links need TLS too: pass bulk_tls=server_context(chain, key, "
+                              "client_ca) from splitfed.channel.bulktls, built from the PEM files of the credentials"
+                              if credentials is not None else
+                              "bulk_tls is for a TLS server: pass its credentials too, or drop bulk_tls")
         if bulk_connections and frontends:
             raise ConfigError("bulk links and front-end processes exclude each other: set one of bulk_connections "
                               "and frontends")
@@ -193,7 +200,8 @@ class TrunkServer:
             self._interceptors.insert(0, self.metrics.interceptor())
         self.bulk = None if not bulk_connections else BulkHub(
             host, max_connections=bulk_connections, max_bytes=limits.max_tensor_bytes,
-            max_pending_bytes=2 * limits.max_tensor_bytes + limits.max_message_bytes, alloc=host_memory())
+            max_pending_bytes=2 * limits.max_tensor_bytes + limits.max_message_bytes, alloc=host_memory(),
+            tls=bulk_tls)
         self.options = ServerOptions(limits, authenticate, shared_memory_total_bytes, session_limits, self.bulk)
         self.registry = ModelRegistry(self.options, MemoryBudget(max_memory), on_state=self._on_state,
                                       on_ready=self._on_ready)
