@@ -47,7 +47,8 @@ def add_serve_options(serve: argparse.ArgumentParser) -> None:
                             "server's own event loop); see docs/performance.md")
     serve.add_argument("--bulk-connections", type=int, default=0,
                        help="offer clients bulk links of up to this many TCP connections for the bytes of large "
-                            "tensors (plaintext servers only; 0: none, the default); see docs/performance.md")
+                            "tensors (TLS with --tls-cert/--tls-key, as the channel; 0: none, the default); see "
+                            "docs/performance.md")
 
 
 def spec_from_flag(text: str, args: argparse.Namespace) -> Any:
@@ -105,7 +106,7 @@ def serve_models(args: argparse.Namespace) -> int:
         if len(set(names)) != len(names):
             raise SystemExit(f"two models are named {sorted({n for n in names if names.count(n) > 1})}; name them "
                              "apart with --model NAME=SOURCE")
-        credentials = frontend_tls = None
+        credentials = frontend_tls = bulk_tls = None
         if not args.insecure:
             from splitfed.channel.security import server_credentials
 
@@ -113,6 +114,11 @@ def serve_models(args: argparse.Namespace) -> int:
                 raise SystemExit("give --tls-cert and --tls-key (and --tls-client-ca for mutual TLS), or --insecure "
                                  "to serve plaintext")
             credentials = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+            if args.bulk_connections:
+                from splitfed.channel.bulktls import server_context
+
+                bulk_tls = server_context(read_pem(args.tls_cert), read_pem(args.tls_key),
+                                          read_pem(args.tls_client_ca) if args.tls_client_ca else None)
             if args.frontends:
                 frontend_tls = (read_pem(args.tls_key), read_pem(args.tls_cert),
                                 read_pem(args.tls_client_ca) if args.tls_client_ca else None)
@@ -121,7 +127,8 @@ def serve_models(args: argparse.Namespace) -> int:
         server = TrunkServer(host=args.host, port=args.port, insecure=args.insecure, credentials=credentials,
                              models=specs, admin_token=read_token(args), max_memory=parse_budget(args.max_memory),
                              metrics_port=args.metrics_port, metrics_host=args.host, frontends=args.frontends,
-                             frontend_tls=frontend_tls, bulk_connections=args.bulk_connections).start()
+                             frontend_tls=frontend_tls, bulk_connections=args.bulk_connections,
+                             bulk_tls=bulk_tls).start()
     except SplitFedError as exc:
         raise SystemExit(f"splitfed serve: {exc}") from None
     log.info("serving %s on %s", ", ".join(names), server.address)

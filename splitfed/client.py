@@ -76,7 +76,7 @@ def connect_trunk(cfg: RunConfig, address: str, token: str | None, client_id: st
     from splitfed.channel.client import RemoteTrunk, RetryPolicy
     from splitfed.compression import WireCompression
 
-    from splitfed.channel.transport import client_credentials
+    from splitfed.channel.transport import client_bulk_tls, client_credentials
 
     credentials = client_credentials(address, pinned_ca=ca_pem, own_tls=bool(cfg.tls_cert), root_ca=cfg.tls_root_ca,
                                      allow_plaintext_remote=cfg.trunk_allow_plaintext_remote,
@@ -91,7 +91,10 @@ def connect_trunk(cfg: RunConfig, address: str, token: str | None, client_id: st
                            topk_ratio=cfg.topk_ratio, error_feedback=cfg.wire_error_feedback),
                        retry=RetryPolicy(timeout_s=_call_timeout(cfg)),
                        cut=cfg.cuts if cfg.client_cuts else None, channels=lanes, max_in_flight=2 * lanes,
-                       shared_memory=cfg.shared_memory, bulk_connections=cfg.bulk_connections)
+                       shared_memory=cfg.shared_memory, bulk_connections=cfg.bulk_connections,
+                       bulk_tls=client_bulk_tls(pinned_ca=ca_pem, root_ca=cfg.tls_root_ca,
+                                                client_cert=cfg.tls_client_cert, client_key=cfg.tls_client_key)
+                       if credentials is not None and cfg.bulk_connections else None)
 
 
 def _call_timeout(cfg: RunConfig) -> float:

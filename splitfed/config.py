@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import logging
 import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -82,7 +81,7 @@ class RunConfig:
     micro_batches: str = "1"  # pipelined split step: micro-batches per client batch, or "auto"
     shared_memory: str = "auto"  # tensors through shared memory when client and trunk share a host: auto, on, off
     trunk_shared_memory_mib: int = 256  # shared memory each client on the trunk's host may map (0: none)
-    bulk_connections: int = 0  # TCP connections of a bulk link for streamed tensors (0: none; plaintext trunks only)
+    bulk_connections: int = 0  # TCP connections of a bulk link for streamed tensors (0: none; TLS with the trunk's)
     # Data.
     dataset: str = ""  # empty: the model's embedded data; else a hub dataset (needs a network)
     partitioner: str = "iid"
@@ -139,16 +138,6 @@ class RunConfig:
     def effective_trunk_lr(self) -> float:
         """Learning rate of the trunk's optimizer."""
         return self.trunk_lr or self.lr
-
-    def bulk_offer(self, plaintext: bool) -> int:
-        """Connections of the bulk links the trunk server offers: ``bulk-connections`` on a plaintext trunk, none on
-        a TLS one (a link's bytes are not encrypted; its clients then stream over gRPC), said in the log."""
-        if self.bulk_connections and not plaintext:
-            logging.getLogger(__name__).warning(
-                "bulk-connections = %d is ignored: the trunk serves TLS, and bulk links are not encrypted; "
-                "tensors stream over gRPC", self.bulk_connections)
-            return 0
-        return self.bulk_connections
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:

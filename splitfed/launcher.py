@@ -248,7 +248,8 @@ def config_replica(rank: int, run_config: Mapping[str, Any], run_id: str, output
                        batch_window_ms=cfg.trunk_batch_window_ms, max_batch_tokens=cfg.trunk_max_batch_tokens,
                        max_concurrent_rpcs=cfg.trunk_max_concurrent_rpcs,
                        shared_memory_bytes=cfg.trunk_shared_memory_mib << 20,
-                       bulk_connections=cfg.bulk_offer(transport.insecure))
+                       bulk_connections=cfg.bulk_connections,
+                       bulk_tls=transport.bulk_context() if cfg.bulk_connections else None)
 
 
 def runner_runtime(cfg: Any, trunk: torch.nn.Module, aggregator: Any = None) -> Any:

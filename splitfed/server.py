@@ -117,7 +117,8 @@ class ServerRunner:
                                   max_batch_tokens=cfg.trunk_max_batch_tokens,
                                   max_concurrent_rpcs=cfg.trunk_max_concurrent_rpcs,
                                   shared_memory_bytes=cfg.trunk_shared_memory_mib << 20,
-                                  bulk_connections=cfg.bulk_offer(self.transport.insecure))
+                                  bulk_connections=cfg.bulk_connections,
+                                  bulk_tls=self.transport.bulk_context() if cfg.bulk_connections else None)
         self._round_started = time.monotonic()
 
     # -- lifecycle --------------------------------------------------------------------------

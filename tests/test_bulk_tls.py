@@ -5,6 +5,7 @@ The certificates are made with ``openssl`` as an operator would (``tests/pki.py`
 from __future__ import annotations
 
 import copy
+import signal
 import socket
 import ssl
 from pathlib import Path
@@ -21,7 +22,7 @@ from splitfed.channel import split_channel_pb2_grpc as pb_grpc
 from splitfed.channel.bulk import HANDSHAKE, MAGIC
 from splitfed.channel.bulktls import BulkTLS, server_context
 from splitfed.channel.client import RemoteTrunk, TrunkClient
-from splitfed.channel.limits import CLIENT_ID_KEY
+from splitfed.channel.limits import CLIENT_ID_KEY, ChannelLimits
 from splitfed.channel.security import channel_credentials, server_credentials
 from splitfed.errors import ConfigError
 from splitfed.split import SplitModel, split_model
@@ -146,3 +147,42 @@ def test_tls_and_bulk_tls_go_together(pki: Pki) -> None:
         server_context(_pem(pki.cert("server")), _pem(pki.key("node-0")))  # another certificate's key
     with pytest.raises(ConfigError, match="not PEM"):
         BulkTLS.client(b"not a certificate")
+
+
+def test_splitfed_serve_with_tls_offers_tls_bulk_links(pki: Pki) -> None:
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    from test_serving import CNN_INPUT
+    from test_serving_cli import _free_port
+
+    from splitfed.errors import ChannelError
+    from splitfed.split import CutState
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "splitfed.cli", "serve", "--model", "cnn=mnist-cnn:3,6",
+                             "--port", str(port), "--tls-cert", pki.cert("server"), "--tls-key", pki.key("server"),
+                             "--bulk-connections", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with TrunkClient(f"127.0.0.1:{port}", model="cnn", shared_memory="off", bulk_connections=2,
+                         limits=ChannelLimits(stream_threshold_bytes=1 << 10), **_client_kwargs(pki)) as cnn:
+            deadline = time.monotonic() + 120
+            while True:  # the server serves while it loads the model
+                try:
+                    assert list(cnn.info().cuts) == [3, 6]
+                    break
+                except (ChannelError, AssertionError):
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        raise
+                    time.sleep(0.2)
+            act = uuid.uuid4().hex
+            out, _ = cnn.forward(CutState(torch.randn(*CNN_INPUT)), activation_id=act, train=True)
+            assert cnn.backward(act, torch.ones_like(out)).trunk_version == 1
+            assert cnn.bulk.calls == 2 and cnn.bulk.failed is None
+            assert all(isinstance(s, ssl.SSLSocket) for s in cnn.bulk.link.socks)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out[-3000:]

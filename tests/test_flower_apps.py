@@ -43,13 +43,39 @@ def test_a_run_config_offers_bulk_links_on_a_plaintext_trunk_and_its_clients_ope
     with pytest.raises(ConfigError, match="trunk-replicas = 1"):
         RunConfig.from_mapping(default_run_config(bulk_connections=2, trunk_replicas=2))
     cfg = RunConfig.from_mapping(default_run_config(bulk_connections=2, output_dir=str(tmp_path)))
-    assert cfg.bulk_offer(plaintext=False) == 0 and "bulk-connections = 2 is ignored" in caplog.text
     runner = ServerRunner(cfg, output_dir=tmp_path).start()
     try:
         assert runner.server.bulk is not None and runner.server.bulk.max_connections == 2
         remote = connect_trunk(cfg, runner.server.address, runner.tokens.issue(1, 1), "node-1")
         assert remote.client.bulk.connections == 2
         assert remote.client.bulk.ready(gpu=False) is not None and runner.server.bulk.links == 1
+        remote.close()
+    finally:
+        runner.server.stop(grace=0)
+
+
+def test_a_tls_trunks_run_config_offers_tls_bulk_links_and_its_clients_open_them(tmp_path) -> None:
+    import ssl
+
+    from pki import make_pki
+
+    from splitfed.client import connect_trunk
+    from splitfed.server import ServerRunner
+
+    # The operator's certificate with client certificates required: the links verify and present the same.
+    pki = make_pki(tmp_path / "pki", nodes=1)
+    keys = {"tls_cert": pki.cert("server"), "tls_key": pki.key("server"), "tls_root_ca": pki.cert("ca"),
+            "tls_client_ca": pki.cert("ca"), "tls_client_cert": pki.cert("node-0"),
+            "tls_client_key": pki.key("node-0")}
+    cfg = RunConfig.from_mapping(default_run_config(bulk_connections=2, output_dir=str(tmp_path), **keys))
+    runner = ServerRunner(cfg, output_dir=tmp_path).start()
+    try:
+        assert runner.server.bulk is not None and runner.server.bulk.tls is not None
+        remote = connect_trunk(cfg, runner.server.address, runner.tokens.issue(1, 1), "node-1")
+        link = remote.client.bulk.ready(gpu=False)
+        assert link is not None and runner.server.bulk.links == 1
+        assert all(isinstance(s, ssl.SSLSocket) for s in [*link.socks, *link.out_socks])
+        assert all(s.getpeercert() for s in link.socks)  # the server's certificate, verified
         remote.close()
     finally:
         runner.server.stop(grace=0)

@@ -40,7 +40,11 @@ from splitfed.channel.hosts import host_of
 from splitfed.errors import ConfigError
 
 if TYPE_CHECKING:
+    import ssl
+
     import grpc
+
+    from splitfed.channel.bulktls import BulkTLS
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +171,20 @@ class ServerTransport:
                                                         client_ca or None)
         return security.server_credentials(cert, key, client_ca or None)
 
+    def bulk_context(self) -> ssl.SSLContext | None:
+        """TLS for the trunk server's bulk links, with the same certificate, key and client CA as
+        :meth:`credentials` (None for plaintext: the links are plaintext too)."""
+        from splitfed.channel.bulktls import server_context
+        from splitfed.channel.security import _read
+
+        if self.mode is TransportMode.PLAINTEXT:
+            return None
+        cert, key, client_ca = self._own
+        ca_pem = _read(client_ca, "client CA certificate") if client_ca else None
+        if self.issued is not None:
+            return server_context(self.issued.cert_pem, self.issued.server_key_pem, ca_pem)
+        return server_context(_read(cert, "server certificate chain"), _read(key, "server private key"), ca_pem)
+
     def write_ca(self, folder: str | Path) -> Path | None:
         """Write the ephemeral CA certificate (public) to ``folder/trunk-ca.pem`` for operators and health
         checks; removes a stale one when this run has none. Returns the path written, if any."""
@@ -239,5 +257,18 @@ def client_credentials(address: str, *, pinned_ca: str | bytes | None = None, ow
     return None
 
 
-__all__ = ["CA_FILE", "ServerTransport", "TransportMode", "advertised_host", "choose_mode", "client_credentials",
-           "host_of", "is_loopback"]
+def client_bulk_tls(*, pinned_ca: str | bytes | None = None, root_ca: str = "", client_cert: str = "",
+                    client_key: str = "") -> BulkTLS:
+    """A TLS client's bulk-link TLS, trusting what :func:`client_credentials` trusts (``pinned_ca``, else
+    ``root_ca``, else the system's roots) and presenting the same client certificate."""
+    from splitfed.channel.bulktls import BulkTLS
+    from splitfed.channel.security import _read
+
+    pair = {"client_cert": client_cert, "client_key": client_key} if client_cert else {}
+    if pinned_ca:
+        return BulkTLS.client(pinned_ca, **pair)
+    return BulkTLS.client(_read(root_ca, "root CA certificate") if root_ca else None, **pair)
+
+
+__all__ = ["CA_FILE", "ServerTransport", "TransportMode", "advertised_host", "choose_mode", "client_bulk_tls",
+           "client_credentials", "host_of", "is_loopback"]
