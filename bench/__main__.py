@@ -11,11 +11,11 @@ from collections.abc import Callable
 
 import torch
 
-from bench import core, gen_batching, generation
+from bench import core, gen_batching, generation, split_step
 from splitfed.tuning import tune_malloc
 
 SUITES: dict[str, Callable[..., dict[str, float]]] = {
-    "split_step": core.split_step_ratio,
+    "split_step": split_step.split_step_ratio,
     "channel": core.channel_vs_grpc,
     "codec": core.codec_speedup,
     "compression": core.compression,
@@ -49,10 +49,11 @@ def main() -> int:
     parser.add_argument("--wire-compression", default="none", choices=("none", "int8", "topk"),
                         help="split_step: what crosses the cut (int8: activations and gradients; topk: int8 "
                              "activations, top-k gradients)")
-    parser.add_argument("--transports", nargs="*", default=["auto", "socket"], choices=("auto", "socket", "bulk"),
+    parser.add_argument("--transports", nargs="*", default=["auto", "socket"], choices=split_step.TRANSPORTS,
                         help="split_step: auto (shared memory, client and trunk on one host), socket "
-                             "(loopback TCP; keys with _socket) and/or bulk (loopback TCP with a bulk link of 4 "
-                             "connections; keys with _bulk)")
+                             "(loopback TCP; keys with _socket), bulk (loopback TCP with a bulk link of 4 "
+                             "connections; keys with _bulk), tls (gRPC over TLS; _tls) and/or bulk-tls (TLS with a "
+                             "TLS bulk link; _bulk_tls)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     tune_malloc()  # as the trunk server and client do; applies to both sides of every comparison

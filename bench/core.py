@@ -1,6 +1,6 @@
 """Benchmarks of the split core, each a ratio of two things measured side by side in one run.
 
-* ``split_step_ratio``: one training step of a tiny GPT-2 (6 layers, hidden 256,
+* ``split_step_ratio`` (:mod:`bench.split_step`): one training step of a tiny GPT-2 (6 layers, hidden 256,
   vocab 8192, seq 128, batch 8) split over the real channel on loopback,
   divided by the same unsplit step (``_process``: trunk server in its own process).
   ``split_step_shared_fraction`` is the share of the cut's bytes that went through
@@ -94,135 +94,6 @@ def _gpt2(seed: int = 0) -> torch.nn.Module:
 def _cuts() -> tuple[int, int]:
     n = SPLIT_STEP["layers"]
     return n // 3, n - n // 3
-
-
-#: Connections of a bulk link (the split step's ``bulk`` transport).
-BULK_CONNECTIONS = 4
-
-
-def _trunk_server(device: str, settings: dict[str, int]) -> Any:
-    from splitfed.channel.server import TrunkServer
-    from splitfed.split import split_model
-    from splitfed.trunk.runtime import TrunkRuntime
-
-    SPLIT_STEP.update(settings)
-    trunk = split_model(_gpt2().to(device), _cuts()).trunk
-    runtime = TrunkRuntime(trunk, torch.optim.SGD(trunk.parameters(), lr=1e-3),
-                           autocast_dtype=torch.bfloat16 if settings["bf16"] else None)
-    return TrunkServer(runtime, insecure=True, bulk_connections=BULK_CONNECTIONS).start()
-
-
-def _serve_trunk(settings: dict[str, int], port_queue: Any, stop: Any, threads: int, device: str) -> None:
-    torch.set_num_threads(threads)
-    server = _trunk_server(device, settings)
-    port_queue.put(server.port)
-    stop.wait()
-    server.stop(grace=0)
-
-
-def _wire(name: str) -> Any:
-    """The :class:`~splitfed.compression.WireCompression` a bench's ``--wire-compression`` names."""
-    from splitfed.compression import WireCompression
-
-    return WireCompression.of("int8", grad="topk", topk_ratio=0.01) if name == "topk" else WireCompression.of(name)
-
-
-def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple[int, ...] = (1,),
-                     wire_compression: str = "none", transports: tuple[str, ...] = ("auto", "socket")
-                     ) -> dict[str, float]:
-    """Split step over loopback / unsplit step, tiny GPT-2; the trunk server in this process and in another.
-
-    ``split_step_ratio`` serves the trunk from a thread of this process (the
-    real gRPC channel over loopback TCP, no second Python process competing for
-    the cores); ``split_step_ratio_process`` serves it from its own process, as
-    in a deployment, but on the same cores as the client. For each k > 1 in
-    ``micro_batches`` the split step also runs pipelined as k micro-batches
-    (over min(k, 4) gRPC channels): ``split_step_ratio_mb{k}`` and
-    ``split_step_ratio_process_mb{k}``, each timed interleaved with the unsplit step. ``wire_compression``
-    (none, int8, topk) is what crosses the cut in every split run (reported as ``split_step_wire_compression``).
-    ``transports``: ``auto`` (the client's default: through a shared-memory region, client and trunk being on
-    one host) and ``socket`` (every byte over loopback TCP: what another host would pay before the network
-    itself), the latter reported with ``_socket`` in the key; ``bulk`` is the socket with a bulk link of
-    :data:`BULK_CONNECTIONS` TCP connections carrying the streamed calls' bytes (keys with ``_bulk``).
-    """
-    from splitfed.channel.client import RemoteTrunk
-    from splitfed.split import SplitModel, split_model
-
-    cuts, settings = _cuts(), dict(SPLIT_STEP)
-    batch, seq, bf16 = settings["batch"], settings["seq"], bool(settings["bf16"])
-    ctx = mp.get_context("spawn")
-    port_queue, stop = ctx.Queue(), ctx.Event()
-    threads = torch.get_num_threads()
-    proc = ctx.Process(target=_serve_trunk, args=(settings, port_queue, stop, threads, device), daemon=True)
-    proc.start()
-    in_process = _trunk_server(device, settings)
-    out: dict[str, float] = {}
-    try:
-        port = get_from(port_queue, [proc], 120, "the trunk server process port")
-        addresses = {"": in_process.address, "_process": f"127.0.0.1:{port}"}
-        ref = _gpt2().to(device)
-        opt_ref = torch.optim.SGD(ref.parameters(), lr=1e-3)
-        ids = torch.randint(0, settings["vocab"], (batch, seq), device=device)
-
-        def autocast() -> Any:
-            return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16)
-
-        def sync() -> None:
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-
-        def ref_step() -> None:
-            with autocast():
-                loss = ref(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt_ref.step()
-            opt_ref.zero_grad()
-            sync()
-
-        runs = [(f"{where}{'' if transport == 'auto' else '_' + transport}{'' if k == 1 else f'_mb{k}'}", address, k,
-                 transport) for where, address in addresses.items() for transport in transports for k in micro_batches]
-        for suffix, address, k, transport in runs:
-            parts = split_model(_gpt2().to(device), cuts)
-            remote = RemoteTrunk(address, insecure=True, wire_dtype="bf16" if bf16 else "fp32",
-                                 channels=min(k, 4), max_in_flight=2 * k,
-                                 wire_compression=_wire(wire_compression),
-                                 shared_memory="auto" if transport == "auto" else "off",
-                                 bulk_connections=BULK_CONNECTIONS if transport == "bulk" else 0)
-            model = SplitModel(parts.bottom, remote, parts.top, task="causal-lm", micro_batches=k)
-            opt_split = torch.optim.SGD(parts.client_modules().parameters(), lr=1e-3)
-
-            def split_step() -> None:
-                with autocast():
-                    loss = model(ids, labels=ids).loss
-                loss.backward()
-                opt_split.step()
-                opt_split.zero_grad()
-                sync()
-
-            t_split, t_ref = interleaved(split_step, ref_step, repeat)
-            out[f"split_step_ratio{suffix}"] = t_split / t_ref
-            out[f"split_step{suffix}_s"] = t_split
-            out[f"unsplit_step{suffix}_s"] = t_ref
-            if k == 1 and transport == "socket":
-                out["split_bytes_per_call"] = remote.client.bytes_sent / max(remote.client.calls, 1)
-            if transport == "bulk":
-                if remote.client.bulk.failed is not None:
-                    raise RuntimeError(f"split_step{suffix}: the bulk link was given up: {remote.client.bulk.failed}")
-                out[f"split_step_bulk_fraction{suffix}"] = remote.client.bulk.calls / max(remote.client.calls, 1)
-            if transport == "auto":
-                out[f"split_step_shared_fraction{suffix}"] = remote.client.shared.bytes / max(
-                    remote.client.bytes_sent + remote.client.bytes_received, 1)
-                # Calls whose copies went device to device through the region's GPU memory.
-                out[f"split_step_gpu_copy_fraction{suffix}"] = remote.client.shared.on_gpu / max(
-                    remote.client.shared.calls, 1)
-            remote.client.leave()  # the next client must not wait for this one in the trunk's sync step
-            remote.close()
-        check_alive([proc], "the trunk server")
-        return out
-    finally:
-        in_process.stop(grace=0)
-        stop.set()
-        end_children([proc])
 
 
 # -- channel vs bare gRPC -------------------------------------------------------------
@@ -410,6 +281,7 @@ def compression(repeat: int = 6, device: str = "cpu") -> dict[str, float]:
     group), steps interleaved; bytes are the client's tensor payload both ways
     (data, scales, indices).
     """
+    from bench.split_step import _trunk_server
     from splitfed.channel.client import RemoteTrunk
     from splitfed.compression import WireCompression
     from splitfed.split import SplitModel, split_model

@@ -95,12 +95,15 @@ def test_bench_transport() -> None:
 
 
 def test_bench_split_step_over_a_bulk_link() -> None:
-    # 512 KiB at the cut: every Forward and Backward streams over the link (above BULK_MIN_BYTES).
-    results = _json(_bench("bench", "--quick", "--only", "split_step", "--transports", "bulk", "--json",
+    # 512 KiB at the cut: every Forward and Backward streams over the link (above BULK_MIN_BYTES), plaintext and
+    # TLS (a TLS channel with a TLS link).
+    results = _json(_bench("bench", "--quick", "--only", "split_step", "--transports", "bulk", "bulk-tls", "--json",
                            "--split-config", "layers=4 hidden=128 heads=2 vocab=256 batch=4 seq=256"))
-    for key in ("split_step_ratio_bulk", "split_step_ratio_process_bulk"):
+    for key in ("split_step_ratio_bulk", "split_step_ratio_process_bulk", "split_step_ratio_bulk_tls",
+                "split_step_ratio_process_bulk_tls"):
         assert results[key] > 0, key
-    assert results["split_step_bulk_fraction_bulk"] == results["split_step_bulk_fraction_process_bulk"] == 1.0
+    for suffix in ("bulk", "process_bulk", "bulk_tls", "process_bulk_tls"):
+        assert results[f"split_step_bulk_fraction_{suffix}"] == 1.0, suffix
 
 
 def test_bench_checkpointing() -> None:
