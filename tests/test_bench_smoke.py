@@ -97,10 +97,10 @@ def test_bench_transport() -> None:
 def test_bench_split_step_over_a_bulk_link() -> None:
     # 512 KiB at the cut: every Forward and Backward streams over the link (above BULK_MIN_BYTES), plaintext and
     # TLS (a TLS channel with a TLS link).
-    results = _json(_bench("bench", "--quick", "--only", "split_step", "--transports", "bulk", "bulk-tls", "--json",
-                           "--split-config", "layers=4 hidden=128 heads=2 vocab=256 batch=4 seq=256"))
-    for key in ("split_step_ratio_bulk", "split_step_ratio_process_bulk", "split_step_ratio_bulk_tls",
-                "split_step_ratio_process_bulk_tls"):
+    results = _json(_bench("bench", "--quick", "--only", "split_step", "--transports", "bulk", "tls", "bulk-tls",
+                           "--json", "--split-config", "layers=4 hidden=128 heads=2 vocab=256 batch=4 seq=256"))
+    for key in ("split_step_ratio_bulk", "split_step_ratio_process_bulk", "split_step_ratio_tls",
+                "split_step_ratio_process_tls", "split_step_ratio_bulk_tls", "split_step_ratio_process_bulk_tls"):
         assert results[key] > 0, key
     for suffix in ("bulk", "process_bulk", "bulk_tls", "process_bulk_tls"):
         assert results[f"split_step_bulk_fraction_{suffix}"] == 1.0, suffix
