@@ -49,6 +49,9 @@ def add_serve_options(serve: argparse.ArgumentParser) -> None:
                        help="offer clients bulk links of up to this many TCP connections for the bytes of large "
                             "tensors (TLS with --tls-cert/--tls-key, as the channel; 0: none, the default); see "
                             "docs/performance.md")
+    serve.add_argument("--bulk-port", type=int, default=0,
+                       help="the port bulk links listen on, beside --port (for a firewall; 0: a free one, the "
+                            "default)")
 
 
 def spec_from_flag(text: str, args: argparse.Namespace) -> Any:
@@ -128,7 +131,7 @@ def serve_models(args: argparse.Namespace) -> int:
                              models=specs, admin_token=read_token(args), max_memory=parse_budget(args.max_memory),
                              metrics_port=args.metrics_port, metrics_host=args.host, frontends=args.frontends,
                              frontend_tls=frontend_tls, bulk_connections=args.bulk_connections,
-                             bulk_tls=bulk_tls).start()
+                             bulk_tls=bulk_tls, bulk_port=args.bulk_port).start()
     except SplitFedError as exc:
         raise SystemExit(f"splitfed serve: {exc}") from None
     log.info("serving %s on %s", ", ".join(names), server.address)

@@ -82,6 +82,7 @@ class RunConfig:
     shared_memory: str = "auto"  # tensors through shared memory when client and trunk share a host: auto, on, off
     trunk_shared_memory_mib: int = 256  # shared memory each client on the trunk's host may map (0: none)
     bulk_connections: int = 0  # TCP connections of a bulk link for streamed tensors (0: none; TLS with the trunk's)
+    bulk_port: int = 0  # the port the trunk's bulk links listen on (0: a free one)
     # Data.
     dataset: str = ""  # empty: the model's embedded data; else a hub dataset (needs a network)
     partitioner: str = "iid"
@@ -227,6 +228,8 @@ class RunConfig:
                 raise ConfigError(f"{key} must be in [0, 1], got {value}")
         if not 0 <= self.trunk_port <= 65535:
             raise ConfigError(f"trunk-port must be in 0..65535, got {self.trunk_port}")
+        if not 0 <= self.bulk_port <= 65535:
+            raise ConfigError(f"bulk-port must be in 0..65535, got {self.bulk_port}")
         from splitfed.channel.transport import choose_mode  # lazy: keeps config import-light
 
         # ConfigError for plaintext off loopback by omission, or half a TLS key pair.

@@ -249,7 +249,7 @@ def config_replica(rank: int, run_config: Mapping[str, Any], run_id: str, output
                        max_concurrent_rpcs=cfg.trunk_max_concurrent_rpcs,
                        shared_memory_bytes=cfg.trunk_shared_memory_mib << 20,
                        bulk_connections=cfg.bulk_connections,
-                       bulk_tls=transport.bulk_context() if cfg.bulk_connections else None)
+                       bulk_tls=transport.bulk_context() if cfg.bulk_connections else None, bulk_port=cfg.bulk_port)
 
 
 def runner_runtime(cfg: Any, trunk: torch.nn.Module, aggregator: Any = None) -> Any:

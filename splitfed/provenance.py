@@ -29,7 +29,7 @@ OPERATIONAL = frozenset({
     "tls-key", "tls-root-ca", "tls-client-ca", "auth", "token-ttl", "trunk-timeout", "trunk-max-concurrent-rpcs",
     "trunk-batch-window-ms", "trunk-max-batch-tokens", "trunk-checkpointing", "trunk-replicas", "shared-memory",
     "trunk-shared-memory-mib", "micro-batches", "compile", "min-train-nodes", "accept-failures", "eval-batches",
-    "fraction-evaluate", "bulk-connections",
+    "fraction-evaluate", "bulk-connections", "bulk-port",
 })
 
 #: The key a checkpoint's metadata keeps the identity under.

@@ -118,7 +118,8 @@ class ServerRunner:
                                   max_concurrent_rpcs=cfg.trunk_max_concurrent_rpcs,
                                   shared_memory_bytes=cfg.trunk_shared_memory_mib << 20,
                                   bulk_connections=cfg.bulk_connections,
-                                  bulk_tls=self.transport.bulk_context() if cfg.bulk_connections else None)
+                                  bulk_tls=self.transport.bulk_context() if cfg.bulk_connections else None,
+                                  bulk_port=cfg.bulk_port)
         self._round_started = time.monotonic()
 
     # -- lifecycle --------------------------------------------------------------------------

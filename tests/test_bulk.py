@@ -247,6 +247,25 @@ def test_bulk_links_need_tls_on_a_tls_server_and_exclude_front_ends() -> None:
         TrunkServer(torch.nn.Linear(2, 2), insecure=True, bulk_connections=2, frontends=2)
 
 
+def test_bulk_links_listen_on_the_port_asked_for(trunk_server) -> None:
+    from splitfed.channel.server import TrunkServer
+
+    with socket.socket() as probe:  # a port free now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    model = tiny_model("gpt2")
+    server = trunk_server(split_model(model, (1, 3)).trunk, limits=LIMITS, bulk_connections=2, bulk_port=port)
+    assert server.bulk.port == port
+    with TrunkClient(server.address, insecure=True, limits=LIMITS, shared_memory="off", bulk_connections=2) as c:
+        c.forward(CutState(torch.randn(2, 16, model.config.n_embd), None, None), train=False)
+        assert c.bulk.calls == 1 and all(s.getpeername()[1] == port for s in c.bulk.link.socks)
+    taken = TrunkServer(torch.nn.Linear(2, 2), insecure=True, bulk_connections=2, bulk_port=port)
+    with pytest.raises(ConfigError, match="cannot listen"):
+        taken.start()
+    with pytest.raises(ConfigError, match="bulk_port"):
+        TrunkServer(torch.nn.Linear(2, 2), insecure=True, bulk_connections=2, bulk_port=70000)
+
+
 # -- what a hostile peer can do to the server ----------------------------------------------------------------
 def _offer(address: str, client: str, connections: int = 2) -> pb.OpenBulkReply:
     with grpc.insecure_channel(address) as channel:

@@ -161,10 +161,11 @@ def test_splitfed_serve_with_tls_offers_tls_bulk_links(pki: Pki) -> None:
     from splitfed.errors import ChannelError
     from splitfed.split import CutState
 
-    port = _free_port()
+    port, bulk_port = _free_port(), _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "splitfed.cli", "serve", "--model", "cnn=mnist-cnn:3,6",
                              "--port", str(port), "--tls-cert", pki.cert("server"), "--tls-key", pki.key("server"),
-                             "--bulk-connections", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--bulk-connections", "2", "--bulk-port", str(bulk_port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         with TrunkClient(f"127.0.0.1:{port}", model="cnn", shared_memory="off", bulk_connections=2,
                          limits=ChannelLimits(stream_threshold_bytes=1 << 10), **_client_kwargs(pki)) as cnn:
@@ -181,7 +182,7 @@ def test_splitfed_serve_with_tls_offers_tls_bulk_links(pki: Pki) -> None:
             out, _ = cnn.forward(CutState(torch.randn(*CNN_INPUT)), activation_id=act, train=True)
             assert cnn.backward(act, torch.ones_like(out)).trunk_version == 1
             assert cnn.bulk.calls == 2 and cnn.bulk.failed is None
-            assert all(isinstance(s, ssl.SSLSocket) for s in cnn.bulk.link.socks)
+            assert all(isinstance(s, ssl.SSLSocket) and s.getpeername()[1] == bulk_port for s in cnn.bulk.link.socks)
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import tomllib
 
 import pytest
@@ -42,10 +43,16 @@ def test_a_run_config_offers_bulk_links_on_a_plaintext_trunk_and_its_clients_ope
         RunConfig.from_mapping(default_run_config(bulk_connections=-1))
     with pytest.raises(ConfigError, match="trunk-replicas = 1"):
         RunConfig.from_mapping(default_run_config(bulk_connections=2, trunk_replicas=2))
-    cfg = RunConfig.from_mapping(default_run_config(bulk_connections=2, output_dir=str(tmp_path)))
+    with pytest.raises(ConfigError, match="bulk-port"):
+        RunConfig.from_mapping(default_run_config(bulk_port=65536))
+    with socket.socket() as probe:  # a port free now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cfg = RunConfig.from_mapping(default_run_config(bulk_connections=2, bulk_port=port, output_dir=str(tmp_path)))
     runner = ServerRunner(cfg, output_dir=tmp_path).start()
     try:
         assert runner.server.bulk is not None and runner.server.bulk.max_connections == 2
+        assert runner.server.bulk.port == port
         remote = connect_trunk(cfg, runner.server.address, runner.tokens.issue(1, 1), "node-1")
         assert remote.client.bulk.connections == 2
         assert remote.client.bulk.ready(gpu=False) is not None and runner.server.bulk.links == 1

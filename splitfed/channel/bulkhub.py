@@ -37,7 +37,7 @@ from splitfed.channel.bulk import (
     tune,
 )
 from splitfed.channel.bulktls import split_directions
-from splitfed.errors import BulkLinkError, PermissionDeniedError, ResourceExhaustedError
+from splitfed.errors import BulkLinkError, ConfigError, PermissionDeniedError, ResourceExhaustedError
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ class BulkHub:
 
     Args:
         host: the address to listen on (the gRPC server's).
+        port: the port to listen on (0: one of the system's choosing).
         max_connections: connections a link may have (a client asking for more gets this many).
         max_bytes: the largest transfer a link takes (the server's largest tensor).
         max_pending_bytes: bytes one link may hold received but not yet taken.
@@ -108,9 +109,10 @@ class BulkHub:
 
     def __init__(self, host: str = "127.0.0.1", *, max_connections: int = 4, max_bytes: int = 1 << 30,
                  max_pending_bytes: int = 4 << 30, alloc: Callable[[int], np.ndarray] | None = None,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, port: int = 0) -> None:
         self.host = host
         self.tls = tls
+        self._requested_port = int(port)
         self.max_connections = max(1, min(int(max_connections), MAX_CONNECTIONS))
         self.max_bytes = int(max_bytes)
         self.max_pending_bytes = int(max_pending_bytes)
@@ -125,11 +127,17 @@ class BulkHub:
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
 
     def start(self) -> int:
-        """Listen (on a port of the system's choosing); returns the port."""
+        """Listen (on the port asked for, or one of the system's choosing); returns the port. Raises
+        :class:`ConfigError` when the port is taken."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((self.host.strip("[]"), 0))
+        try:
+            listener.bind((self.host.strip("[]"), self._requested_port))
+        except OSError as exc:
+            listener.close()
+            raise ConfigError(f"bulk links cannot listen on {self.host}:{self._requested_port} ({exc.strerror}); "
+                              "choose another bulk port, or 0 for a free one") from None
         listener.listen(128)
         self._listener = listener
         self.port = listener.getsockname()[1]

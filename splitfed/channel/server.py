@@ -130,6 +130,7 @@ class TrunkServer:
         bulk_tls: a TLS server's bulk links (an ``ssl.SSLContext`` from
             :func:`~splitfed.channel.bulktls.server_context`, with the gRPC server's certificate chain, key and
             client CA); required with ``credentials`` and ``bulk_connections``.
+        bulk_port: the port bulk links listen on (0: a free one; sent to each client in ``OpenBulk``'s reply).
     """
 
     def __init__(self, trunk: nn.Module | TrunkRuntime | None = None, *, host: str = "127.0.0.1", port: int = 0,
@@ -147,8 +148,8 @@ class TrunkServer:
                  shared_memory_total_bytes: int = 4 << 30, models: Iterable[ModelSpec] = (),
                  admin_token: str | None = None, max_memory: Mapping[str, int] | None = None,
                  frontends: int = 0, frontend_tls: tuple[bytes, bytes, bytes | None] | None = None,
-                 reuse_port: bool = False, bulk_connections: int = 0, bulk_tls: ssl.SSLContext | None = None
-                 ) -> None:
+                 reuse_port: bool = False, bulk_connections: int = 0, bulk_tls: ssl.SSLContext | None = None,
+                 bulk_port: int = 0) -> None:
         tune_malloc()
         if credentials is None and not insecure:
             raise ConfigError("the trunk server needs TLS credentials, or insecure=True to serve plaintext "
@@ -162,6 +163,8 @@ class TrunkServer:
                               "with the credentials (splitfed serve does)")
         if bulk_connections < 0:
             raise ConfigError(f"bulk_connections must be >= 0, got {bulk_connections}")
+        if not 0 <= bulk_port <= 65535:
+            raise ConfigError(f"bulk_port must be in 0..65535, got {bulk_port}")
         if bulk_connections and (credentials is None) != (bulk_tls is None):
             raise ConfigError("a TLS server's bulk links need TLS too: pass bulk_tls=server_context(chain, key, "
                               "client_ca) from splitfed.channel.bulktls, built from the PEM files of the credentials"
@@ -201,7 +204,7 @@ class TrunkServer:
         self.bulk = None if not bulk_connections else BulkHub(
             host, max_connections=bulk_connections, max_bytes=limits.max_tensor_bytes,
             max_pending_bytes=2 * limits.max_tensor_bytes + limits.max_message_bytes, alloc=host_memory(),
-            tls=bulk_tls)
+            tls=bulk_tls, port=bulk_port)
         self.options = ServerOptions(limits, authenticate, shared_memory_total_bytes, session_limits, self.bulk)
         self.registry = ModelRegistry(self.options, MemoryBudget(max_memory), on_state=self._on_state,
                                       on_ready=self._on_ready)
