@@ -96,9 +96,11 @@ def test_bench_transport() -> None:
 
 def test_bench_split_step_over_a_bulk_link() -> None:
     # 512 KiB at the cut: every Forward and Backward streams over the link (above BULK_MIN_BYTES), plaintext and
-    # TLS (a TLS channel with a TLS link).
+    # TLS (a TLS channel with a TLS link); int8 at the cut (docs/performance.md's command), still above it.
     results = _json(_bench("bench", "--quick", "--only", "split_step", "--transports", "bulk", "tls", "bulk-tls",
-                           "--json", "--split-config", "layers=4 hidden=128 heads=2 vocab=256 batch=4 seq=256"))
+                           "--wire-compression", "int8", "--json", "--split-config",
+                           "layers=4 hidden=128 heads=2 vocab=256 batch=4 seq=512"))
+    assert results["split_step_wire_compression"] == "int8"
     for key in ("split_step_ratio_bulk", "split_step_ratio_process_bulk", "split_step_ratio_tls",
                 "split_step_ratio_process_tls", "split_step_ratio_bulk_tls", "split_step_ratio_process_bulk_tls"):
         assert results[key] > 0, key
