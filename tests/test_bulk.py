@@ -6,6 +6,7 @@ import copy
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -178,18 +179,30 @@ def _train(arch: str, trunk_server, *, bulk_connections: int, wire: str = "none"
     net = SplitModel(split.bottom, remote, split.top, task=split.task)
     opt = torch.optim.SGD(split.client_modules().parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    for step in range(STEPS):
+
+    def before(step: int) -> None:
         if kill_after is not None and step == kill_after:
             for _, link in list(server.bulk._links.values()):
                 link.close("closed by the test")
+    side_by_side(net, opt, ref, ref_opt, (inputs, mask, labels), before)
+    remote.close()
+    return _max_diff(model, ref), server, remote
+
+
+def side_by_side(net: torch.nn.Module, opt: torch.optim.Optimizer, ref: torch.nn.Module,
+                 ref_opt: torch.optim.Optimizer, batch: tuple, before: Callable[[int], None] | None = None) -> None:
+    """``STEPS`` SGD steps of the split model ``net`` and the unsplit ``ref`` on ``batch`` (ids, mask, labels);
+    ``before(step)`` runs ahead of each."""
+    inputs, mask, labels = batch
+    for step in range(STEPS):
+        if before is not None:
+            before(step)
         net(inputs, attention_mask=mask, labels=labels).loss.backward()
         opt.step()
         opt.zero_grad()
         ref(input_ids=inputs, attention_mask=mask, labels=labels).loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    remote.close()
-    return _max_diff(model, ref), server, remote
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])

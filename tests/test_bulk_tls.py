@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import batch_for, tiny_model
 from pki import Pki, make_pki
-from test_bulk import LIMITS, STEPS, _closed, _max_diff, small_stripes  # noqa: F401 - the fixture applies here too
+from test_bulk import LIMITS, STEPS, _closed, _max_diff, side_by_side, small_stripes  # noqa: F401 - the fixture applies here too
 
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel import split_channel_pb2_grpc as pb_grpc
@@ -68,13 +68,7 @@ def _train(arch: str, trunk_server, pki: Pki, client_ca: bool = False,
     net = SplitModel(split.bottom, remote, split.top, task=split.task)
     opt = torch.optim.SGD(split.client_modules().parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    for _ in range(STEPS):
-        net(inputs, attention_mask=mask, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref(input_ids=inputs, attention_mask=mask, labels=labels).loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    side_by_side(net, opt, ref, ref_opt, (inputs, mask, labels))
     return _max_diff(model, ref), server, remote
 
 
