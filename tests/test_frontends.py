@@ -141,3 +141,53 @@ def test_a_trunk_server_refuses_front_ends_with_tls_but_no_pem(trunk_server) -> 
     with pytest.raises(ConfigError, match="frontend_tls"):
         trunk_server(split_model(tiny_model("llama").train(), cuts=(1, 3)).trunk, insecure=False,
                      credentials=grpc.ssl_server_credentials([(b"k", b"c")]), frontends=1)
+
+
+class _Frames:
+    """What the engine writes back to a front-end (a stand-in for its stream writer)."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    async def drain(self) -> None:
+        pass
+
+
+def test_the_engine_answers_a_handed_over_call_at_its_deadline_and_a_cancel_at_once() -> None:
+    """A call whose work outlasts the deadline the front-end passed on is answered DEADLINE_EXCEEDED then (not
+    when the work ends), a cancelled one CANCELLED, and one within its deadline with its reply."""
+    from splitfed.channel.enginelink import EngineListener
+
+    class Dispatch:
+        async def run(self, header: dict, body: bytes) -> tuple[dict, list[bytes]]:
+            await asyncio.sleep(float(header["work"]))
+            return {"code": "OK"}, [b"done"]
+
+    async def serve(header: dict, cancel_after: float | None = None) -> tuple[dict, float]:
+        listener, frames = EngineListener("unused", "secret", Dispatch(), 1 << 20), _Frames()
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        task = asyncio.ensure_future(listener._serve(3, header, b"", frames, asyncio.Lock()))
+        if cancel_after is not None:
+            await asyncio.sleep(cancel_after)
+            task.cancel()
+        await task
+        reader = asyncio.StreamReader()
+        reader.feed_data(bytes(frames.data))
+        reply, body = await read_frame(reader, 1 << 20)
+        return {**reply, "body": body}, loop.time() - began
+
+    async def scenario() -> None:
+        late, took = await serve({"timeout": 0.2, "work": 5})
+        assert late["code"] == "DEADLINE_EXCEEDED" and late["id"] == 3 and took < 2
+        cancelled, took = await serve({"timeout": 30, "work": 5}, cancel_after=0.1)
+        assert cancelled["code"] == "CANCELLED" and took < 2
+        ok, _ = await serve({"timeout": 5, "work": 0.01})
+        assert ok["code"] == "OK" and ok["body"] == b"done"
+        untimed, _ = await serve({"work": 0.01})
+        assert untimed["code"] == "OK" and untimed["body"] == b"done"
+
+    asyncio.run(scenario())

@@ -254,6 +254,33 @@ def test_unloading_one_leaves_the_other_serving_and_reloading_restores_it(two_mo
     assert torch.equal(_generate(server.address, llama_dir, ids, 6), want)
 
 
+def test_each_model_method_is_wrapped_once_and_a_reloaded_model_gets_its_own(two_models) -> None:
+    """The dispatcher keeps its per-call wrapper of a method on the model's unit: made on the first call, reused,
+    and gone with the unit (a reloaded model's calls never reach the runtime it replaced)."""
+    from types import SimpleNamespace
+
+    from splitfed.channel.dispatch import ModelDispatch
+    from splitfed.channel.limits import MODEL_KEY, SERVICE_NAME
+
+    dispatch = ModelDispatch(two_models.registry.route)
+
+    def handler(model: str, method: str = "Forward"):
+        return dispatch.service(SimpleNamespace(method=f"/{SERVICE_NAME}/{method}",
+                                                invocation_metadata=((MODEL_KEY, model),)))
+
+    first = handler("cnn")
+    assert first is not None and first.unary_unary is not None
+    assert handler("cnn") is first
+    assert handler("llm") is not first and handler("cnn", "Backward") is not first
+    assert handler("cnn", "NoSuchMethod") is None
+    assert set(two_models.unit("cnn").tracked) == {f"/{SERVICE_NAME}/Forward", f"/{SERVICE_NAME}/Backward"}
+    two_models.reload("cnn")
+    again = handler("cnn")
+    assert again is not first and handler("cnn") is again
+    with TrunkClient(two_models.address, insecure=True, model="cnn") as cnn:
+        assert _train_step(cnn) == "APPLIED" and two_models.unit("cnn").runtime.version == 1
+
+
 NO_RETRY = RetryPolicy(retryable_codes=("DATA_LOSS",))  # UNAVAILABLE is not retried: the test sees it
 SLOW_INPUT = (10000, 4)  # above the size a forward may run inline on the event loop: it goes to the device thread
 

@@ -27,6 +27,17 @@ from splitfed.channel.units import ModelState, ModelUnit
 
 _STREAMS = frozenset({"ForwardStream", "BackwardStream"})
 _PREFIX = f"/{SERVICE_NAME}/"
+#: Python 3.12+ can start a task eagerly: it runs up to its first suspension at once, and a call that never
+#: suspends (an inline trunk call) finishes without a turn of the event loop.
+_EAGER: Callable[..., asyncio.Task[Any]] | None = getattr(asyncio, "eager_task_factory", None)
+
+
+def own_task(coro: Any) -> asyncio.Future[Any]:
+    """``coro`` in a task of its own (cancelling its awaiter leaves it running), started eagerly where asyncio
+    can."""
+    if _EAGER is not None:
+        return _EAGER(asyncio.get_running_loop(), coro)
+    return asyncio.ensure_future(coro)
 
 
 class Refused(Exception):
@@ -93,7 +104,7 @@ def _tracked(handler: grpc.RpcMethodHandler, unit: ModelUnit) -> grpc.RpcMethodH
             if unit.state is not ModelState.READY:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, going_away(unit.name))
             enter()
-            work = asyncio.ensure_future(inner(request, context))
+            work = own_task(inner(request, context))
             try:
                 return await asyncio.shield(work)
             except asyncio.CancelledError:
@@ -161,5 +172,10 @@ class ModelDispatch(grpc.GenericRpcHandler):
             unit = self.route(name)
         except Refused as exc:
             return _refusal(method[len(_PREFIX):] in _STREAMS, exc.code, str(exc))
-        handler = unit.handler.service(handler_call_details)
-        return None if handler is None else _tracked(handler, unit)
+        tracked = unit.tracked.get(method)
+        if tracked is None:  # the wrapper holds nothing of one call: made once per method and unit
+            handler = unit.handler.service(handler_call_details)
+            if handler is None:
+                return None
+            tracked = unit.tracked[method] = _tracked(handler, unit)
+        return tracked

@@ -100,6 +100,8 @@ class ModelUnit:
             self.servicer.regions = RegionTable(shared_memory_bytes, options.shared_memory_total_bytes,
                                                 pin=runtime.device.type == "cuda")
         self.handler: grpc.GenericRpcHandler = method_handlers(self.servicer)
+        #: Its methods' handlers as the dispatcher wraps them (made once per method: see channel.dispatch).
+        self.tracked: dict[str, grpc.RpcMethodHandler] = {}
         self.state = ModelState.READY
         self.in_flight = 0
         self.calls: set[asyncio.Task[Any]] = set()  # the handler tasks of calls in flight (cancelled past a drain)
