@@ -15,8 +15,9 @@ hidden=768 heads=12 vocab=50257 batch=4 seq=256 bf16=1"`` is the GPT-2-small
 measurement of the README. ``--timeline FILE`` records the server's timeline
 (:mod:`splitfed.trunk.timeline`) over the batched run's timed steps, writes it
 as JSON and prints the figures of its median sync step. ``--client-cores K``
-pins the client processes to the last K cores (the server keeps the others);
-the output says how many cores the clients used.
+pins the client processes to the last K cores and the server (its threads and
+front-end processes) to the others, as if the clients had a host of their own;
+the output says how many cores each side used (``client_cores``, ``server_cores``).
 
 ``--replicas 2`` adds trunk replicas over torch.distributed (:mod:`splitfed.launcher`):
 for each ``--clients`` count, one trunk one-at-a-time, one trunk batched, and
@@ -49,7 +50,14 @@ import torch
 from bench import core, trunk_remote
 from bench.ceiling import ceiling
 from bench.gpu_util import UtilSampler
-from bench.trunk_clients import BenchError, client_name, collect, pick_cores, run_client
+from bench.trunk_clients import (
+    BenchError,
+    client_name,
+    collect,
+    keep_server_off_client_cores,
+    pick_cores,
+    run_client,
+)
 from splitfed.errors import SplitFedError
 
 log = logging.getLogger("bench.trunk")
@@ -329,6 +337,8 @@ def main() -> int:
         if key not in core.SPLIT_STEP:
             parser.error(f"--config: unknown key {key!r}; known: {', '.join(core.SPLIT_STEP)}")
         core.SPLIT_STEP[key] = int(value)
+    # Clients on this host: the server keeps the cores they are not pinned to.
+    kept = None if args.connect or args.serve else keep_server_off_client_cores(args.client_cores)
     try:
         replicas = tuple(r for r in args.replicas if r > 1)
         if args.serve:
@@ -349,6 +359,8 @@ def main() -> int:
     except (BenchError, SplitFedError) as exc:  # SplitFedError: the server's own (a port in use, say)
         log.error("bench.trunk failed: %s", exc)
         return 1
+    if not args.connect:
+        results["server_cores"] = len(kept) if kept else len(os.sched_getaffinity(0))
     results["config"] = " ".join(f"{k}={v}" for k, v in core.SPLIT_STEP.items())
     results["device"] = torch.cuda.get_device_name() if args.device.startswith("cuda") and not args.connect \
         else "cpu"

@@ -104,7 +104,20 @@ def collect(events: Any, procs: list[Any], kind: str, n: int) -> dict[int, str]:
 
 
 def pick_cores(client_cores: int) -> list[int] | None:
+    """The cores the client processes are pinned to: the last ``client_cores`` (None: no pinning)."""
     if client_cores <= 0:
         return None
     available = sorted(os.sched_getaffinity(0))
     return available[-client_cores:]
+
+
+def keep_server_off_client_cores(client_cores: int) -> list[int] | None:
+    """Pin this process (the trunk server: its threads and front-end processes start later and inherit it) to the
+    cores :func:`pick_cores` leaves, as if the clients were on a host of their own; the cores kept, or None when
+    nothing is pinned (no ``client_cores``, or no core left beside them)."""
+    available = sorted(os.sched_getaffinity(0))
+    if client_cores <= 0 or client_cores >= len(available):
+        return None
+    kept = available[:-client_cores]
+    os.sched_setaffinity(0, kept)
+    return kept

@@ -4,6 +4,7 @@ on the CPU at a tiny size and exit 0 with their figures; the figures mean nothin
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,17 @@ def test_bench_trunk_on_the_cpu(tmp_path: Path) -> None:
                                 "--json").strip().splitlines()[-1])
     assert results["trunk_examples_per_s_2_clients_cpu"] > 0 and results["trunk_batching_speedup_cpu"] > 0
     assert timeline.stat().st_size > 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for the clients and one for the server")
+def test_bench_trunk_gives_clients_and_server_cores_of_their_own() -> None:
+    """``--client-cores K`` pins the clients to K cores and the server to the rest; the output says so."""
+    cores = len(os.sched_getaffinity(0))
+    results = json.loads(_bench("bench.trunk", "--device", "cpu", "--clients", "2", "--repeat", "1", "--steps", "2",
+                                "--only", "batched", "--client-cores", "1", "--config", TINY,
+                                "--json").strip().splitlines()[-1])
+    assert results["client_cores"] == 1 and results["server_cores"] == cores - 1
+    assert results["trunk_examples_per_s_2_clients_batched_cpu"] > 0
 
 
 def test_bench_trunk_runtime() -> None:

@@ -39,6 +39,7 @@ class BulkLane:
         self.link: BulkLink | None = None
         self._off = self.connections <= 0
         self._lock = threading.Lock()
+        self._count = threading.Lock()  # calls end on several threads at once
         #: Streamed calls whose bytes went over the link.
         self.calls = 0
         #: Why the lane gave the link up (None: it did not).
@@ -128,7 +129,8 @@ class BulkLane:
         finally:
             header.ClearField("bulk")
             link.taken(transfer)
-        self.calls += 1
+        with self._count:
+            self.calls += 1
         return gather.done()
 
     def close(self) -> None:
