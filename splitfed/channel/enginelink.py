@@ -212,6 +212,16 @@ class EngineDispatch:
         return {"code": "OK", "parts": []}, [serialize(r) if serialize else r for r in replies]
 
 
+async def _within(work: Awaitable[Any], seconds: float) -> Any:
+    """``work``'s result, or :class:`asyncio.TimeoutError` after ``seconds`` (``asyncio.timeout`` where there is one:
+    it cancels the awaiting task itself, where ``wait_for`` before 3.12 ran ``work`` as a task of its own)."""
+    timeout = getattr(asyncio, "timeout", None)
+    if timeout is None:  # Python 3.10
+        return await asyncio.wait_for(work, seconds)
+    async with timeout(seconds):
+        return await work
+
+
 class EngineListener:
     """The engine's end: accepts front-ends on a Unix socket and runs their calls with an :class:`EngineDispatch`."""
 
@@ -266,12 +276,9 @@ class EngineListener:
         self.stats["calls"] += 1
         deadline = header.get("timeout")
         try:
-            if deadline:
-                async with asyncio.timeout(deadline):  # no task of its own, unlike wait_for before 3.12
-                    reply, parts = await self.dispatch.run(header, body)
-            else:
-                reply, parts = await self.dispatch.run(header, body)
-        except TimeoutError:
+            run = self.dispatch.run(header, body)
+            reply, parts = await (_within(run, deadline) if deadline else run)
+        except asyncio.TimeoutError:
             reply, parts = {"code": grpc.StatusCode.DEADLINE_EXCEEDED.name, "details": "deadline exceeded"}, []
         except asyncio.CancelledError:
             reply, parts = {"code": grpc.StatusCode.CANCELLED.name, "details": "cancelled by the client"}, []
