@@ -338,7 +338,8 @@ def main() -> int:
             parser.error(f"--config: unknown key {key!r}; known: {', '.join(core.SPLIT_STEP)}")
         core.SPLIT_STEP[key] = int(value)
     # Clients on this host: the server keeps the cores they are not pinned to.
-    kept = None if args.connect or args.serve else keep_server_off_client_cores(args.client_cores)
+    if not (args.connect or args.serve):
+        keep_server_off_client_cores(args.client_cores)
     try:
         replicas = tuple(r for r in args.replicas if r > 1)
         if args.serve:
@@ -360,7 +361,7 @@ def main() -> int:
         log.error("bench.trunk failed: %s", exc)
         return 1
     if not args.connect:
-        results["server_cores"] = len(kept) if kept else len(os.sched_getaffinity(0))
+        results["server_cores"] = len(os.sched_getaffinity(0))  # this process's cores, pinned or not
     results["config"] = " ".join(f"{k}={v}" for k, v in core.SPLIT_STEP.items())
     results["device"] = torch.cuda.get_device_name() if args.device.startswith("cuda") and not args.connect \
         else "cpu"

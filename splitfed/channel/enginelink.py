@@ -212,13 +212,15 @@ class EngineDispatch:
         return {"code": "OK", "parts": []}, [serialize(r) if serialize else r for r in replies]
 
 
+_TIMEOUT: Callable[[float], Any] | None = getattr(asyncio, "timeout", None)
+
+
 async def _within(work: Awaitable[Any], seconds: float) -> Any:
     """``work``'s result, or :class:`asyncio.TimeoutError` after ``seconds`` (``asyncio.timeout`` where there is one:
     it cancels the awaiting task itself, where ``wait_for`` before 3.12 ran ``work`` as a task of its own)."""
-    timeout = getattr(asyncio, "timeout", None)
-    if timeout is None:  # Python 3.10
+    if _TIMEOUT is None:  # Python 3.10
         return await asyncio.wait_for(work, seconds)
-    async with timeout(seconds):
+    async with _TIMEOUT(seconds):
         return await work
 
 
