@@ -22,14 +22,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def ceiling(device: str = "cpu", clients: int = 4, steps: int = 5, warmup: int = 2, repeat: int = 3
-            ) -> dict[str, float]:
-    """Examples per second of the plain-PyTorch trunk step, batched and sequential (medians of ``repeat``)."""
+def ceiling(device: str = "cpu", clients: int = 4, steps: int = 5, warmup: int = 2, repeat: int = 3,
+            compiled: bool = False, kinds: tuple[str, ...] = ("batched", "sequential")) -> dict[str, float]:
+    """Examples per second of the plain-PyTorch trunk step, batched and sequential (medians of ``repeat``);
+    ``compiled``: each block ``torch.compile``'d as a server with ``compile`` does (dynamic shapes)."""
     from splitfed.split import CutState, split_model
 
     c = core.SPLIT_STEP
     dev = torch.device(device)
     trunk = split_model(core._gpt2().to(dev), core._cuts()).trunk
+    if compiled:
+        for block in trunk.layers:
+            block.compile(dynamic=True)
     opt = torch.optim.SGD(trunk.parameters(), lr=1e-4)
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bool(c["bf16"]))
     rows = [torch.randn(c["batch"], c["seq"], c["hidden"], device=dev) for _ in range(clients)]
@@ -48,6 +52,8 @@ def ceiling(device: str = "cpu", clients: int = 4, steps: int = 5, warmup: int =
 
     out: dict[str, float] = {}
     for name, batched in (("batched", True), ("sequential", False)):
+        if name not in kinds:
+            continue
         runs = []
         for _ in range(repeat):
             for _ in range(warmup):

@@ -30,6 +30,10 @@ processes with gloo otherwise), clients spread round robin over the replicas.
 Every wait on a client process is bounded and checks that the processes are
 alive: a client that dies or fails ends the benchmark with a non-zero exit.
 
+``--compile`` compiles the server's trunk blocks with torch.compile (``splitfed serve --compile``) and adds, in
+the same run, the ceiling with the same compiled blocks: ``trunk_ceiling_fraction_<N>_vs_compiled`` beside the
+plain-PyTorch one.
+
 ``--serve HOST:PORT`` and ``--connect HOST:PORT`` run the server and its clients on two hosts
 (:mod:`bench.trunk_remote`), so that the clients do not take the server's cores.
 """
@@ -64,8 +68,9 @@ log = logging.getLogger("bench.trunk")
 
 #: The server's settings from the command line: ``max_batch_tokens`` (``--max-batch-tokens``, positions one
 #: batched trunk call may hold), ``frontends`` (``--frontends``, front-end processes taking its calls in) and
-#: ``mode`` (``--mode``, the trunk's aggregation mode: sync, async or quorum).
-SERVER: dict[str, Any] = {"max_batch_tokens": 1 << 22, "frontends": 0, "mode": "sync"}
+#: ``mode`` (``--mode``, the trunk's aggregation mode: sync, async or quorum) and ``compile`` (``--compile``, the
+#: trunk's blocks compiled with torch.compile).
+SERVER: dict[str, Any] = {"max_batch_tokens": 1 << 22, "frontends": 0, "mode": "sync", "compile": False}
 
 #: Modes ``--mode`` takes. ``async`` applies each contribution as it comes (staleness bounded by the client
 #: count, so none is refused); ``quorum`` steps on the first half of the clients' contributions.
@@ -95,7 +100,8 @@ def _server(device: str, window_ms: float, replicas: int = 1, clients: int = 1, 
     aggregator = _aggregator(replicas, clients)
     runtime = TrunkRuntime(trunk, torch.optim.SGD(trunk.parameters(), lr=1e-4),
                            aggregator=aggregator, limits=StoreLimits(max_bytes=1 << 40),
-                           autocast_dtype=torch.bfloat16 if core.SPLIT_STEP["bf16"] else None)
+                           autocast_dtype=torch.bfloat16 if core.SPLIT_STEP["bf16"] else None,
+                           compile=bool(SERVER["compile"]))
     return TrunkServer(runtime, host=host, port=port, insecure=True, batch_window_ms=window_ms,
                        max_batch_tokens=SERVER["max_batch_tokens"], frontends=SERVER["frontends"])
 
@@ -215,6 +221,9 @@ def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat
                for i in range(repeat)] if "batched" in only else []
     single = median(throughput(1, 0.0, **kw).examples_per_s for _ in range(repeat)) if "single" in only else 0.0
     roof = ceiling(device, clients, steps=steps, repeat=repeat) if "ceiling" in only else {}
+    if roof and SERVER["compile"]:  # the same GPU's own figure with the same compiled blocks
+        roof["compiled"] = ceiling(device, clients, steps=steps, repeat=repeat, compiled=True,
+                                   kinds=("batched",))["batched"]
     one_at_a_time = median(r.examples_per_s for r in one) if one else 0.0
     best = median(r.examples_per_s for r in batched) if batched else 0.0
     if one:
@@ -233,12 +242,17 @@ def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat
         out[f"ceiling_examples_per_s_{n}_sequential{where}"] = roof["sequential"]
         if batched:
             out[f"trunk_ceiling_fraction_{n}{suffix}"] = best / roof["batched"]
+        if "compiled" in roof:
+            out[f"ceiling_examples_per_s_{n}_batched_compiled{where}"] = roof["compiled"]
+            if batched:
+                out[f"trunk_ceiling_fraction_{n}_vs_compiled{suffix}"] = best / roof["compiled"]
         if one:
             out[f"trunk_ceiling_fraction_{n}_one_at_a_time{suffix}"] = one_at_a_time / roof["sequential"]
     out["client_cores"] = client_cores or len(os.sched_getaffinity(0))
     out["transport"] = "socket" if socket else "shared memory"
     out["frontends"] = SERVER["frontends"]
     out["mode"] = SERVER["mode"]
+    out["compile"] = bool(SERVER["compile"])
     utils = [r.gpu_util for r in batched if r.gpu_util]
     if utils:
         out[f"gpu_util_mean_{n}_batched{suffix}"] = statistics.median(u["mean"] for u in utils)
@@ -312,6 +326,9 @@ def main() -> int:
     parser.add_argument("--client-cores", type=int, default=0,
                         help="pin the client processes to the last K cores (default 0: all cores)")
     parser.add_argument("--socket", action="store_true", help="clients send over the socket, not shared memory")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the trunk's blocks with torch.compile (the server's --compile); adds the "
+                             "ceiling with the same compiled blocks")
     parser.add_argument("--mode", choices=MODES, default="sync",
                         help="the trunk's mode (default sync); keys of other modes end in _<mode>")
     parser.add_argument("--timeline", default="", metavar="FILE",
@@ -331,7 +348,8 @@ def main() -> int:
     if (args.serve or args.connect) and (len(args.clients) > 1 or any(r > 1 for r in args.replicas)):
         parser.error("--serve and --connect take one --clients count and no --replicas")
     logging.basicConfig(level=logging.WARNING)
-    SERVER.update(max_batch_tokens=args.max_batch_tokens, frontends=args.frontends, mode=args.mode)
+    SERVER.update(max_batch_tokens=args.max_batch_tokens, frontends=args.frontends, mode=args.mode,
+                  compile=args.compile)
     for item in args.config.split():
         key, _, value = item.partition("=")
         if key not in core.SPLIT_STEP:

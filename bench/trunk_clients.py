@@ -35,6 +35,7 @@ def run_client(address: str, i: int, settings: dict[str, int], steps: int, warmu
     trunk's step group has ``group`` members, and leaves the group when it fails, so that the server sees it."""
     from splitfed.channel.client import TrunkClient
     from splitfed.split import CutState
+    from splitfed.tuning import freeze_heap
 
     tc = None
     try:
@@ -59,6 +60,9 @@ def run_client(address: str, i: int, settings: dict[str, int], steps: int, warmu
                 size = tc.join()  # joining again only says the group's size
         elif not start.wait(WAIT_S):
             raise BenchError("the benchmark never started the steps")
+        # As the server does (splitfed.tuning): a full collection over torch's objects would hold this client's
+        # call, and with it the whole sync step, for 100-200 ms now and then.
+        freeze_heap()
         marks: list[tuple[str, float]] = []  # perf_counter is CLOCK_MONOTONIC: one clock for every process
         clock = time.perf_counter
         for step in range(warmup + steps):

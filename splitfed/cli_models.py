@@ -69,7 +69,8 @@ def spec_from_flag(text: str, args: argparse.Namespace) -> Any:
                      trunk_mode=args.trunk_mode, quorum=args.quorum, max_staleness=args.max_staleness,
                      trunk_timeout=args.trunk_timeout, optimizer=args.optimizer, lr=args.lr,
                      batch_window_ms=args.batch_window_ms, max_batch_tokens=args.max_batch_tokens,
-                     checkpointing=args.checkpointing, shared_memory_mib=args.shared_memory_mib, seed=args.seed)
+                     checkpointing=args.checkpointing, compile=args.compile, shared_memory_mib=args.shared_memory_mib,
+                     seed=args.seed)
 
 
 def read_token(args: argparse.Namespace) -> str | None:
@@ -159,6 +160,7 @@ def _spec_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-window-ms", type=float, default=0.0)
     parser.add_argument("--max-batch-tokens", type=int, default=65536)
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="compile the trunk's blocks with torch.compile")
     parser.add_argument("--shared-memory-mib", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--frozen", action="store_true", help="inference only: no optimizer")
@@ -239,7 +241,8 @@ def run_models(args: argparse.Namespace) -> int:
                                  quorum=args.quorum, max_staleness=args.max_staleness, trunk_timeout=args.trunk_timeout,
                                  optimizer=args.optimizer, lr=args.lr, batch_window_ms=args.batch_window_ms,
                                  max_batch_tokens=args.max_batch_tokens, checkpointing=args.checkpointing,
-                                 shared_memory_mib=args.shared_memory_mib, seed=args.seed, frozen=args.frozen)
+                                 compile=args.compile, shared_memory_mib=args.shared_memory_mib, seed=args.seed,
+                                 frozen=args.frozen)
                 status = admin.load(spec, wait=not args.no_wait)
             elif args.verb == "unload":
                 status = admin.unload(args.name, drain_timeout_s=args.drain_timeout)

@@ -13,6 +13,9 @@ from torch import nn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+# Each trunk server's start would collect (0.2 s here) and freeze the whole test session's heap
+# (splitfed.tuning.freeze_heap); tests/test_heap.py turns it on where it is what is tested.
+os.environ.setdefault("SPLITFED_FREEZE_HEAP", "0")
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 VOCAB = 97

@@ -43,10 +43,26 @@ def test_bench_trunk_gives_clients_and_server_cores_of_their_own() -> None:
     assert results["trunk_examples_per_s_2_clients_batched_cpu"] > 0
 
 
-def test_bench_trunk_runtime() -> None:
+def test_bench_trunk_runtime(tmp_path: Path) -> None:
     results = json.loads(_bench("bench.trunk_runtime", "--clients", "2", "--steps", "1", "--config", TINY,
                                 "--json").strip().splitlines()[-1])
     assert results["runtime_ceiling_fraction_2"] > 0
+    trace = tmp_path / "step.json"
+    results = json.loads(_bench("bench.trunk_runtime", "--clients", "3", "--steps", "1", "--batches", "2",
+                                "--trace", str(trace), "--config", TINY, "--json").strip().splitlines()[-1])
+    assert results["runtime_ceiling_fraction_3_in_2"] > 0
+    assert json.loads(trace.read_text())["traceEvents"]  # a Chrome trace of one step
+
+
+@pytest.mark.slow
+def test_bench_trunk_with_compiled_blocks() -> None:
+    """``--compile``: the server's blocks compiled, and the ceiling with the same compiled blocks beside the plain
+    one."""
+    results = json.loads(_bench("bench.trunk", "--device", "cpu", "--clients", "2", "--repeat", "1", "--steps", "2",
+                                "--only", "batched", "ceiling", "--compile", "--config", TINY,
+                                "--json", timeout=900).strip().splitlines()[-1])
+    assert results["compile"] is True
+    assert results["trunk_ceiling_fraction_2_cpu"] > 0 and results["trunk_ceiling_fraction_2_vs_compiled_cpu"] > 0
 
 
 def test_bench_timeline_plot(tmp_path: Path) -> None:

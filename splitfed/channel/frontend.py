@@ -25,6 +25,7 @@ import grpc
 from grpc_reflection.v1alpha import reflection
 
 from splitfed.channel.enginelink import STREAMED, EngineLink, LinkClosed
+from splitfed.tuning import freeze_heap
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ async def _serve(config: FrontendConfig, ready: Any) -> None:
         ready.put(("error", f"a front-end could not bind {target}"))
         return
     await server.start()
+    freeze_heap()  # see splitfed.tuning: no full collection walks the imported libraries while serving
     ready.put(("ok", port))
     await link.closed.wait()  # the engine is gone: stop
     await server.stop(1.0)

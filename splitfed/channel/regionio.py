@@ -96,7 +96,8 @@ class RegionIO:
                 # The client's bytes are complete: the device thread copies them from the region into memory of
                 # the server's own (on the GPU, by the copy engine from the registered region) and checks them
                 # there, with the rest of its batch; the region stays mapped meanwhile (SharedRegion.reading).
-                arrival = self.io.stage(enc.name, src, torch_dtype(enc.dtype), enc.shape, guard=region.reading)
+                arrival = self.io.stage(enc.name, src, torch_dtype(enc.dtype), enc.shape, guard=region.reading,
+                                        pinned=region.registered)
                 ready[enc.name] = arrival.placeholder
                 arrivals.append(arrival)
                 continue

@@ -60,7 +60,7 @@ from splitfed.trunk.runtime import GradientGuard, TrunkRuntime
 from splitfed.trunk.scheduler import TrunkScheduler
 from splitfed.trunk.sessions import SessionLimits
 from splitfed.trunk.store import StoreLimits
-from splitfed.tuning import tune_malloc
+from splitfed.tuning import freeze_heap, tune_malloc
 
 __all__ = ["CLIENT_ID_KEY", "MODEL_KEY", "RETRY_KEYS", "SERVICE_NAME", "ChannelLimits", "TrunkServer", "health_name",
            "status_for"]
@@ -101,6 +101,8 @@ class TrunkServer:
         batch_window_ms, max_batch_tokens: cross-client batching of trunk forwards
             (see :class:`~splitfed.trunk.scheduler.TrunkScheduler`; 0 = off).
         checkpointing: activation checkpointing of the trunk (when ``trunk`` is a module).
+        compile: compile the trunk's blocks with ``torch.compile`` (when ``trunk`` is a module; see
+            :mod:`splitfed.trunk.compiled`).
         model_name, cuts: the name and cuts of ``trunk`` (reported by Info; the name is what clients ask for).
         authenticate: the clients' token check, shared by every model.
         interceptors: ``grpc.aio.ServerInterceptor`` instances.
@@ -139,7 +141,7 @@ class TrunkServer:
                  aggregator: TrunkAggregator | None = None, limits: ChannelLimits = ChannelLimits(),
                  store_limits: StoreLimits = StoreLimits(), guard: GradientGuard = GradientGuard(),
                  max_concurrent_rpcs: int = 4096, batch_window_ms: float = 0.0, max_batch_tokens: int = 1 << 16,
-                 checkpointing: bool = False,
+                 checkpointing: bool = False, compile: bool = False,
                  model_name: str = "", cuts: tuple[int, int] | None = None,
                  authenticate: Callable[[dict[str, str]], str] | None = None, sessions: Any = None,
                  interceptors: list[Any] | None = None,
@@ -215,7 +217,7 @@ class TrunkServer:
             self.registry.add(build_unit(
                 model_name, trunk, self.options, optimizer=optimizer, lr=lr, momentum=momentum,
                 weight_decay=weight_decay, aggregator=aggregator, store_limits=store_limits, guard=guard,
-                checkpointing=checkpointing, cuts=cuts, batch_window_ms=batch_window_ms,
+                checkpointing=checkpointing, compile=compile, cuts=cuts, batch_window_ms=batch_window_ms,
                 max_batch_tokens=max_batch_tokens, sessions=sessions, shared_memory_bytes=shared_memory_bytes))
 
     @property
@@ -316,6 +318,7 @@ class TrunkServer:
             raise
         # A script that ends without stop(): stop before the interpreter tears gRPC down under a live server.
         atexit.register(_stop_at_exit, weakref.ref(self))
+        freeze_heap()  # no full collection walks the libraries' and models' objects while serving
         log.info("trunk server listening on %s (%s), models: %s", self.address,
                  "TLS" if self._credentials is not None else "plaintext",
                  "; ".join(f"{name or '(unnamed)'}: {e.unit.runtime.aggregator.describe()}"

@@ -160,7 +160,7 @@ class ModelUnit:
 def build_unit(name: str, trunk: nn.Module | TrunkRuntime, options: ServerOptions = ServerOptions(), *,
                optimizer: str = "sgd", lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0,
                aggregator: TrunkAggregator | None = None, store_limits: StoreLimits = StoreLimits(),
-               guard: GradientGuard = GradientGuard(), checkpointing: bool = False,
+               guard: GradientGuard = GradientGuard(), checkpointing: bool = False, compile: bool = False,
                cuts: tuple[int, int] | None = None, batch_window_ms: float = 0.0, max_batch_tokens: int = 1 << 16,
                sessions: Any = None, shared_memory_bytes: int = 256 << 20) -> ModelUnit:
     """A unit around a trunk module (with an optimizer over its trainable parameters) or a ready runtime."""
@@ -168,7 +168,7 @@ def build_unit(name: str, trunk: nn.Module | TrunkRuntime, options: ServerOption
 
     runtime = trunk if isinstance(trunk, TrunkRuntime) else make_runtime(
         trunk, optimizer=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay, aggregator=aggregator,
-        store_limits=store_limits, guard=guard, checkpointing=checkpointing)
+        store_limits=store_limits, guard=guard, checkpointing=checkpointing, compile=compile)
     return ModelUnit(name, runtime, options, cuts=cuts, batch_window_ms=batch_window_ms,
                      max_batch_tokens=max_batch_tokens, sessions=sessions, shared_memory_bytes=shared_memory_bytes)
 
@@ -185,8 +185,8 @@ def unit_from_spec(spec: ModelSpec, options: ServerOptions, estimate: Estimate |
 
 def release_memory(device: str) -> None:
     """Give freed device memory back (after a unit's last reference went)."""
-    import gc
+    from splitfed.tuning import collect_all
 
-    gc.collect()
+    collect_all()
     if device.startswith("cuda") and torch.cuda.is_available():
         torch.cuda.empty_cache()

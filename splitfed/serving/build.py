@@ -93,15 +93,16 @@ def build_trunk(spec: ModelSpec) -> tuple[nn.Module, tuple[int, int]]:
 def make_runtime(trunk: nn.Module, *, optimizer: str = "sgd", lr: float = 0.01, momentum: float = 0.0,
                  weight_decay: float = 0.0, aggregator: TrunkAggregator | None = None,
                  store_limits: StoreLimits = StoreLimits(), guard: GradientGuard = GradientGuard(),
-                 checkpointing: bool = False) -> TrunkRuntime:
-    """A runtime around ``trunk`` with an optimizer over its trainable parameters (none when it has none)."""
+                 checkpointing: bool = False, compile: bool = False) -> TrunkRuntime:
+    """A runtime around ``trunk`` with an optimizer over its trainable parameters (none when it has none);
+    ``compile``: its blocks compiled (:mod:`splitfed.trunk.compiled`)."""
     from splitfed.optim import make_optimizer
 
     trainable = [p for p in trunk.parameters() if p.requires_grad]
     opt = make_optimizer(optimizer, trainable, lr, momentum=momentum, weight_decay=weight_decay) \
         if trainable else None
     return TrunkRuntime(trunk, opt, aggregator=aggregator, limits=store_limits, guard=guard,
-                        checkpointing=checkpointing)
+                        checkpointing=checkpointing, compile=compile)
 
 
 @dataclass
@@ -119,7 +120,7 @@ def build_model(spec: ModelSpec) -> BuiltModel:
     aggregator = make_aggregator(spec.trunk_mode, quorum=spec.quorum, max_staleness=spec.max_staleness,
                                  timeout=spec.trunk_timeout)
     runtime = make_runtime(trunk, optimizer=spec.optimizer, lr=spec.lr, aggregator=aggregator,
-                           checkpointing=spec.checkpointing)
+                           checkpointing=spec.checkpointing, compile=spec.compile)
     log.info("built model %s (%s, blocks %d..%d on %s, %s)", spec.name, spec.model, cuts[0], cuts[1] - 1,
              spec.device, aggregator.describe())
     return BuiltModel(spec, runtime, cuts)

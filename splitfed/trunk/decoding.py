@@ -88,7 +88,8 @@ def run_group(runtime: TrunkRuntime, group: DecodeGroup, states: list[CutState |
     rt = runtime
     with rt._lock:
         inputs, _ = rt._prepare(group.inputs(states), train=False)
-        with evaluating(rt.trunk), torch.no_grad(), rt._autocast(), busy_on_oom("batched decode step"):
+        with evaluating(rt.trunk), torch.no_grad(), rt._autocast(), rt._stepwise(), \
+                busy_on_oom("batched decode step"):
             out = rt.trunk(inputs, cache=group.cache, use_cache=True).hidden
     new = next(st for st in states if st is not None).hidden.shape[1]
     group.advance([st is not None for st in states], new)

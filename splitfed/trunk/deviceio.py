@@ -131,13 +131,16 @@ class DeviceIO:
     # -- in ------------------------------------------------------------------------------------
     def stage(self, name: str, src: torch.Tensor | memoryview | bytes, dtype: torch.dtype, shape: Sequence[int], *,
               guard: Callable[[], AbstractContextManager[Any]] | None = None, owned: bool = False,
-              scales: torch.Tensor | memoryview | bytes | None = None, block_size: int = 0) -> Arrival:
+              scales: torch.Tensor | memoryview | bytes | None = None, block_size: int = 0,
+              pinned: bool = False) -> Arrival:
         """An arrival of ``src`` (raw little-endian bytes of a ``dtype`` tensor of ``shape``).
 
         For a GPU, bytes in pageable memory are first copied into a pinned pool buffer, on the calling thread
         (numpy's copy, which releases the GIL), so that the copy engine can read them; registered or pinned
         ``src`` (a client's region) stays where it is, read under ``guard`` (the region stays mapped meanwhile).
-        ``owned``: ``src`` is immutable memory of the server's own (a request's bytes).
+        ``owned``: ``src`` is immutable memory of the server's own (a request's bytes). ``pinned``: the caller
+        knows ``src`` to be pinned or registered with CUDA (a registered region), so CUDA is not asked (asking
+        costs a driver call per arrival).
 
         ``scales``/``block_size``: ``src`` is a checked int8 payload (one int8 per element, one fp32 scale per
         ``block_size`` elements; see :func:`~splitfed.compression.quantize_int8`) that :meth:`bring` rebuilds as
@@ -146,7 +149,8 @@ class DeviceIO:
         flat = _as_uint8(src)
         extra = _as_uint8(scales) if scales is not None else None
         self.stats["in"] += 1
-        if self.cuda and flat.numel() and not (flat.is_pinned() and (extra is None or extra.is_pinned())):
+        if self.cuda and flat.numel() and not ((pinned and extra is None) or
+                                               (flat.is_pinned() and (extra is None or extra.is_pinned()))):
             n, m = flat.numel(), 0 if extra is None else extra.numel()
             lease = self.pool.take(_aligned(n) + m)
             view = lease[:n]

@@ -55,6 +55,15 @@ class RuntimePlacement:
     _staging: Staging | None
     io: DeviceIO | None
 
+    def _stepwise(self) -> contextlib.AbstractContextManager[Any]:
+        """The context for calls whose shapes change every time (decoding over a growing KV cache): compiled
+        blocks run eagerly there (:func:`~splitfed.trunk.compiled.eager`)."""
+        if getattr(self, "compiled", False):
+            from splitfed.trunk.compiled import eager
+
+            return eager()
+        return contextlib.nullcontext()
+
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The context trunk compute runs in: mixed precision (``autocast_dtype``) and the attention kernels."""
         stack = contextlib.ExitStack()

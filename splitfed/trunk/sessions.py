@@ -313,7 +313,7 @@ class SessionManager:
         with rt._lock:
             inputs, _ = rt._prepare(state, train=False)
             # eval mode: no dropout in inference; the lock keeps training out meanwhile
-            with evaluating(rt.trunk), torch.no_grad(), rt._autocast():
+            with evaluating(rt.trunk), torch.no_grad(), rt._autocast(), rt._stepwise():
                 return rt.trunk(inputs, cache=session.cache, use_cache=True).hidden
 
     # -- batched decoding (the scheduler's runner interface) -------------------------------

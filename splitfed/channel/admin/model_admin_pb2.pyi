@@ -21,7 +21,7 @@ UNLOADING: ModelState
 FAILED: ModelState
 
 class ModelSpec(_message.Message):
-    __slots__ = ("name", "model", "cuts", "lora_rank", "device", "trunk_mode", "quorum", "max_staleness", "trunk_timeout_s", "optimizer", "lr", "batch_window_ms", "max_batch_tokens", "checkpointing", "shared_memory_mib", "seed", "frozen")
+    __slots__ = ("name", "model", "cuts", "lora_rank", "device", "trunk_mode", "quorum", "max_staleness", "trunk_timeout_s", "optimizer", "lr", "batch_window_ms", "max_batch_tokens", "checkpointing", "shared_memory_mib", "seed", "frozen", "compile")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CUTS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class ModelSpec(_message.Message):
     SHARED_MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     FROZEN_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: str
     cuts: _containers.RepeatedScalarFieldContainer[int]
@@ -56,7 +57,8 @@ class ModelSpec(_message.Message):
     shared_memory_mib: int
     seed: int
     frozen: bool
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., cuts: _Optional[_Iterable[int]] = ..., lora_rank: _Optional[int] = ..., device: _Optional[str] = ..., trunk_mode: _Optional[str] = ..., quorum: _Optional[int] = ..., max_staleness: _Optional[int] = ..., trunk_timeout_s: _Optional[float] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., batch_window_ms: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ..., checkpointing: _Optional[bool] = ..., shared_memory_mib: _Optional[int] = ..., seed: _Optional[int] = ..., frozen: _Optional[bool] = ...) -> None: ...
+    compile: bool
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., cuts: _Optional[_Iterable[int]] = ..., lora_rank: _Optional[int] = ..., device: _Optional[str] = ..., trunk_mode: _Optional[str] = ..., quorum: _Optional[int] = ..., max_staleness: _Optional[int] = ..., trunk_timeout_s: _Optional[float] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., batch_window_ms: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ..., checkpointing: _Optional[bool] = ..., shared_memory_mib: _Optional[int] = ..., seed: _Optional[int] = ..., frozen: _Optional[bool] = ..., compile: _Optional[bool] = ...) -> None: ...
 
 class DeviceBytes(_message.Message):
     __slots__ = ("device", "bytes")

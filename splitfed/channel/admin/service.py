@@ -78,7 +78,8 @@ def check_admin_token(token: str | None) -> str | None:
 def spec_from_proto(msg: pb.ModelSpec) -> ModelSpec:
     """A :class:`ModelSpec` from the wire (unset fields take the defaults of ``splitfed serve``)."""
     kwargs: dict[str, Any] = {"model": msg.model, "name": msg.name, "lora_rank": msg.lora_rank,
-                              "checkpointing": msg.checkpointing, "seed": msg.seed, "frozen": msg.frozen}
+                              "checkpointing": msg.checkpointing, "seed": msg.seed, "frozen": msg.frozen,
+                              "compile": msg.compile}
     if msg.cuts:
         if len(msg.cuts) != 2:
             raise ConfigError(f"cuts must be two integers a,b, got {list(msg.cuts)}")
@@ -101,7 +102,8 @@ def spec_to_proto(spec: ModelSpec) -> pb.ModelSpec:
                         max_staleness=spec.max_staleness, trunk_timeout_s=spec.trunk_timeout,
                         optimizer=spec.optimizer, lr=spec.lr, batch_window_ms=spec.batch_window_ms,
                         max_batch_tokens=spec.max_batch_tokens, checkpointing=spec.checkpointing,
-                        shared_memory_mib=spec.shared_memory_mib, seed=spec.seed, frozen=spec.frozen)
+                        shared_memory_mib=spec.shared_memory_mib, seed=spec.seed, frozen=spec.frozen,
+                        compile=spec.compile)
 
 
 def status_of(entry: Entry) -> pb.ModelStatus:
