@@ -159,7 +159,7 @@ def _syncs(step: Any) -> int:
             torch.cuda.set_sync_debug_mode("default")
     seen: dict[str, int] = {}
     for w in caught:
-        if "synchroniz" not in str(w.message):
+        if "called a synchronizing" not in str(w.message):
             continue
         where = f"{w.filename}:{w.lineno}: {str(w.message)[:120]}"
         seen[where] = seen.get(where, 0) + 1

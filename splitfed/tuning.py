@@ -13,8 +13,8 @@ each of Python's full (generation 2) collections walks all of them: 100-200 ms d
 process runs Python. In a trunk server such a pause stalls every client's sync step; on an H100 one call in a
 step was held that long in about one step in ten. :func:`freeze_heap` moves what is alive once a server has
 started out of the collector's reach (``gc.freeze``), so later collections walk only what the server allocates
-while serving. The trunk server's engine and front-end processes do so; ``SPLITFED_FREEZE_HEAP=0`` leaves the
-collector alone.
+while serving, and gives them back when it stops (:func:`thaw_heap`). The trunk server's engine and front-end
+processes do so; ``SPLITFED_FREEZE_HEAP=0`` leaves the collector alone.
 """
 
 from __future__ import annotations
@@ -60,6 +60,12 @@ def freeze_heap() -> bool:
     gc.freeze()
     log.debug("froze %d objects out of the garbage collector's reach", gc.get_freeze_count())
     return True
+
+
+def thaw_heap() -> None:
+    """Give every frozen object back to the collector (``gc.unfreeze``): a stopped server's own objects, frozen
+    while it served, are then collected like any other once nothing holds them."""
+    gc.unfreeze()
 
 
 def collect_all() -> None:

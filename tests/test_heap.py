@@ -25,10 +25,12 @@ def unfrozen(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     gc.unfreeze()
 
 
-def test_a_started_trunk_server_freezes_its_heap(trunk_server, unfrozen: None) -> None:
+def test_a_started_trunk_server_freezes_its_heap_until_it_stops(trunk_server, unfrozen: None) -> None:
     assert gc.get_freeze_count() == 0
-    trunk_server(split_model(tiny_model("gpt2"), cuts=(1, 3)).trunk)
+    server = trunk_server(split_model(tiny_model("gpt2"), cuts=(1, 3)).trunk)
     assert gc.get_freeze_count() > 10_000  # torch's, transformers' and the model's objects
+    server.stop(grace=0)
+    assert gc.get_freeze_count() == 0  # its objects, cycles and all, are the collector's again
 
 
 def test_setting_freeze_heap_to_0_leaves_the_collector_alone(trunk_server, unfrozen: None,

@@ -125,6 +125,7 @@ def test_compile_reaches_the_runtime_from_the_cli_the_admin_api_and_a_spec(aot_e
     from splitfed.channel.admin.service import spec_from_proto, spec_to_proto
     from splitfed.cli import build_parser
     from splitfed.cli_models import spec_from_flag
+    from splitfed.errors import ConfigError
     from splitfed.serving.build import make_runtime
     from splitfed.serving.spec import ModelSpec
 
@@ -136,6 +137,9 @@ def test_compile_reaches_the_runtime_from_the_cli_the_admin_api_and_a_spec(aot_e
     assert load.compile
     spec = ModelSpec(model="gpt2", compile=True)
     assert spec_from_proto(spec_to_proto(spec)).compile
+    assert ModelSpec.from_mapping({"model": "gpt2", "compile": True}).compile  # a models file's key
+    with pytest.raises(ConfigError, match="compile of model"):
+        ModelSpec(model="gpt2", compile="yes")
     assert not spec_from_proto(spec_to_proto(ModelSpec(model="gpt2"))).compile
     trunk = split_model(tiny_model("gpt2"), cuts=(1, 3)).trunk
     assert make_runtime(trunk, compile=True).compiled

@@ -60,7 +60,7 @@ from splitfed.trunk.runtime import GradientGuard, TrunkRuntime
 from splitfed.trunk.scheduler import TrunkScheduler
 from splitfed.trunk.sessions import SessionLimits
 from splitfed.trunk.store import StoreLimits
-from splitfed.tuning import freeze_heap, tune_malloc
+from splitfed.tuning import freeze_heap, thaw_heap, tune_malloc
 
 __all__ = ["CLIENT_ID_KEY", "MODEL_KEY", "RETRY_KEYS", "SERVICE_NAME", "ChannelLimits", "TrunkServer", "health_name",
            "status_for"]
@@ -175,6 +175,7 @@ class TrunkServer:
         if bulk_connections and frontends:
             raise ConfigError("bulk links and front-end processes exclude each other: set one of bulk_connections "
                               "and frontends")
+        self._froze = False  # whether start() froze the heap (splitfed.tuning)
         self._frontend_count = frontends
         self._frontend_tls = frontend_tls
         self.frontends: Any = None
@@ -318,7 +319,7 @@ class TrunkServer:
             raise
         # A script that ends without stop(): stop before the interpreter tears gRPC down under a live server.
         atexit.register(_stop_at_exit, weakref.ref(self))
-        freeze_heap()  # no full collection walks the libraries' and models' objects while serving
+        self._froze = freeze_heap()  # no full collection walks the libraries' and models' objects while serving
         log.info("trunk server listening on %s (%s), models: %s", self.address,
                  "TLS" if self._credentials is not None else "plaintext",
                  "; ".join(f"{name or '(unnamed)'}: {e.unit.runtime.aggregator.describe()}"
@@ -356,6 +357,8 @@ class TrunkServer:
             self._shutdown_loop()
             if self.metrics is not None:
                 self.metrics.stop()
+            if self._froze:  # this server's objects are collectable again once its owner drops it
+                thaw_heap()
             self._stopped.set()
 
     async def _stop(self, grace: float | None) -> None:

@@ -116,6 +116,10 @@ class ModelSpec:
     frozen: bool = False
 
     def __post_init__(self) -> None:
+        for switch in ("checkpointing", "compile", "frozen"):
+            if not isinstance(getattr(self, switch), bool):
+                raise ConfigError(f"{switch} of model {self.name or self.model!r} must be true or false, got "
+                                  f"{getattr(self, switch)!r}")
         if not isinstance(self.model, str) or not self.model.strip():
             raise ConfigError("model is empty: give a named model, a local folder or a hub id")
         object.__setattr__(self, "name", check_name(self.name or self.model))
