@@ -122,3 +122,23 @@ def trunk_server() -> Iterator[Callable[..., object]]:
     yield start
     for server in servers:
         server.stop(grace=0)
+
+
+@pytest.fixture
+def graphs() -> Iterator[Callable[[], int]]:
+    """Counts of what dynamo compiled during the test (its ``unique_graphs``), from a clean cache."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def aot_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.compile`` with the ``aot_eager`` backend: dynamo and AOTAutograd trace as with the default backend,
+    without inductor's code generation (minutes on 2 cores)."""
+    import functools
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))

@@ -9,7 +9,6 @@ forward to expire before the client's first backward has compiled). The slow tes
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -23,22 +22,6 @@ from safetensors.torch import load_file
 from splitfed.config import RunConfig
 from splitfed.export import load_exported
 from splitfed.parts import ALL_ROLES, build_parts, client_state, initial_client_state, trainable_state
-
-
-@pytest.fixture
-def graphs() -> Any:
-    """Counts of what dynamo compiled during the test (its ``unique_graphs``), from a clean cache."""
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    torch._dynamo.reset()
-
-
-@pytest.fixture
-def aot_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
 
 
 def _plain_keys(settings: dict[str, Any]) -> tuple[set[str], set[str]]:

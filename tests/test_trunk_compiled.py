@@ -9,7 +9,6 @@ matches the eager one to float rounding. The slow test compiles with inductor.
 
 from __future__ import annotations
 
-import functools
 import threading
 import uuid
 from typing import Any
@@ -24,22 +23,6 @@ from splitfed.trunk.aggregation import make_aggregator
 
 CLIENTS = 3
 STEPS = 2
-
-
-@pytest.fixture
-def graphs() -> Any:
-    """Dynamo's count of the graphs it compiled (``unique_graphs``), from a clean cache."""
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    torch._dynamo.reset()
-
-
-@pytest.fixture
-def aot_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
 
 
 def _train(trunk_server: Any, compile: bool, graphs: Any = None) -> tuple[dict, Any, int, int]:
