@@ -148,9 +148,14 @@ class _Frames:
 
     def __init__(self) -> None:
         self.data = bytearray()
+        self.transport = self
 
-    def write(self, data: bytes) -> None:
-        self.data += data
+    def writelines(self, pieces: list[bytes]) -> None:
+        for piece in pieces:
+            self.data += piece
+
+    def get_write_buffer_size(self) -> int:
+        return 0
 
     async def drain(self) -> None:
         pass

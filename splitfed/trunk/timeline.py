@@ -14,7 +14,9 @@ Kinds of mark (``client`` names the caller where there is one):
   arrived;
 * ``step``: the trunk took an optimizer step;
 * spans (begin and end): ``host`` work on a thread (``what`` says which, ``thread``
-  which thread), ``gpu`` work on the device's stream.
+  which thread), ``gpu`` work on the device's stream, and ``gc``: a collection of
+  Python's garbage collector (``generation``, ``collected``) in this process, which
+  holds every thread of it still while it runs.
 
 Pure Python and torch; :func:`summarize` turns a recording into the figures
 ``python -m bench.trunk --timeline`` prints.
@@ -23,6 +25,7 @@ Pure Python and torch; :func:`summarize` turns a recording into the figures
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import threading
 import time
@@ -53,6 +56,7 @@ class Timeline:
     _t0: float = 0.0
     _ref: Any = None  # a CUDA event recorded at ``_t0`` (host and GPU clocks aligned there)
     _device: torch.device | None = None
+    _gc_began: float = 0.0
 
     def start(self, device: torch.device | str | None = None) -> None:
         """Clear and start recording; with a CUDA ``device``, GPU spans are recorded too."""
@@ -67,6 +71,8 @@ class Timeline:
                 torch.cuda.synchronize(self._device)
             self._t0 = time.perf_counter()
             self.enabled = True
+            if self._collected not in gc.callbacks:
+                gc.callbacks.append(self._collected)
 
     @property
     def origin(self) -> float:
@@ -77,7 +83,20 @@ class Timeline:
     def stop(self) -> list[dict[str, Any]]:
         """Stop recording; returns :meth:`events` (waits for the GPU spans to finish)."""
         self.enabled = False
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._collected)
         return self.events()
+
+    def _collected(self, phase: str, info: dict[str, int]) -> None:
+        """``gc.callbacks`` hook: a collection's span (the collector holds the GIL throughout, so one at a time)."""
+        now = time.perf_counter()
+        if phase == "start":
+            self._gc_began = now
+        elif self.enabled and self._gc_began:
+            with self._lock:
+                self._marks.append((self._gc_began, "gc", "", threading.current_thread().name,
+                                    {"end": now, "generation": info.get("generation", -1),
+                                     "collected": info.get("collected", 0)}))
 
     # -- recording ----------------------------------------------------------------------------
     def mark(self, kind: str, client: str = "", **info: Any) -> None:
@@ -129,9 +148,9 @@ class Timeline:
         out: list[dict[str, Any]] = []
         for t, kind, client, thread, info in marks:
             event = {"t": t - t0, "kind": kind, "client": client, "thread": thread}
-            if kind == "host":
-                event["end"] = info.pop("end") - t0
             event.update(info)
+            if "end" in info:
+                event["end"] = info["end"] - t0
             out.append(event)
         if gpu and self._device is not None:
             torch.cuda.synchronize(self._device)
@@ -163,7 +182,8 @@ def summarize(events: list[dict[str, Any]], lo: float | None = None, hi: float |
 
     ``*_first`` / ``*_last``: when the first and last call of each kind arrived or left; ``host_busy_<thread>``:
     the share of the interval each thread spent in host spans; ``gpu_busy``: the share with GPU work queued and
-    running (from CUDA events: launch gaps inside a span count as busy).
+    running (from CUDA events: launch gaps inside a span count as busy); ``gc_*``: the garbage collector's
+    collections (count, total and longest milliseconds, and how many were full ones, generation 2).
     """
     if not events:
         return {}
@@ -190,10 +210,38 @@ def summarize(events: list[dict[str, Any]], lo: float | None = None, hi: float |
             threads.setdefault(e["thread"], []).append((e["t"], e["end"]))
     for thread, spans in threads.items():
         out[f"host_busy_{thread}"] = _union(spans, lo, hi) / span
+    collections = [e for e in inside if e["kind"] == "gc"]
+    if collections:
+        out["gc_count"] = float(len(collections))
+        out["gc_full_count"] = float(sum(e.get("generation") == 2 for e in collections))
+        out["gc_ms"] = sum(e["end"] - e["t"] for e in collections) * 1e3
+        out["gc_longest_ms"] = max(e["end"] - e["t"] for e in collections) * 1e3
     gpu = [(e["t"], e["end"]) for e in events if e["kind"] == "gpu"]
     if gpu:
         out["gpu_busy"] = _union(gpu, lo, hi) / span
         out["gpu_ms"] = _union(gpu, lo, hi) * 1e3
+    return out
+
+
+def step_lengths(events: list[dict[str, Any]], long_factor: float = 1.5) -> dict[str, float]:
+    """The recording's trunk steps (from one ``step`` mark to the next), in milliseconds: their median, mean and
+    longest; ``long_steps``: how many took more than ``long_factor`` times the median, ``long_steps_with_gc``: how
+    many of those a garbage collection of 5 ms or more fell in; ``run_gc_*``: the collector over all the steps."""
+    steps = sorted(e["t"] for e in events if e["kind"] == "step")
+    if len(steps) < 2:
+        return {}
+    spans = list(zip(steps, steps[1:]))
+    lengths = sorted(b - a for a, b in spans)
+    median = lengths[len(lengths) // 2]
+    collections = [(e["t"], e["end"]) for e in events if e["kind"] == "gc"]
+    long = [(a, b) for a, b in spans if b - a > long_factor * median]
+    out = {"steps": float(len(lengths)), "step_median_ms": median * 1e3,
+           "step_mean_ms": sum(lengths) / len(lengths) * 1e3, "step_longest_ms": lengths[-1] * 1e3,
+           "long_steps": float(len(long)),
+           "long_steps_with_gc": float(sum(any(g0 < b and g1 > a and g1 - g0 >= 5e-3 for g0, g1 in collections)
+                                           for a, b in long))}
+    whole = summarize([e for e in events if e["kind"] == "gc"], steps[0], steps[-1])
+    out.update({f"run_{k}": v for k, v in whole.items() if k.startswith("gc_")})
     return out
 
 

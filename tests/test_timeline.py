@@ -1,0 +1,45 @@
+"""The server's timeline records the garbage collector's collections while it records, and nothing once stopped;
+its step figures say which long steps a collection fell in."""
+
+from __future__ import annotations
+
+import gc
+
+from splitfed.trunk.timeline import Timeline, step_lengths, summarize
+
+
+def _cycles(n: int) -> None:
+    for _ in range(n):
+        a: list = []
+        a.append(a)
+
+
+def test_a_collection_while_recording_is_a_span_of_its_own() -> None:
+    timeline = Timeline()
+    timeline.start()
+    _cycles(1000)
+    gc.collect()  # a full collection, on this thread
+    events = timeline.stop()
+    spans = [e for e in events if e["kind"] == "gc"]
+    assert spans, "the collection was not recorded"
+    full = [e for e in spans if e["generation"] == 2]
+    assert full and full[-1]["end"] >= full[-1]["t"] >= 0
+    assert sum(e["collected"] for e in spans) >= 1000  # the cycles, in the full collection or automatic ones before it
+    figures = summarize(events)
+    assert figures["gc_full_count"] >= 1 and figures["gc_ms"] > 0 and figures["gc_longest_ms"] > 0
+    # Stopped: the hook is gone, and a later collection is not recorded.
+    assert not any(getattr(cb, "__self__", None) is timeline for cb in gc.callbacks)
+    gc.collect()
+    assert [e for e in timeline.events() if e["kind"] == "gc"] == spans
+
+
+def test_step_lengths_name_the_long_steps_a_collection_fell_in() -> None:
+    steps = [{"t": t, "kind": "step", "client": "", "thread": "device"} for t in (0.0, 0.05, 0.10, 0.30, 0.35, 0.55)]
+    collection = {"t": 0.15, "end": 0.25, "kind": "gc", "client": "", "thread": "loop", "generation": 2,
+                  "collected": 7}
+    short = {"t": 0.40, "end": 0.401, "kind": "gc", "client": "", "thread": "loop", "generation": 0, "collected": 0}
+    figures = step_lengths([*steps, collection, short])
+    assert figures["steps"] == 5 and round(figures["step_median_ms"]) == 50 and round(figures["step_longest_ms"]) == 200
+    # 0.10-0.30 holds the 100 ms collection; 0.35-0.55 is as long but holds only a 1 ms one.
+    assert figures["long_steps"] == 2 and figures["long_steps_with_gc"] == 1
+    assert figures["run_gc_count"] == 2 and figures["run_gc_full_count"] == 1 and round(figures["run_gc_longest_ms"]) == 100
