@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import json
 import threading
 import time
@@ -230,7 +231,7 @@ def step_lengths(events: list[dict[str, Any]], long_factor: float = 1.5) -> dict
     steps = sorted(e["t"] for e in events if e["kind"] == "step")
     if len(steps) < 2:
         return {}
-    spans = list(zip(steps, steps[1:]))
+    spans = list(itertools.pairwise(steps))
     lengths = sorted(b - a for a, b in spans)
     median = lengths[len(lengths) // 2]
     collections = [(e["t"], e["end"]) for e in events if e["kind"] == "gc"]
