@@ -43,3 +43,38 @@ def test_step_lengths_name_the_long_steps_a_collection_fell_in() -> None:
     # 0.10-0.30 holds the 100 ms collection; 0.35-0.55 is as long but holds only a 1 ms one.
     assert figures["long_steps"] == 2 and figures["long_steps_with_gc"] == 1
     assert figures["run_gc_count"] == 2 and figures["run_gc_full_count"] == 1 and round(figures["run_gc_longest_ms"]) == 100
+
+
+def test_a_collection_that_starts_inside_a_mark_does_not_deadlock() -> None:
+    """A collection can start in any allocation, also in the one a mark makes while it holds the timeline's lock;
+    recording it must not wait for that lock (it did, and froze the whole server)."""
+    import threading
+    import time
+
+    timeline = Timeline()
+    finished: list[int] = []
+
+    def record() -> None:
+        for i in range(5_000):
+            timeline.mark("forward-in", "c", i=i)  # allocates under the lock: with threshold 1, collects there
+            with timeline.host("work"):
+                pass
+        finished.append(1)
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    timeline.start()
+    try:
+        threads = [threading.Thread(target=record, daemon=True) for _ in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        for t in threads:
+            t.join(max(deadline - time.monotonic(), 0))
+        assert len(finished) == 3, "recording froze: a collection waited for the timeline's lock"
+    finally:
+        gc.set_threshold(*threshold)
+        timeline.enabled = False  # not stop(): a frozen thread may hold the lock that stop() takes
+        if timeline._collected in gc.callbacks:
+            gc.callbacks.remove(timeline._collected)
+    assert sum(e["kind"] == "gc" for e in timeline.events()) > 100

@@ -58,12 +58,13 @@ class Timeline:
     _ref: Any = None  # a CUDA event recorded at ``_t0`` (host and GPU clocks aligned there)
     _device: torch.device | None = None
     _gc_began: float = 0.0
+    _collections: list[tuple[float, float, str, int, int]] = field(default_factory=list)
 
     def start(self, device: torch.device | str | None = None) -> None:
         """Clear and start recording; with a CUDA ``device``, GPU spans are recorded too."""
         dev = torch.device(device) if device is not None else None
         with self._lock:
-            self._marks, self._gpu = [], []
+            self._marks, self._gpu, self._collections = [], [], []
             self._device = dev if dev is not None and dev.type == "cuda" else None
             if self._device is not None:
                 torch.cuda.synchronize(self._device)
@@ -90,14 +91,14 @@ class Timeline:
 
     def _collected(self, phase: str, info: dict[str, int]) -> None:
         """``gc.callbacks`` hook: a collection's span (the collector holds the GIL throughout, so one at a time)."""
+        # No lock here: a collection can start inside any allocation, such as the one :meth:`mark` makes holding
+        # the lock. ``list.append`` is atomic, and no collection starts while one runs.
         now = time.perf_counter()
         if phase == "start":
             self._gc_began = now
         elif self.enabled and self._gc_began:
-            with self._lock:
-                self._marks.append((self._gc_began, "gc", "", threading.current_thread().name,
-                                    {"end": now, "generation": info.get("generation", -1),
-                                     "collected": info.get("collected", 0)}))
+            self._collections.append((self._gc_began, now, threading.current_thread().name,
+                                      info.get("generation", -1), info.get("collected", 0)))
 
     # -- recording ----------------------------------------------------------------------------
     def mark(self, kind: str, client: str = "", **info: Any) -> None:
@@ -146,6 +147,8 @@ class Timeline:
         """Every mark and span, ordered by time, in seconds since :meth:`start`."""
         with self._lock:
             marks, gpu, t0 = list(self._marks), list(self._gpu), self._t0
+        marks += [(begin, "gc", "", thread, {"end": end, "generation": generation, "collected": collected})
+                  for begin, end, thread, generation, collected in list(self._collections)]
         out: list[dict[str, Any]] = []
         for t, kind, client, thread, info in marks:
             event = {"t": t - t0, "kind": kind, "client": client, "thread": thread}
