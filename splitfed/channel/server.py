@@ -60,7 +60,7 @@ from splitfed.trunk.runtime import GradientGuard, TrunkRuntime
 from splitfed.trunk.scheduler import TrunkScheduler
 from splitfed.trunk.sessions import SessionLimits
 from splitfed.trunk.store import StoreLimits
-from splitfed.tuning import freeze_heap, thaw_heap, tune_malloc
+from splitfed.tuning import freeze_heap, serving_thresholds, thaw_heap, tune_malloc
 
 __all__ = ["CLIENT_ID_KEY", "MODEL_KEY", "RETRY_KEYS", "SERVICE_NAME", "ChannelLimits", "TrunkServer", "health_name",
            "status_for"]
@@ -153,6 +153,7 @@ class TrunkServer:
                  reuse_port: bool = False, bulk_connections: int = 0, bulk_tls: ssl.SSLContext | None = None,
                  bulk_port: int = 0) -> None:
         tune_malloc()
+        serving_thresholds()  # a malformed SPLITFED_GC_THRESHOLDS fails here, before anything starts
         if credentials is None and not insecure:
             raise ConfigError("the trunk server needs TLS credentials, or insecure=True to serve plaintext "
                               "(for loopback and tests)")
