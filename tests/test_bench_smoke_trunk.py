@@ -30,6 +30,7 @@ def test_bench_trunk_on_the_cpu(tmp_path: Path) -> None:
                                 "--json").strip().splitlines()[-1])
     assert results["trunk_examples_per_s_2_clients_cpu"] > 0 and results["trunk_batching_speedup_cpu"] > 0
     assert timeline.stat().st_size > 0
+    assert results["timeline_steps"] >= 1 and results["timeline_step_longest_ms"] >= results["timeline_step_median_ms"]
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for the clients and one for the server")
