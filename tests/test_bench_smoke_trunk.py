@@ -66,9 +66,11 @@ def test_bench_trunk_with_compiled_blocks() -> None:
     assert results["trunk_ceiling_fraction_2_cpu"] > 0 and results["trunk_ceiling_fraction_2_vs_compiled_cpu"] > 0
 
 
-def test_bench_timeline_plot(tmp_path: Path) -> None:
+@pytest.mark.parametrize("recording", ["trunk_timeline_after.json", "trunk_timeline_compiled.json"])
+def test_bench_timeline_plot(tmp_path: Path, recording: str) -> None:
+    """The commands of docs/performance.md that draw its committed timelines."""
     pytest.importorskip("matplotlib")
-    _bench("bench.timeline_plot", str(ROOT / "docs" / "img" / "trunk_timeline_after.json"), str(tmp_path / "t.png"))
+    _bench("bench.timeline_plot", str(ROOT / "docs" / "img" / recording), str(tmp_path / "t.png"))
     assert (tmp_path / "t.png").stat().st_size > 0
 
 
