@@ -105,6 +105,10 @@ class TrunkScheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._exec = threading.Lock()  # held by whoever runs trunk work: the device thread or an inline caller
+        # While a window is open, a put wakes the device thread only once the queue holds ``_wake_at`` tasks (the
+        # members still missing could all be in) or the tokens put since it looked pass ``_room`` (the batch could
+        # be full): not once per arrival, each wake a turn of the GIL taken from the event loop taking calls in.
+        self._wake_at, self._room, self._since = 1, -1, 0
         self.stats: dict[str, int] = {"tasks": 0, "batched-forwards": 0, "forward-batches": 0, "inline": 0,
                                       "item-batches": 0, "batched-items": 0, "early-closes": 0}
 
@@ -202,7 +206,9 @@ class TrunkScheduler:
             if self._stopping:
                 raise TrunkBusyError("the trunk server is shutting down; retry on another")
             self._queue.append(task)
-            self._cond.notify()
+            self._since += task.tokens
+            if len(self._queue) >= self._wake_at or self._since > self._room:
+                self._cond.notify()
         return task.future
 
     # -- the device thread ----------------------------------------------------------------------
@@ -265,11 +271,16 @@ class TrunkScheduler:
                 close = min(max(t.queued for t in batch) + self.batch_window_s,
                             first.queued + ITEM_WINDOW_BOUND * self.batch_window_s)
             remaining = close - time.monotonic()
-            if remaining <= 0 or self._stopping or self._everyone_in(batch):
+            missing = self._missing(batch)
+            if remaining <= 0 or self._stopping or not missing:
                 self.stats["early-closes"] += remaining > 0 and not self._stopping
                 TIMELINE.mark("window", n=len(batch), waited=time.monotonic() - first.queued)
                 return batch
-            self._cond.wait(remaining)
+            self._wake_at, self._room, self._since = len(self._queue) + missing, self.max_batch_tokens - tokens, 0
+            try:
+                self._cond.wait(remaining)
+            finally:
+                self._wake_at, self._room = 1, -1
 
     @staticmethod
     def _joins(first: _Task, task: _Task) -> bool:
@@ -277,19 +288,20 @@ class TrunkScheduler:
             return task.runner is first.runner
         return task.forward is not None and task.forward.train == first.forward.train  # type: ignore[union-attr]
 
-    def _everyone_in(self, batch: list[_Task]) -> bool:
-        """A training batch will get no more once every step-group member has a forward in it or waiting for its
-        backward (an earlier batch of the step, when ``max_batch_tokens`` split the step): close it now."""
+    def _missing(self, batch: list[_Task]) -> int:
+        """How many more tasks the batch may get (0: close it now; 1 where only a new arrival can tell). A training
+        batch gets no more once every step-group member has a forward in it or waiting for its backward (an earlier
+        batch of the step, when ``max_batch_tokens`` split the step)."""
         if batch[0].runner is not None:
-            return batch[0].runner.complete([t.item for t in batch])
+            return 0 if batch[0].runner.complete([t.item for t in batch]) else 1
         if not batch[0].forward or not batch[0].forward.train:  # type: ignore[union-attr]
-            return False
+            return 1
         members = self.runtime.aggregator.members
         if not members:
-            return False
+            return 1
         inside = {t.forward.client_id for t in batch}  # type: ignore[union-attr]
         holds = self.runtime.store.holds  # a member whose forward already ran in an earlier batch of this step
-        return all(m in inside or holds(m) for m in members)
+        return sum(1 for m in members if m not in inside and not holds(m))
 
     def _run(self, batch: list[_Task]) -> None:
         self.stats["tasks"] += len(batch)
