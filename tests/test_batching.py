@@ -220,3 +220,40 @@ def test_a_batch_is_found_among_the_open_batches_by_identity() -> None:
     assert second in open_batches and open_batches.index(second) == 1
     open_batches.remove(second)
     assert open_batches == [first] and second not in open_batches
+
+
+def test_a_window_closes_when_its_last_member_comes_or_the_batch_is_full_not_at_its_end(trunk_server) -> None:
+    """Forwards 0.5 s apart into a 60 s window, at most two clients' rows a batch: the first batch runs as soon as
+    a third forward could not fit (before the fourth is sent), the second as soon as the last member is in. The
+    device thread sleeps between arrivals that cannot close the window, so this is what wakes it."""
+    import time
+
+    split = split_model(tiny_model("llama").train(), cuts=(1, 3))
+    server = trunk_server(split.trunk, lr=0.1, aggregator=make_aggregator("sync", timeout=60),
+                          batch_window_ms=60_000, max_batch_tokens=2 * 2 * 8)
+    start = threading.Barrier(4)
+    sent: dict[int, float] = {}
+    answered: dict[int, float] = {}
+
+    def client(i: int) -> None:
+        c = TrunkClient(server.address, insecure=True, client_id=f"w{i}")
+        c.join()
+        state = CutState(torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(i)))
+        start.wait(30)
+        time.sleep(0.5 * i)
+        act = uuid.uuid4().hex
+        sent[i] = time.perf_counter()
+        out, _ = c.forward(state, activation_id=act, train=True, num_examples=2)
+        answered[i] = time.perf_counter()
+        c.backward(act, torch.ones_like(out) * 0.01)
+        c.close()
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    assert sorted(answered) == [0, 1, 2, 3], "a window waited for its end (60 s) instead of closing"
+    assert server.scheduler.stats["forward-batches"] == 2 and server.runtime.version == 1
+    assert answered[0] < sent[3] and answered[1] < sent[3], "the first batch waited past the arrival that filled it"
+    assert answered[3] - sent[3] < 10

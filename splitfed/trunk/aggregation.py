@@ -132,6 +132,12 @@ class TrunkAggregator:
             return frozenset(self._members)
 
     @property
+    def offered(self) -> frozenset[str]:
+        """Clients whose gradient waits in the open bucket for the next step."""
+        with self._lock:
+            return frozenset(self._bucket.clients)
+
+    @property
     def pending(self) -> int:
         """Gradients waiting in the open bucket."""
         with self._lock:

@@ -190,6 +190,10 @@ class Batcher:
                                                                  hidden.numel() * hidden.element_size()))
         return pending, group if group.complete else None
 
+    def awaiting(self) -> set[str]:
+        """Clients whose gradient waits in a batch for the batch's backward."""
+        return {g.clients[i] for g in list(self.groups) for i in list(g.grads)}
+
     def poll(self) -> None:
         """Members dropped from the step group will not send their gradient: run their batches without them."""
         members = self.rt.aggregator.members

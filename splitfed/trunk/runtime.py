@@ -327,6 +327,11 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
                                                             grad_in.numel() * grad_in.element_size()))
         return pending
 
+    def stepping(self) -> set[str]:
+        """Clients whose forward for the coming step ran: its saved forward waits for the backward, its gradient
+        for its batch's backward, or its contribution for the step."""
+        return self.store.clients() | self._batches.awaiting() | self.aggregator.offered
+
     def joins_batch(self, activation_id: str) -> bool:
         """Whether the Backward of ``activation_id`` only joins a batch (its forward ran batched) or answers a
         retry: light work, with no backward to compute."""

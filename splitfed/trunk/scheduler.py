@@ -290,8 +290,8 @@ class TrunkScheduler:
 
     def _missing(self, batch: list[_Task]) -> int:
         """How many more tasks the batch may get (0: close it now; 1 where only a new arrival can tell). A training
-        batch gets no more once every step-group member has a forward in it or waiting for its backward (an earlier
-        batch of the step, when ``max_batch_tokens`` split the step)."""
+        batch gets no more once every step-group member has a forward in it or ran one for this step in an earlier
+        batch (when ``max_batch_tokens`` split the step), whether its gradient came since or not."""
         if batch[0].runner is not None:
             return 0 if batch[0].runner.complete([t.item for t in batch]) else 1
         if not batch[0].forward or not batch[0].forward.train:  # type: ignore[union-attr]
@@ -300,8 +300,8 @@ class TrunkScheduler:
         if not members:
             return 1
         inside = {t.forward.client_id for t in batch}  # type: ignore[union-attr]
-        holds = self.runtime.store.holds  # a member whose forward already ran in an earlier batch of this step
-        return sum(1 for m in members if m not in inside and not holds(m))
+        ran = self.runtime.stepping()  # members whose forward already ran in an earlier batch of this step
+        return sum(1 for m in members if m not in inside and m not in ran)
 
     def _run(self, batch: list[_Task]) -> None:
         self.stats["tasks"] += len(batch)

@@ -259,6 +259,10 @@ class ForwardStore:
         """Whether ``client_id`` has a saved forward waiting for its backward."""
         return client_id in self._per_client
 
+    def clients(self) -> set[str]:
+        """Every client with a saved forward waiting for its backward."""
+        return set(self._per_client)
+
     def take_evicted_clients(self) -> set[str]:
         """Clients that lost a saved forward to eviction since the last call and hold none now."""
         gone = {c for c in self._evicted_clients if c not in self._per_client}
