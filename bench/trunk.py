@@ -41,6 +41,7 @@ plain-PyTorch one.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -53,6 +54,7 @@ import torch
 
 from bench import core, trunk_remote
 from bench.ceiling import ceiling
+from bench.cpu_use import CpuUse, cpu_figures, process_groups
 from bench.gpu_util import UtilSampler
 from bench.trunk_clients import (
     BenchError,
@@ -123,6 +125,7 @@ class Run:
     seconds: float
     gpu_util: dict[str, Any] = field(default_factory=dict)
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)
 
 
 def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, device: str = "cpu",
@@ -162,12 +165,14 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
         start.set()
         collect(events, procs, "warm", clients)
         sampler.start()
+        cpu = CpuUse(process_groups(server, procs)).start()
         if timeline:
             TIMELINE.start(device)
         began = time.perf_counter()
         go.set()
         done = collect(events, procs, "done", clients)
         elapsed = time.perf_counter() - began
+        cpu_use = cpu.stop(elapsed, clients=sum(json.loads(d)["cpu_s"] for d in done.values()))
     finally:
         recorded = TIMELINE.stop() if timeline else []
         origin = TIMELINE.origin
@@ -182,10 +187,11 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
     if recorded:  # the clients' own marks, on the server's timeline
         for i, detail in done.items():
             recorded += [{"t": t - origin, "kind": kind, "client": client_name(i), "thread": "client"}
-                         for kind, t in json.loads(detail)]
+                         for kind, t in json.loads(detail)["marks"]]
         recorded.sort(key=lambda e: e["t"])
     examples = clients * steps * core.SPLIT_STEP["batch"]
-    return Run(examples / elapsed, 2 * clients * steps / elapsed, elapsed, util, recorded)
+    return Run(examples / elapsed, 2 * clients * steps / elapsed, elapsed, util, recorded, cpu_use)
+
 
 
 def step_figures(events: list[dict[str, Any]]) -> dict[str, float]:
@@ -196,7 +202,7 @@ def step_figures(events: list[dict[str, Any]]) -> dict[str, float]:
     steps = [e["t"] for e in events if e["kind"] == "step"]
     if len(steps) < 2:
         return summarize(events)
-    spans = sorted(zip(steps, steps[1:]), key=lambda s: s[1] - s[0])
+    spans = sorted(itertools.pairwise(steps), key=lambda s: s[1] - s[0])
     lo, hi = spans[len(spans) // 2]
     return {**summarize(events, lo, hi), **step_lengths(events)}
 
@@ -259,6 +265,7 @@ def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat
         out[f"gpu_util_mean_{n}_batched{suffix}"] = statistics.median(u["mean"] for u in utils)
         out[f"gpu_util_max_{n}_batched{suffix}"] = max(u["max"] for u in utils)
         out["gpu_util_source"] = utils[0]["source"]
+    out.update(cpu_figures([r.cpu for r in batched], f"{n}_batched{suffix}"))
     if timeline and batched[0].timeline:
         save(batched[0].timeline, timeline)
         for key, value in step_figures(batched[0].timeline).items():

@@ -29,7 +29,8 @@ class BenchError(RuntimeError):
 
 def run_client(address: str, i: int, settings: dict[str, int], steps: int, warmup: int, cores: list[int] | None,
                socket: bool, events: Any, go: Any, start: Any, group: int = 0) -> None:
-    """One client process: join, say so, wait; warm up, say so, wait; ``steps`` timed sync steps; say done.
+    """One client process: join, say so, wait; warm up, say so, wait; ``steps`` timed sync steps; say done (with
+    the steps' marks and the CPU seconds they took).
 
     Without ``start`` and ``go`` (a trunk on another host: no event crosses the hosts), it waits instead until the
     trunk's step group has ``group`` members, and leaves the group when it fails, so that the server sees it."""
@@ -65,19 +66,23 @@ def run_client(address: str, i: int, settings: dict[str, int], steps: int, warmu
         freeze_heap()
         marks: list[tuple[str, float]] = []  # perf_counter is CLOCK_MONOTONIC: one clock for every process
         clock = time.perf_counter
+        cpu = 0.0
         for step in range(warmup + steps):
-            if step == warmup and go is not None:
-                events.put(("warm", i, ""))
-                if not go.wait(WAIT_S):  # the whole group finished the warm-up together
-                    raise BenchError("the benchmark never started the timed steps")
+            if step == warmup:
+                if go is not None:
+                    events.put(("warm", i, ""))
+                    if not go.wait(WAIT_S):  # the whole group finished the warm-up together
+                        raise BenchError("the benchmark never started the timed steps")
+                cpu = time.process_time()  # this process's CPU (all its threads) over the timed steps
             act = uuid.uuid4().hex
             marks.append(("client-forward-sent", clock()))
             tc.forward(CutState(hidden), activation_id=act, train=True, num_examples=c["batch"])
             marks.append(("client-backward-sent", clock()))
             tc.backward(act, grad)
             marks.append(("client-backward-got", clock()))
+        cpu = time.process_time() - cpu
         tc.close()
-        events.put(("done", i, json.dumps(marks[3 * warmup:])))
+        events.put(("done", i, json.dumps({"marks": marks[3 * warmup:], "cpu_s": cpu})))
     except BaseException as exc:  # noqa: BLE001 - reported by the parent
         if start is None and tc is not None:
             tc.close()  # leave: the server side sees the group empty and fails too

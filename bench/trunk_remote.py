@@ -165,7 +165,7 @@ def connect(address: str, clients: int, *, steps: int = 5, warmup: int = 2, clie
             p.join(5)
             if p.is_alive():
                 p.kill()
-    marks = [t for detail in done.values() for _, t in json.loads(detail)]
+    marks = [t for detail in done.values() for _, t in json.loads(detail)["marks"]]
     elapsed = max(marks) - min(marks)
     return {f"client_examples_per_s_{clients}_clients": clients * steps * core.SPLIT_STEP["batch"] / elapsed,
             "client_cores": client_cores or len(os.sched_getaffinity(0)), "clients": "remote",

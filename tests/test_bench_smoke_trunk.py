@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,31 @@ def test_bench_trunk_on_the_cpu(tmp_path: Path) -> None:
     assert results["trunk_examples_per_s_2_clients_cpu"] > 0 and results["trunk_batching_speedup_cpu"] > 0
     assert timeline.stat().st_size > 0
     assert results["timeline_steps"] >= 1 and results["timeline_step_longest_ms"] >= results["timeline_step_median_ms"]
+    # the host's cores during the batched run, and those the clients and the server kept busy
+    assert results["host_cores"] == os.cpu_count() and 0 < results["cpu_host_busy_2_batched_cpu"] <= 1
+    assert results["cpu_clients_cores_2_batched_cpu"] > 0 and results["cpu_engine_cores_2_batched_cpu"] > 0
+    assert results["cpu_front_ends_cores_2_batched_cpu"] == 0  # none were asked for
+
+
+def test_cpu_use_counts_each_group_of_processes() -> None:
+    """A process spinning meanwhile counts about one core in its group, an idle one none, and a group that
+    counted its own CPU what it reported."""
+    from bench.cpu_use import CpuUse
+
+    spin = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass\ntime.sleep(30)"
+    busy = subprocess.Popen([sys.executable, "-c", spin])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        use = CpuUse({"busy": [busy.pid], "idle": [idle.pid], "gone": [2 ** 22 + 7]}).start()
+        began = time.perf_counter()
+        time.sleep(1.5)
+        figures = use.stop(time.perf_counter() - began, reported=0.75)
+    finally:
+        idle.kill()
+        busy.kill()
+    assert figures["cores"] == os.cpu_count() and 0 < figures["host_busy"] <= 1
+    assert figures["busy_cores"] > 0.1 and figures["idle_cores"] < 0.05 and figures["gone_cores"] == 0
+    assert 0.4 < figures["reported_cores"] < 0.6
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for the clients and one for the server")

@@ -1,0 +1,88 @@
+"""Host CPU spent while a benchmark runs: how busy the host's cores were, and each process group's CPU seconds.
+
+A trunk server whose clients run on its own host shares the host's cores with them. Whether a run was bound by
+those cores, and which processes used them (the engine, its front-ends, the clients), says how far a figure
+measured that way is from a server whose clients are elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import psutil
+
+
+def _cpu_seconds(pids: Iterable[int]) -> float:
+    """User and system CPU seconds of the processes ``pids`` so far (those gone count 0)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        total += t.user + t.system
+    return total
+
+
+class CpuUse:
+    """Between :meth:`start` and :meth:`stop`: the share of the host's cores that were busy, and the CPU seconds
+    of named groups of processes (``{"engine": [pid], "front-ends": [...]}``).
+
+    ``psutil`` counts a process's threads together; a group's figure over the run's seconds is how many cores it
+    kept busy on average. A process that ends before :meth:`stop` (and is reaped) is no longer readable: processes
+    that may end first count their own CPU and pass it to :meth:`stop`.
+    """
+
+    def __init__(self, groups: Mapping[str, Iterable[int]]) -> None:
+        self.groups = {name: [int(p) for p in pids] for name, pids in groups.items()}
+        self._host: Any = None
+        self._before: dict[str, float] = {}
+
+    def start(self) -> CpuUse:
+        """Take the starting counts."""
+        self._host = psutil.cpu_times()
+        self._before = {name: _cpu_seconds(pids) for name, pids in self.groups.items()}
+        return self
+
+    def stop(self, seconds: float, **reported: float) -> dict[str, float]:
+        """The figures since :meth:`start`, over a run of ``seconds``: ``host_busy`` (0-1, all cores),
+        ``cores`` (the host's), and per group ``<name>_cores`` (cores it kept busy on average). ``reported``: CPU
+        seconds of groups that counted their own (processes that may have ended before this call), by name."""
+        if self._host is None or seconds <= 0:
+            return {}
+        after = psutil.cpu_times()
+        idle = (after.idle + getattr(after, "iowait", 0.0)) - (self._host.idle + getattr(self._host, "iowait", 0.0))
+        total = sum(after) - sum(self._host)
+        out: dict[str, float] = {"cores": float(os.cpu_count() or 1),
+                                 "host_busy": max(0.0, 1.0 - idle / total) if total > 0 else 0.0}
+        for name, pids in self.groups.items():
+            out[f"{name}_cores"] = max(0.0, _cpu_seconds(pids) - self._before[name]) / seconds
+        for name, cpu_s in reported.items():
+            out[f"{name}_cores"] = cpu_s / seconds
+        return out
+
+
+def process_groups(server: Any, clients: Iterable[Any]) -> dict[str, list[int]]:
+    """A trunk bench's server-side processes by role: this one (the engine, or rank 0's), ``server``'s front-ends,
+    and any other process under this one but the ``clients`` (processes with a ``pid``; they count their own CPU,
+    see :meth:`CpuUse.stop`): the other replicas and theirs."""
+    frontends = [p.pid for p in getattr(server.frontends, "processes", None) or []]
+    known = {os.getpid(), *frontends, *(p.pid for p in clients)}
+    others = [c.pid for c in psutil.Process().children(recursive=True) if c.pid not in known]
+    return {"engine": [os.getpid()], "front-ends": frontends, "others": others}
+
+
+def cpu_figures(runs: list[dict[str, float]], tag: str) -> dict[str, float]:
+    """Bench keys from several runs' :meth:`CpuUse.stop` figures (medians): ``host_cores``,
+    ``cpu_host_busy_<tag>`` and ``cpu_<group>_cores_<tag>``."""
+    runs = [r for r in runs if r]
+    if not runs:
+        return {}
+    out: dict[str, float] = {"host_cores": int(runs[0]["cores"])}
+    for key in runs[0]:
+        if key != "cores":
+            out[f"cpu_{key.replace('-', '_')}_{tag}"] = statistics.median(r[key] for r in runs)
+    return out
