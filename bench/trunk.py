@@ -294,6 +294,7 @@ def replica_scaling(device: str = "cpu", clients: tuple[int, ...] = (8, 32), rep
             results = [throughput(n, window, replicas=r, timeline=record and i == 0, **kw) for i in range(repeat)]
             value = statistics.median(x.examples_per_s for x in results)
             out[f"trunk_examples_per_s_{n}_clients{name}{suffix}"] = value
+            out.update(cpu_figures([x.cpu for x in results], f"{n}_clients{name}{suffix}"))
             log.warning("%d clients%s: %.1f examples/s", n, name or " one at a time", value)
             if record and results[0].timeline:
                 save(results[0].timeline, timeline)

@@ -37,6 +37,9 @@ from typing import Any
 
 import torch
 
+#: What :meth:`Timeline.host` and :meth:`Timeline.gpu` give while nothing is recorded (one object, no allocation).
+_IDLE: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+
 
 @dataclass
 class _GpuSpan:
@@ -109,12 +112,12 @@ class Timeline:
         with self._lock:
             self._marks.append((now, kind, client, threading.current_thread().name, info))
 
+    def host(self, what: str, **info: Any) -> contextlib.AbstractContextManager[None]:
+        """A span of host work on the calling thread (while not recording, a shared no-op: it runs on every call)."""
+        return self._host(what, info) if self.enabled else _IDLE
+
     @contextlib.contextmanager
-    def host(self, what: str, **info: Any) -> Iterator[None]:
-        """A span of host work on the calling thread."""
-        if not self.enabled:
-            yield
-            return
+    def _host(self, what: str, info: dict[str, Any]) -> Iterator[None]:
         begin = time.perf_counter()
         try:
             yield
@@ -124,13 +127,13 @@ class Timeline:
                 self._marks.append((begin, "host", "", threading.current_thread().name,
                                     dict(info, what=what, end=end)))
 
-    @contextlib.contextmanager
-    def gpu(self, what: str, **info: Any) -> Iterator[None]:
+    def gpu(self, what: str, **info: Any) -> contextlib.AbstractContextManager[None]:
         """A span of GPU work: what the block queues on the device's current stream."""
         device = self._device
-        if not self.enabled or device is None:
-            yield
-            return
+        return self._gpu_span(device, what, info) if self.enabled and device is not None else _IDLE
+
+    @contextlib.contextmanager
+    def _gpu_span(self, device: torch.device, what: str, info: dict[str, Any]) -> Iterator[None]:
         stream = torch.cuda.current_stream(device)
         begin = torch.cuda.Event(enable_timing=True)
         begin.record(stream)
