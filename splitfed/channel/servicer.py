@@ -31,6 +31,7 @@ from splitfed.channel.handlers import (
     status_for,
 )
 from splitfed.channel.limits import CLIENT_ID_KEY, RETRY_KEYS, ChannelLimits
+from splitfed.channel.loopthread import awaiting
 from splitfed.channel.regionio import RegionIO, RegionService
 from splitfed.channel.wire import (
     ReplyCompression,
@@ -81,10 +82,10 @@ async def _outcome(future: concurrent.futures.Future[T]) -> T:
     return await _awaited(future)
 
 
-async def _awaited(future: concurrent.futures.Future[T]) -> T:
-    """Await trunk work without cancelling it when the call is cancelled (its client died or gave up): the work
+def _awaited(future: concurrent.futures.Future[T]) -> asyncio.Future[T]:
+    """Trunk work to await without cancelling it when the call is cancelled (its client died or gave up): the work
     and the step it belongs to go on for the other clients, and nothing resolves a cancelled future."""
-    return await asyncio.shield(asyncio.wrap_future(future))
+    return awaiting(future)
 
 
 def _device_out(ready: dict, slot: RegionRef | None) -> bool:
@@ -153,7 +154,7 @@ class SplitChannelServicer(RegionService, CutIO, BulkService):
         turn = self.runtime.aggregator.turn(client)
         if turn is not None and not turn.done():
             self.scheduler.wake()  # the turn's timeout is a deadline the device thread must watch
-            await asyncio.shield(asyncio.wrap_future(turn))
+            await awaiting(turn)
 
     async def _refused(self, client: str) -> None:
         runtime = self.runtime

@@ -1,0 +1,108 @@
+"""The event loop awaits what the trunk's device thread settles (``splitfed.channel.loopthread.awaiting``): the
+outcome crosses threads, and a call that gives up stops waiting without cancelling the shared work."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from splitfed.channel.loopthread import awaiting
+
+
+def _settle_later(future: concurrent.futures.Future[int], *, value: int | None = None,
+                  error: Exception | None = None, after: float = 0.05) -> threading.Thread:
+    def run() -> None:
+        time.sleep(after)
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_a_result_and_an_error_cross_from_another_thread() -> None:
+    async def main() -> None:
+        ok: concurrent.futures.Future[int] = concurrent.futures.Future()
+        bad: concurrent.futures.Future[int] = concurrent.futures.Future()
+        threads = [_settle_later(ok, value=7), _settle_later(bad, error=ValueError("no"))]
+        assert await awaiting(ok) == 7
+        with pytest.raises(ValueError, match="no"):
+            await awaiting(bad)
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        done.set_result(3)
+        assert await awaiting(done) == 3  # already settled: no other thread involved
+        for t in threads:
+            t.join()
+    asyncio.run(main())
+
+
+def test_a_call_that_gives_up_leaves_the_work_to_the_others() -> None:
+    """Two calls wait for one piece of work; one is cancelled. The work is not cancelled, the device thread that
+    settles it later raises nothing, and the other call gets the result."""
+    errors: list[BaseException] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx.get("exception")))
+        work: concurrent.futures.Future[int] = concurrent.futures.Future()
+        gives_up = asyncio.ensure_future(awaiting(work))
+        stays = asyncio.ensure_future(awaiting(work))
+        await asyncio.sleep(0.01)
+        gives_up.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gives_up
+        assert not work.cancelled() and not work.done()
+
+        def settle() -> None:
+            try:
+                work.set_result(5)
+            except BaseException as exc:  # noqa: BLE001 - what the device thread would die of
+                errors.append(exc)
+        thread = threading.Thread(target=settle)
+        thread.start()
+        assert await stays == 5
+        thread.join()
+        await asyncio.sleep(0.01)  # the cancelled waiter's settle ran: nothing raised on the loop
+    asyncio.run(main())
+    assert errors == []
+
+
+def test_many_waiters_under_load() -> None:
+    """200 calls, each waiting for work settled by a pool of threads, every fourth cancelled: the others get
+    their own result, and nothing fails on the loop."""
+    errors: list[Any] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+        pool = concurrent.futures.ThreadPoolExecutor(4)
+        go = threading.Event()  # no work ends before the cancellations
+
+        def work(i: int) -> int:
+            go.wait(10)
+            time.sleep(0.001 * (i % 5))
+            return i
+        try:
+            futures = [pool.submit(work, i) for i in range(200)]
+            waiters = [awaiting(f) for f in futures]
+            for w in waiters[::4]:
+                w.cancel()
+            go.set()
+            results = await asyncio.gather(*waiters, return_exceptions=True)
+        finally:
+            go.set()
+            pool.shutdown()
+        for i, r in enumerate(results):
+            if i % 4 == 0:
+                assert isinstance(r, asyncio.CancelledError)
+            else:
+                assert r == i
+        assert all(not f.cancelled() for f in futures)
+        await asyncio.sleep(0.05)  # the cancelled waiters' settles ran
+    asyncio.run(main())
+    assert errors == []
