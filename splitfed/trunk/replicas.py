@@ -204,8 +204,7 @@ class ReplicaGroup:
                     self._last_check = collectives.max_divergence(self.runtime)
                     self._set_done(_CHECK)
                 if self.sync and vec[BUSY] == 0 and vec[READY] > 0:
-                    if self._confirmed_step():
-                        self.stats["global-steps"] += 1
+                    if self._confirmed_step():  # counted in it, before its outcome reaches a client
                         continue
                     self._wake.wait(self.tick_s)  # a replica waits for a forward's client: look again next tick
                     continue
@@ -232,6 +231,7 @@ class ReplicaGroup:
             if votes.item() > 0:
                 self.stats["vetoed-steps"] += 1
                 return False
+            self.stats["global-steps"] += 1  # before the step settles its callers: a reply implies the count
             agg.close_global()  # type: ignore[attr-defined]
             return True
 
