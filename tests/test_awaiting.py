@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from splitfed.channel.loopthread import awaiting
+from splitfed.channel.loopthread import awaiting, mailbox_of
 
 
 def _settle_later(future: concurrent.futures.Future[int], *, value: int | None = None,
@@ -106,3 +106,73 @@ def test_many_waiters_under_load() -> None:
         await asyncio.sleep(0.05)  # the cancelled waiters' settles ran
     asyncio.run(main())
     assert errors == []
+
+
+def test_a_burst_of_posts_wakes_the_loop_once_and_runs_in_order() -> None:
+    """While the loop is busy, another thread posts 50 callbacks: one wake-up of the loop carries them all, and
+    they run in the order posted."""
+    ran: list[int] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        box = mailbox_of(loop)
+        assert mailbox_of(loop) is box
+        busy, posted = threading.Event(), threading.Event()
+
+        def poster() -> None:
+            busy.wait()
+            for i in range(50):
+                box.post(ran.append, i)
+            posted.set()
+        thread = threading.Thread(target=poster)
+        thread.start()
+        loop.call_soon(lambda: (busy.set(), posted.wait(10)))  # holds the loop while the burst is posted
+        while len(ran) < 50:
+            await asyncio.sleep(0.001)
+        thread.join()
+        assert box.wakeups == 1
+    asyncio.run(main())
+    assert ran == list(range(50))
+
+
+def test_posts_from_many_threads_each_run_once_and_a_failing_one_stops_nothing() -> None:
+    """8 threads post 500 callbacks each while the loop runs: every callback runs once, each thread's in its own
+    order; one that raises is reported to the loop's exception handler and the rest still run."""
+    ran: dict[int, list[int]] = {t: [] for t in range(8)}
+    errors: list[Any] = []
+
+    def boom() -> None:
+        raise RuntimeError("posted callback failed")
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx.get("exception")))
+        box = mailbox_of(loop)
+
+        def poster(t: int) -> None:
+            for i in range(500):
+                box.post(ran[t].append, i)
+                if t == 0 and i == 250:
+                    box.post(boom)
+        threads = [threading.Thread(target=poster, args=(t,)) for t in range(8)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while sum(len(v) for v in ran.values()) < 4000 and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+        for thread in threads:
+            thread.join()
+        await asyncio.sleep(0.01)
+    asyncio.run(main())
+    assert all(v == list(range(500)) for v in ran.values())
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+
+
+def test_a_post_to_a_closed_loop_is_dropped() -> None:
+    loop = asyncio.new_event_loop()
+    box = mailbox_of(loop)
+    loop.close()
+    ran: list[int] = []
+    box.post(ran.append, 1)  # nobody waits on a closed loop: no error, nothing run
+    box.post(ran.append, 2)
+    assert ran == [] and box.wakeups == 2

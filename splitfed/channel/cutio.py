@@ -21,6 +21,7 @@ import torch
 
 from splitfed.channel import fastwire, regionio
 from splitfed.channel.handlers import check_parsed
+from splitfed.channel.loopthread import awaiting
 from splitfed.channel.wire import Assembled, Gather
 from splitfed.codec import (
     CompressionMethod,
@@ -200,7 +201,7 @@ class CutIO:
         waiter = self._event_waiter
         if waiter is None:
             waiter = self._event_waiter = EventWaiter()
-        await asyncio.wrap_future(waiter.when_done(event))
+        await awaiting(waiter.when_done(event))
 
     def close(self) -> None:
         """Stop the servicer's helper threads (the server stopped)."""

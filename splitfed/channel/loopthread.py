@@ -4,9 +4,12 @@ loop awaits what other threads (the trunk's device thread) settle."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import threading
-from typing import TypeVar
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -36,15 +39,8 @@ def awaiting(future: concurrent.futures.Future[T]) -> asyncio.Future[T]:
         _settle(future, waiter)
         return waiter
 
-    def done(settled: concurrent.futures.Future[T]) -> None:
-        if loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(_settle, settled, waiter)
-        except RuntimeError:  # the loop closed meanwhile: nobody waits any more
-            pass
-
-    future.add_done_callback(done)
+    mailbox = mailbox_of(loop)
+    future.add_done_callback(lambda settled: mailbox.post(_settle, settled, waiter))
     return waiter
 
 
@@ -59,3 +55,62 @@ def _settle(source: concurrent.futures.Future[T], waiter: asyncio.Future[T]) -> 
         waiter.set_exception(error)
     else:
         waiter.set_result(source.result())
+
+
+class Mailbox:
+    """Callbacks that other threads post to one event loop, run in the loop's thread in the order posted.
+
+    ``loop.call_soon_threadsafe`` wakes the loop once per callback: a write to its self-pipe, a system call in
+    which the posting thread lets go of the interpreter lock, and must then win it back from the loop it has just
+    woken. The trunk's device thread settles a whole batch's calls at once (32 replies after a step), so it paid
+    that hand-over once per call. A mailbox wakes the loop once for everything posted until the loop drains it.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
+        self._lock = threading.Lock()
+        self._scheduled = False
+        self.wakeups = 0  # how many times a post woke the loop (the rest rode along)
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` soon in the loop's thread (from any thread). Dropped when the loop has closed: nobody
+        waits on it any more."""
+        with self._lock:
+            self._items.append((fn, args))
+            if self._scheduled:
+                return
+            self._scheduled = True
+            self.wakeups += 1
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop closed meanwhile
+            with self._lock:
+                self._items.clear()
+                self._scheduled = False
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, collections.deque()
+            self._scheduled = False
+        for fn, args in items:
+            try:
+                fn(*args)
+            except Exception as exc:  # noqa: BLE001 - one callback's failure must not drop the others
+                self._loop.call_exception_handler({"message": "a callback posted to the loop failed",
+                                                   "exception": exc})
+
+
+_MAILBOXES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
+_MAILBOXES_LOCK = threading.Lock()
+
+
+def mailbox_of(loop: asyncio.AbstractEventLoop) -> Mailbox:
+    """``loop``'s :class:`Mailbox` (one per loop, made on first use)."""
+    box = _MAILBOXES.get(loop)
+    if box is None:
+        with _MAILBOXES_LOCK:
+            box = _MAILBOXES.get(loop)
+            if box is None:
+                box = _MAILBOXES[loop] = Mailbox(loop)
+    return box
