@@ -32,6 +32,9 @@ def test_bench_trunk_on_the_cpu(tmp_path: Path) -> None:
     assert results["trunk_examples_per_s_2_clients_cpu"] > 0 and results["trunk_batching_speedup_cpu"] > 0
     assert timeline.stat().st_size > 0
     assert results["timeline_steps"] >= 1 and results["timeline_step_longest_ms"] >= results["timeline_step_median_ms"]
+    # each call's way between a client and the engine, from the clients' marks and the server's
+    assert 0 < results["timeline_hop_forward_sent_to_in_ms"] <= results["timeline_hop_forward_sent_to_in_p90_ms"]
+    assert results["timeline_hop_backward_out_to_got_ms"] > 0 and results["timeline_hop_intake_gap_ms"] >= 0
     # the host's cores during the batched run, and those the clients and the server kept busy
     assert results["host_cores"] == os.cpu_count() and 0 < results["cpu_host_busy_2_batched_cpu"] <= 1
     assert results["cpu_clients_cores_2_batched_cpu"] > 0 and results["cpu_engine_cores_2_batched_cpu"] > 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 
-from splitfed.trunk.timeline import Timeline, step_lengths, summarize
+from splitfed.trunk.timeline import Timeline, hops, step_lengths, summarize
 
 
 def _cycles(n: int) -> None:
@@ -43,6 +43,46 @@ def test_step_lengths_name_the_long_steps_a_collection_fell_in() -> None:
     # 0.10-0.30 holds the 100 ms collection; 0.35-0.55 is as long but holds only a 1 ms one.
     assert figures["long_steps"] == 2 and figures["long_steps_with_gc"] == 1
     assert figures["run_gc_count"] == 2 and figures["run_gc_full_count"] == 1 and round(figures["run_gc_longest_ms"]) == 100
+
+
+def _mark(t: float, kind: str, client: str = "", **info: object) -> dict:
+    return {"t": t, "kind": kind, "client": client, "thread": "client" if kind.startswith("client") else "x", **info}
+
+
+def test_hops_time_each_call_between_a_client_and_the_engine_and_the_hand_overs_around_the_gpu() -> None:
+    """Two sync steps of two clients, times in ms from the step before: every hop is read off the marks of one
+    client (its own and the server's), the intake gap off consecutive Forwards, the hand-overs off the GPU's spans."""
+    events = [_mark(0.0, "step")]
+    for lo, slow in ((0.0, ""), (0.1, "b")):  # in the second step, client b's reply takes 2 ms longer to reach it
+        def at(ms: float) -> float:
+            return lo + ms / 1e3
+        for client, late in (("a", 0.0), ("b", 1.0)):
+            extra = 2.0 if client == slow else 0.0
+            events += [_mark(at(1 + late), "backward-out", client),
+                       _mark(at(3 + late + extra), "client-backward-got", client),
+                       _mark(at(3 + late + extra), "client-forward-sent", client),
+                       _mark(at(7 + late + extra), "forward-in", client),
+                       _mark(at(30 + late), "forward-out", client),
+                       _mark(at(32 + late), "client-backward-sent", client),
+                       _mark(at(36 + late), "backward-in", client)]
+        events += [_mark(at(10), "window"),
+                   {"t": at(12), "end": at(20), "kind": "gpu", "client": "", "thread": "gpu", "what": "forward"},
+                   {"t": at(39), "end": at(50), "kind": "gpu", "client": "", "thread": "gpu", "what": "backward"},
+                   {"t": at(51), "end": at(52), "kind": "gpu", "client": "", "thread": "gpu", "what": "step"},
+                   _mark(at(52.5), "step")]
+    figures = hops(events)
+    assert round(figures["hop_backward_out_to_got_ms"], 6) == 2.0  # 2, 2, 2 and 4 ms
+    assert round(figures["hop_backward_out_to_got_p90_ms"], 6) == 4.0
+    assert round(figures["hop_forward_sent_to_in_ms"], 6) == 4.0
+    assert round(figures["hop_forward_out_to_backward_sent_ms"], 6) == 2.0
+    assert round(figures["hop_backward_sent_to_in_ms"], 6) == 4.0
+    assert round(figures["hop_intake_gap_ms"], 6) == 3.0  # gaps of 1 and 3 ms: the upper of the middle two
+    assert round(figures["hop_window_to_gpu_ms"], 6) == 2.0
+    assert round(figures["hop_gpu_to_first_reply_ms"], 6) == 10.0
+    assert round(figures["hop_gpu_to_last_reply_ms"], 6) == 11.0
+    assert round(figures["hop_last_gradient_to_gpu_ms"], 6) == 2.0
+    assert round(figures["hop_backward_to_step_ms"], 6) == 1.0
+    assert hops([_mark(0.0, "step")]) == {}  # no whole step: nothing to time
 
 
 def test_a_collection_that_starts_inside_a_mark_does_not_deadlock() -> None:

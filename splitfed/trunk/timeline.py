@@ -252,6 +252,69 @@ def step_lengths(events: list[dict[str, Any]], long_factor: float = 1.5) -> dict
     return out
 
 
+#: The hops :func:`hops` times: (name, the mark it starts at, the mark it ends at), both marks of one client.
+_CLIENT_HOPS = (
+    ("forward_sent_to_in", "client-forward-sent", "forward-in"),  # the client's encoding, the channel, the intake
+    ("backward_sent_to_in", "client-backward-sent", "backward-in"),
+    ("forward_out_to_backward_sent", "forward-out", "client-backward-sent"),  # the reply's way back, the client's turn
+    ("backward_out_to_got", "backward-out", "client-backward-got"),
+)
+
+
+def hops(events: list[dict[str, Any]]) -> dict[str, float]:
+    """Where a sync step's time goes between the marks, over every step of a recording.
+
+    Each figure is a median (the upper of the middle two), with its 90th percentile as ``_p90``, in milliseconds:
+    each call's hops between a client and the engine (``hop_<name>``, from the client's marks and the server's:
+    one clock for every process on Linux); the gap between two Forwards the engine's handlers take in one after
+    the other (``hop_intake_gap``); and the server's hand-overs around the GPU in each step: from a window's close
+    to the GPU's forward (``hop_window_to_gpu``), from the GPU's forward to the first and last Forward reply
+    (``hop_gpu_to_first_reply``, ``hop_gpu_to_last_reply``), from the last gradient in to the GPU's backward
+    (``hop_last_gradient_to_gpu``), and from the GPU's backward to its optimizer step (``hop_backward_to_step``).
+    """
+    steps = sorted(e["t"] for e in events if e["kind"] == "step")
+    found: dict[str, list[float]] = {}
+
+    def add(name: str, seconds: float) -> None:
+        found.setdefault(name, []).append(seconds * 1e3)
+
+    for lo, hi in itertools.pairwise(steps):
+        inside = [e for e in events if lo <= e["t"] < hi]
+        marks: dict[str, dict[str, float]] = {}
+        for e in inside:
+            if e.get("client") and "end" not in e:
+                marks.setdefault(e["client"], {})[e["kind"]] = e["t"]
+        for name, start, end in _CLIENT_HOPS:
+            for seen in marks.values():
+                if start in seen and end in seen:
+                    add(name, seen[end] - seen[start])
+        arrivals = sorted(e["t"] for e in inside if e["kind"] == "forward-in")
+        for a, b in itertools.pairwise(arrivals):
+            add("intake_gap", b - a)
+        gpu = {e["what"]: e for e in inside if e["kind"] == "gpu"}
+        windows = [e["t"] for e in inside if e["kind"] == "window"]
+        replies = [e["t"] for e in inside if e["kind"] == "forward-out"]
+        gradients = [e["t"] for e in inside if e["kind"] == "backward-in"]
+        forward, backward = gpu.get("forward"), gpu.get("backward")
+        if forward is not None and len(windows) == 1:  # one batch in the step: its window, its forward
+            add("window_to_gpu", forward["t"] - windows[0])
+            if replies:
+                add("gpu_to_first_reply", min(replies) - forward["end"])
+                add("gpu_to_last_reply", max(replies) - forward["end"])
+        if backward is not None and gradients:
+            add("last_gradient_to_gpu", backward["t"] - max(gradients))
+            stepped = [e["t"] for e in events if e["kind"] == "gpu" and e["what"] == "step"
+                       and backward["end"] <= e["t"] <= hi]
+            if stepped:
+                add("backward_to_step", min(stepped) - backward["end"])
+    out: dict[str, float] = {}
+    for name, values in found.items():
+        values.sort()
+        out[f"hop_{name}_ms"] = values[len(values) // 2]
+        out[f"hop_{name}_p90_ms"] = values[min(len(values) - 1, (9 * len(values)) // 10)]
+    return out
+
+
 def save(events: list[dict[str, Any]], path: str | Path) -> None:
     """Write a recording as JSON (one object per event)."""
     Path(path).write_text(json.dumps(events, indent=None, separators=(",", ":")) + "\n")
