@@ -176,3 +176,21 @@ def test_a_post_to_a_closed_loop_is_dropped() -> None:
     box.post(ran.append, 1)  # nobody waits on a closed loop: no error, nothing run
     box.post(ran.append, 2)
     assert ran == [] and box.wakeups == 2
+
+
+def test_a_loop_and_its_mailbox_are_collected_once_the_loop_is_gone() -> None:
+    """The mailboxes are kept per loop, weakly: a closed loop that nobody holds goes away with its mailbox (a
+    server started and stopped many times, or ``asyncio.run`` per call, leaks nothing)."""
+    import gc
+    import weakref
+
+    from splitfed.channel import loopthread
+
+    loop = asyncio.new_event_loop()
+    box = weakref.ref(mailbox_of(loop))
+    gone = weakref.ref(loop)
+    loop.close()
+    del loop
+    gc.collect()
+    assert gone() is None and box() is None
+    assert all(alive is not None for alive in loopthread._MAILBOXES.keys())

@@ -67,7 +67,9 @@ class Mailbox:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        # Weakly: the loop's entry in ``_MAILBOXES`` must go with the loop, and a mailbox holding the loop would
+        # keep it (and every closed loop's mailbox) alive for good.
+        self._loop = weakref.ref(loop)
         self._items: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
         self._lock = threading.Lock()
         self._scheduled = False
@@ -82,9 +84,12 @@ class Mailbox:
                 return
             self._scheduled = True
             self.wakeups += 1
+        loop = self._loop()
         try:
-            self._loop.call_soon_threadsafe(self._drain)
-        except RuntimeError:  # the loop closed meanwhile
+            if loop is None:
+                raise RuntimeError("the event loop is gone")
+            loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits any more
             with self._lock:
                 self._items.clear()
                 self._scheduled = False
@@ -97,8 +102,10 @@ class Mailbox:
             try:
                 fn(*args)
             except Exception as exc:  # noqa: BLE001 - one callback's failure must not drop the others
-                self._loop.call_exception_handler({"message": "a callback posted to the loop failed",
-                                                   "exception": exc})
+                loop = self._loop()
+                if loop is not None:
+                    loop.call_exception_handler({"message": "a callback posted to the loop failed",
+                                                 "exception": exc})
 
 
 _MAILBOXES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
