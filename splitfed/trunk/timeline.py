@@ -24,6 +24,7 @@ Pure Python and torch; :func:`summarize` turns a recording into the figures
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 import itertools
@@ -272,14 +273,16 @@ def hops(events: list[dict[str, Any]]) -> dict[str, float]:
     (``hop_gpu_to_first_reply``, ``hop_gpu_to_last_reply``), from the last gradient in to the GPU's backward
     (``hop_last_gradient_to_gpu``), and from the GPU's backward to its optimizer step (``hop_backward_to_step``).
     """
-    steps = sorted(e["t"] for e in events if e["kind"] == "step")
+    ordered = sorted(events, key=lambda e: e["t"])
+    times = [e["t"] for e in ordered]
+    steps = [e["t"] for e in ordered if e["kind"] == "step"]
     found: dict[str, list[float]] = {}
 
     def add(name: str, seconds: float) -> None:
         found.setdefault(name, []).append(seconds * 1e3)
 
     for lo, hi in itertools.pairwise(steps):
-        inside = [e for e in events if lo <= e["t"] < hi]
+        inside = ordered[bisect.bisect_left(times, lo): bisect.bisect_left(times, hi)]
         marks: dict[str, dict[str, float]] = {}
         for e in inside:
             if e.get("client") and "end" not in e:
@@ -295,7 +298,7 @@ def hops(events: list[dict[str, Any]]) -> dict[str, float]:
         windows = [e["t"] for e in inside if e["kind"] == "window"]
         replies = [e["t"] for e in inside if e["kind"] == "forward-out"]
         gradients = [e["t"] for e in inside if e["kind"] == "backward-in"]
-        forward, backward = gpu.get("forward"), gpu.get("backward")
+        forward, backward, step = gpu.get("forward"), gpu.get("backward"), gpu.get("step")
         if forward is not None and len(windows) == 1:  # one batch in the step: its window, its forward
             add("window_to_gpu", forward["t"] - windows[0])
             if replies:
@@ -303,10 +306,8 @@ def hops(events: list[dict[str, Any]]) -> dict[str, float]:
                 add("gpu_to_last_reply", max(replies) - forward["end"])
         if backward is not None and gradients:
             add("last_gradient_to_gpu", backward["t"] - max(gradients))
-            stepped = [e["t"] for e in events if e["kind"] == "gpu" and e["what"] == "step"
-                       and backward["end"] <= e["t"] <= hi]
-            if stepped:
-                add("backward_to_step", min(stepped) - backward["end"])
+            if step is not None and step["t"] >= backward["end"]:  # the step's GPU work starts before its mark
+                add("backward_to_step", step["t"] - backward["end"])
     out: dict[str, float] = {}
     for name, values in found.items():
         values.sort()
