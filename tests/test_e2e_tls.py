@@ -136,6 +136,7 @@ def test_flwr_run_over_mutual_tls_completes(flwr_home: Path, tmp_path: Path) -> 
     assert not (out_dir / CA_FILE).exists()  # the operator's certificate: no issued CA
 
 
+@pytest.mark.slow  # CI: tests/test_mutual_tls.py checks the same refusal and its message
 def test_flwr_run_over_mutual_tls_without_client_certificates_fails_naming_the_keys(flwr_home: Path,
                                                                                     tmp_path: Path) -> None:
     env = _env(flwr_home)

@@ -25,6 +25,7 @@ def _run(flwr_home: Path, tmp_path: Path, overrides: str) -> dict:  # noqa: F811
     return json.loads((out_dir / "history.json").read_text())
 
 
+@pytest.mark.slow  # CI: tests/test_trunk_variants_apps.py runs the same apps in one process
 def test_flwr_run_sequential_serves_every_client_each_round(flwr_home: Path, tmp_path: Path) -> None:  # noqa: F811
     history = _run(flwr_home, tmp_path, "trunk-mode='sequential' num-server-rounds=2 local-steps=10 trunk-timeout=120")
     rounds = history["rounds"]
