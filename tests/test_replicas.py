@@ -19,6 +19,7 @@ from splitfed.channel.transport import ServerTransport
 from splitfed.config import RunConfig
 from splitfed.launcher import ReplicaSet, config_replica
 from splitfed.split.base import CutState
+from splitfed.trunk.timeline import TIMELINE, hops
 
 HIDDEN = 256  # tiny-gpt2's width
 LENGTHS = (5, 6, 7, 8)
@@ -121,8 +122,12 @@ def test_two_gloo_replicas_sync_equal_one_trunk(replicas: tuple[Any, ReplicaSet]
     ranks = {i: rs.rank_for(100 + i) for i in range(4)}
     assert ranks == {0: 0, 1: 1, 2: 0, 3: 1}  # 3 examples a step on rank 0, 15 on rank 1
     tcs = _clients({i: rs.addresses[r] for i, r in ranks.items()})
-    # Execute: 5 sync steps over the two replicas, then the same clients on one trunk.
-    _steps(tcs, 5)
+    # Execute: 5 sync steps over the two replicas (rank 0's timeline recorded), then the same clients on one trunk.
+    TIMELINE.start()
+    try:
+        _steps(tcs, 5)
+    finally:
+        recorded = TIMELINE.stop()
     _close(tcs)
     reference = _reference(tmp_path, start, tuple(range(4)), 5)
     # Assert: rank 1 equals rank 0 (the check runs after every step the loop took), which equals the single trunk.
@@ -130,6 +135,10 @@ def test_two_gloo_replicas_sync_equal_one_trunk(replicas: tuple[Any, ReplicaSet]
     assert server.runtime.version == 5 and rs.group.stats["global-steps"] == 5
     assert _max_diff(server.runtime.trunk.state_dict(), reference) <= 1e-6
     assert _max_diff(start, reference) > 1e-4  # the trunk did train
+    # Rank 0's control loop is on its timeline: each step it entered a tick with every gradient in, then stepped.
+    figures = hops(recorded)
+    assert figures["replica_ticks_per_step"] >= 1 and figures["replica_vetoes"] >= 0
+    assert 0 < figures["hop_replica_ready_wait_ms"] <= figures["hop_replica_ready_to_step_ms"]
 
 
 def test_a_replica_without_clients_still_takes_every_step(replicas: tuple[Any, ReplicaSet], tmp_path: Path) -> None:

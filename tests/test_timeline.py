@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 
+from splitfed.trunk.replica_aggregation import BUSY, READY
 from splitfed.trunk.timeline import Timeline, hops, step_lengths, summarize
 
 
@@ -83,6 +84,27 @@ def test_hops_time_each_call_between_a_client_and_the_engine_and_the_hand_overs_
     assert round(figures["hop_last_gradient_to_gpu_ms"], 6) == 2.0
     assert round(figures["hop_backward_to_step_ms"], 6) == 1.0
     assert hops([_mark(0.0, "step")]) == {}  # no whole step: nothing to time
+
+
+def test_hops_time_a_replicas_wait_from_its_gradients_in_to_its_step() -> None:
+    """Two steps of a replica, times in ms: busy ticks, then a tick entered with every gradient in that waits
+    for the other replica, a vote, the step; the second step's first proposal is vetoed."""
+    def tick(ms: float, own: int, waited_ms: float) -> dict:
+        return _mark(ms / 1e3, "replica-tick", own=own, ready=1, busy=1, waited=waited_ms / 1e3)
+
+    def vote(ms: float, vetoed: int, waited_ms: float) -> dict:
+        return _mark(ms / 1e3, "replica-vote", vetoed=vetoed, waited=waited_ms / 1e3)
+
+    events = [_mark(0.0, "step"),
+              tick(5, BUSY, 1), tick(30, READY, 4), vote(31, 0, 0.5), _mark(0.040, "step"),  # ready at 26: 14 ms
+              tick(45, BUSY, 1), tick(60, READY, 2), vote(61, 1, 1), tick(70, READY, 3), vote(71, 0, 1),
+              _mark(0.080, "step")]  # ready at 58: 22 ms, 2 + 1 + 3 + 1 of them waiting
+    figures = hops(events)
+    assert round(figures["hop_replica_ready_to_step_ms"], 6) == 22.0  # 14 and 22: the upper of the two
+    assert round(figures["hop_replica_ready_to_step_p90_ms"], 6) == 22.0
+    assert round(figures["hop_replica_ready_wait_ms"], 6) == 7.0  # 4.5 and 7
+    assert figures["replica_ticks_per_step"] == 3 and figures["replica_vetoes"] == 1
+    assert "replica_ticks_per_step" not in hops([_mark(0.0, "step"), _mark(0.05, "step")])  # no replica: none
 
 
 def test_a_collection_that_starts_inside_a_mark_does_not_deadlock() -> None:

@@ -69,6 +69,7 @@ from splitfed.trunk.replica_aggregation import (
     ReplicaSyncAggregator,
     replica_aggregator,
 )
+from splitfed.trunk.timeline import TIMELINE
 
 if TYPE_CHECKING:
     from splitfed.trunk.runtime import TrunkRuntime
@@ -191,8 +192,11 @@ class ReplicaGroup:
                 self._wake.clear()
                 vec = self._status()
                 own_ready = bool(vec[READY])
+                own, entered = int(vec[:READY + 1].argmax()), time.perf_counter()
                 dist.all_reduce(vec, group=self.control)
                 self.stats["ticks"] += 1
+                TIMELINE.mark("replica-tick", own=own, ready=int(vec[READY]), busy=int(vec[BUSY]),
+                              waited=time.perf_counter() - entered)
                 self.last_tick = {"idle": int(vec[IDLE]), "busy": int(vec[BUSY]), "ready": int(vec[READY])}
                 if vec[_LEAVE] > 0:
                     log.info("trunk replica %d: the group ends (a replica left)", self.rank)
@@ -226,8 +230,9 @@ class ReplicaGroup:
         agg = self.runtime.aggregator
         with agg._lock, self.runtime._lock:  # the aggregator's lock first, as a step takes them
             busy = agg.local_status(self._forwards_not_joined()) == BUSY  # type: ignore[attr-defined]
-            votes = torch.tensor([float(busy)], dtype=torch.float64)
+            votes, entered = torch.tensor([float(busy)], dtype=torch.float64), time.perf_counter()
             dist.all_reduce(votes, group=self.control)
+            TIMELINE.mark("replica-vote", vetoed=int(votes.item() > 0), waited=time.perf_counter() - entered)
             if votes.item() > 0:
                 self.stats["vetoed-steps"] += 1
                 return False

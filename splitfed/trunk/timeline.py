@@ -272,11 +272,19 @@ def hops(events: list[dict[str, Any]]) -> dict[str, float]:
     to the GPU's forward (``hop_window_to_gpu``), from the GPU's forward to the first and last Forward reply
     (``hop_gpu_to_first_reply``, ``hop_gpu_to_last_reply``), from the last gradient in to the GPU's backward
     (``hop_last_gradient_to_gpu``), and from the GPU's backward to its optimizer step (``hop_backward_to_step``).
+
+    A replica of a group (:mod:`splitfed.trunk.replicas`) adds its control loop's part: from entering its first
+    tick with all its gradients in to its step (``hop_replica_ready_to_step``), how long of that it waited in the
+    group's collectives for the other replicas (``hop_replica_ready_wait``), and its ticks in a step
+    (``replica_ticks_per_step``, a median) and vetoed step proposals over the recording (``replica_vetoes``).
     """
+    from splitfed.trunk.replica_aggregation import READY
+
     ordered = sorted(events, key=lambda e: e["t"])
     times = [e["t"] for e in ordered]
     steps = [e["t"] for e in ordered if e["kind"] == "step"]
     found: dict[str, list[float]] = {}
+    ticks_per_step: list[int] = []
 
     def add(name: str, seconds: float) -> None:
         found.setdefault(name, []).append(seconds * 1e3)
@@ -308,7 +316,19 @@ def hops(events: list[dict[str, Any]]) -> dict[str, float]:
             add("last_gradient_to_gpu", backward["t"] - max(gradients))
             if step is not None and step["t"] >= backward["end"]:  # the step's GPU work starts before its mark
                 add("backward_to_step", step["t"] - backward["end"])
+        ticks = [e for e in inside if e["kind"] == "replica-tick"]
+        if ticks:
+            ticks_per_step.append(len(ticks))
+            ready = [e for e in ticks if e["own"] == READY]
+            if ready:
+                votes = [e for e in inside if e["kind"] == "replica-vote" and e["t"] >= ready[0]["t"]]
+                add("replica_ready_to_step", hi - (ready[0]["t"] - ready[0]["waited"]))
+                add("replica_ready_wait", sum(e["waited"] for e in ready + votes))
     out: dict[str, float] = {}
+    if ticks_per_step:
+        ticks_per_step.sort()
+        out["replica_ticks_per_step"] = ticks_per_step[len(ticks_per_step) // 2]
+        out["replica_vetoes"] = sum(e.get("vetoed", 0) for e in ordered if e["kind"] == "replica-vote")
     for name, values in found.items():
         values.sort()
         out[f"hop_{name}_ms"] = values[len(values) // 2]
