@@ -75,33 +75,51 @@ def max_divergence(rt: TrunkRuntime) -> float:
     return float(diff.item())
 
 
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Sorted ``indices`` as half-open runs of consecutive ones: [0, 1, 2, 5] -> [(0, 3), (5, 6)]."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
 def reduce_gradients(runtime: TrunkRuntime, contributions: Sequence[Contribution]) -> Grads | None:
     """The global update of a sync step: every replica's ``sum(weight * examples * grad)``, summed, over
-    the sum of every replica's examples (None, on every rank, when no replica had examples)."""
+    the sum of every replica's examples (None, on every rank, when no replica had examples).
+
+    One buffer crosses: every parameter's weighted sum, then the examples and, per parameter, how many replicas
+    have its gradient. It is filled and read with one fused call per contribution and per step (the parameters'
+    views, ``torch._foreach_*``) and a fill per run of parameters for the counts, not with several calls per parameter.
+    """
     params = runtime._trainable
     live = [c for c in contributions if c.grads is not None]
     sizes = [p.numel() for p in params]
+    n = sum(sizes)
     device = params[0].device if params else torch.device("cpu")
-    flat = torch.zeros(sum(sizes) + 1 + len(params), dtype=torch.float32, device=device)
-    offset = 0
-    for i, p in enumerate(params):
-        for c in live:
-            g = c.grads[i]  # type: ignore[index]
-            if g is not None:
-                flat[offset:offset + sizes[i]].add_(g.reshape(-1).to(device, torch.float32),
-                                                    alpha=c.weight * c.num_examples)
-                flat[sum(sizes) + 1 + i] = 1.0
-        offset += sizes[i]
-    flat[sum(sizes)] = float(sum(c.num_examples for c in live))
+    flat = torch.zeros(n + 1 + len(params), dtype=torch.float32, device=device)
+    views = flat[:n].split(sizes)
+    present: set[int] = set()
+    for c in live:
+        have = [i for i, g in enumerate(c.grads) if g is not None]  # type: ignore[arg-type]
+        if have:
+            torch._foreach_add_([views[i] for i in have],
+                                [c.grads[i].reshape(-1).to(device, torch.float32) for i in have],  # type: ignore[index]
+                                alpha=c.weight * c.num_examples)
+        present.update(have)
+    flat[n] = float(sum(c.num_examples for c in live))
+    for lo, hi in _runs(sorted(present)):  # no host copy (it would wait for the device): a fill per run of indices
+        flat[n + 1 + lo: n + 1 + hi].fill_(1.0)
     with TIMELINE.host("all-reduce", nbytes=flat.numel() * flat.element_size()):
         dist.all_reduce(flat)
-        tail = flat[sum(sizes):].cpu()  # one device-to-host copy: the examples and which gradients exist
-    total = float(tail[0])
+        tail = flat[n:].tolist()  # one device-to-host copy: the examples and which gradients exist
+    total = tail[0]
     if total <= 0:
         return None
-    out: Grads = []
-    offset = 0
-    for i, p in enumerate(params):
-        out.append((flat[offset:offset + sizes[i]] / total).view_as(p) if tail[1 + i] > 0 else None)
-        offset += sizes[i]
+    kept = [i for i in range(len(params)) if tail[1 + i] > 0]
+    out: Grads = [None] * len(params)
+    for i, g in zip(kept, torch._foreach_div([views[i] for i in kept], total) if kept else []):
+        out[i] = g.view_as(params[i])
     return out
