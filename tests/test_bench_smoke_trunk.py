@@ -112,6 +112,18 @@ def test_bench_trunk_in_other_modes(mode: str) -> None:
     assert results[f"trunk_examples_per_s_2_clients_batched_{mode}_cpu"] > 0 and results["mode"] == mode
 
 
+def test_bench_trunk_replicas_time_the_control_loop(tmp_path: Path) -> None:
+    """``--replicas 2`` (docs/replicas.md; gloo processes on the CPU) gives the scaling and, with ``--timeline``,
+    replica 0's control loop: its ticks a step and its way from its gradients in to its step."""
+    timeline = tmp_path / "timeline.json"
+    results = json.loads(_bench("bench.trunk", "--device", "cpu", "--replicas", "2", "--clients", "2", "--repeat",
+                                "1", "--steps", "3", "--only", "batched", "--config", TINY, "--timeline",
+                                str(timeline), "--json").strip().splitlines()[-1])
+    assert results["replica_scaling_2proc_cpu"] > 0 and timeline.stat().st_size > 0
+    assert results["timeline_replica_ticks_per_step"] >= 1 and results["timeline_replica_vetoes"] >= 0
+    assert 0 < results["timeline_hop_replica_ready_wait_ms"] <= results["timeline_hop_replica_ready_to_step_ms"]
+
+
 def _free_port() -> int:
     import socket
 
