@@ -69,6 +69,7 @@ def test_hops_time_each_call_between_a_client_and_the_engine_and_the_hand_overs_
         events += [_mark(at(10), "window"),
                    {"t": at(12), "end": at(20), "kind": "gpu", "client": "", "thread": "gpu", "what": "forward"},
                    {"t": at(39), "end": at(50), "kind": "gpu", "client": "", "thread": "gpu", "what": "backward"},
+                   _mark(at(49), "offer", n=1), _mark(at(50.5), "offer", n=1),  # a batch's, then the last one
                    {"t": at(51), "end": at(52), "kind": "gpu", "client": "", "thread": "gpu", "what": "step"},
                    _mark(at(52.5), "step")]
     figures = hops(events)
@@ -83,6 +84,7 @@ def test_hops_time_each_call_between_a_client_and_the_engine_and_the_hand_overs_
     assert round(figures["hop_gpu_to_last_reply_ms"], 6) == 11.0
     assert round(figures["hop_last_gradient_to_gpu_ms"], 6) == 2.0
     assert round(figures["hop_backward_to_step_ms"], 6) == 1.0
+    assert round(figures["hop_backward_to_offer_ms"], 6) == 0.5 and round(figures["hop_offer_to_step_ms"], 6) == 2.0
     assert hops([_mark(0.0, "step")]) == {}  # no whole step: nothing to time
 
 

@@ -23,8 +23,8 @@ client saw.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -53,6 +53,7 @@ from splitfed.trunk.compiled import compile_blocks, is_compiled, warm_up
 from splitfed.trunk.deviceio import Arrival, DeviceIO, ReplySink
 from splitfed.trunk.guard import GradientGuard
 from splitfed.trunk.microsteps import MicroSteps, StepPart
+from splitfed.trunk.placement import RuntimePlacement, default_sdpa_backends
 from splitfed.trunk.recompute import (
     SavedBytes,
     busy_on_oom,
@@ -67,7 +68,6 @@ from splitfed.trunk.requests import (
 )
 from splitfed.trunk.store import DoneBackward, ForwardStore, SavedForward, StoreLimits
 from splitfed.trunk.timeline import TIMELINE
-from splitfed.trunk.placement import RuntimePlacement, default_sdpa_backends
 from splitfed.trunk.upkeep import RuntimeUpkeep
 
 log = logging.getLogger(__name__)
@@ -366,6 +366,7 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
             log.warning("gradient guard refused client %s's gradient: %s", ", ".join(members or (client_id,)),
                         refused)
             trunk_grads = None  # type: ignore[assignment]
+        TIMELINE.mark("offer", n=len(members) or 1)
         return self.aggregator.offer(Contribution(client_id, version, trunk_grads, num_examples, members=members))
 
     # -- optimizer step --------------------------------------------------------

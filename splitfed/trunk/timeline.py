@@ -271,7 +271,9 @@ def hops(events: list[dict[str, Any]]) -> dict[str, float]:
     the other (``hop_intake_gap``); and the server's hand-overs around the GPU in each step: from a window's close
     to the GPU's forward (``hop_window_to_gpu``), from the GPU's forward to the first and last Forward reply
     (``hop_gpu_to_first_reply``, ``hop_gpu_to_last_reply``), from the last gradient in to the GPU's backward
-    (``hop_last_gradient_to_gpu``), and from the GPU's backward to its optimizer step (``hop_backward_to_step``).
+    (``hop_last_gradient_to_gpu``), from the GPU's backward to its optimizer step (``hop_backward_to_step``), and
+    that split at the moment the step's last gradient is offered to the aggregator, after the gradient guard's
+    check (``hop_backward_to_offer``, ``hop_offer_to_step``: to the step's mark).
 
     A replica of a group (:mod:`splitfed.trunk.replicas`) adds its control loop's part: from entering its first
     tick with all its gradients in to its step (``hop_replica_ready_to_step``), how long of that it waited in the
@@ -316,6 +318,10 @@ def hops(events: list[dict[str, Any]]) -> dict[str, float]:
             add("last_gradient_to_gpu", backward["t"] - max(gradients))
             if step is not None and step["t"] >= backward["end"]:  # the step's GPU work starts before its mark
                 add("backward_to_step", step["t"] - backward["end"])
+            offers = [e["t"] for e in inside if e["kind"] == "offer" and e["t"] >= backward["end"]]
+            if offers:
+                add("backward_to_offer", offers[-1] - backward["end"])
+                add("offer_to_step", hi - offers[-1])
         ticks = [e for e in inside if e["kind"] == "replica-tick"]
         if ticks:
             ticks_per_step.append(len(ticks))
