@@ -120,7 +120,7 @@ def test_bench_trunk_replicas_time_the_control_loop(tmp_path: Path) -> None:
                                 "1", "--steps", "3", "--only", "batched", "--config", TINY, "--timeline",
                                 str(timeline), "--json").strip().splitlines()[-1])
     assert results["replica_scaling_2proc_cpu"] > 0 and timeline.stat().st_size > 0
-    assert results["timeline_replica_ticks_per_step"] >= 1 and results["timeline_replica_vetoes"] >= 0
+    assert results["timeline_replica_ticks_per_step"] >= 1 and "timeline_replica_vetoes" in results
     assert 0 < results["timeline_hop_replica_ready_wait_ms"] <= results["timeline_hop_replica_ready_to_step_ms"]
 
 

@@ -137,7 +137,7 @@ def test_two_gloo_replicas_sync_equal_one_trunk(replicas: tuple[Any, ReplicaSet]
     assert _max_diff(start, reference) > 1e-4  # the trunk did train
     # Rank 0's control loop is on its timeline: each step it entered a tick with every gradient in, then stepped.
     figures = hops(recorded)
-    assert figures["replica_ticks_per_step"] >= 1 and figures["replica_vetoes"] >= 0
+    assert figures["replica_ticks_per_step"] >= 1 and figures["replica_vetoes"] <= rs.group.stats["vetoed-steps"]
     assert 0 < figures["hop_replica_ready_wait_ms"] <= figures["hop_replica_ready_to_step_ms"]
 
 
