@@ -15,6 +15,7 @@ import time
 import torch
 
 from bench import core
+from bench.gpu_util import UtilSampler
 
 
 def _sync(device: torch.device) -> None:
@@ -24,7 +25,8 @@ def _sync(device: torch.device) -> None:
 
 def ceiling(device: str = "cpu", clients: int = 4, steps: int = 5, warmup: int = 2, repeat: int = 3,
             compiled: bool = False, kinds: tuple[str, ...] = ("batched", "sequential")) -> dict[str, float]:
-    """Examples per second of the plain-PyTorch trunk step, batched and sequential (medians of ``repeat``);
+    """Examples per second of the plain-PyTorch trunk step, batched and sequential (medians of ``repeat``), and on
+    a GPU how busy it was over the timed steps (``<kind>_gpu_util_mean``, percent, :mod:`bench.gpu_util`);
     ``compiled``: each block ``torch.compile``'d as a server with ``compile`` does (dynamic shapes)."""
     from splitfed.split import CutState, split_model
 
@@ -54,15 +56,21 @@ def ceiling(device: str = "cpu", clients: int = 4, steps: int = 5, warmup: int =
     for name, batched in (("batched", True), ("sequential", False)):
         if name not in kinds:
             continue
-        runs = []
+        runs, utils = [], []
         for _ in range(repeat):
             for _ in range(warmup):
                 step(batched)
             _sync(dev)
+            sampler = UtilSampler(dev).start()  # over the timed steps only
             start = time.perf_counter()
             for _ in range(steps):
                 step(batched)
             _sync(dev)
             runs.append(clients * c["batch"] * steps / (time.perf_counter() - start))
+            util = sampler.stop()
+            if util:
+                utils.append(util["mean"])
         out[name] = statistics.median(runs)
+        if utils:
+            out[f"{name}_gpu_util_mean"] = statistics.median(utils)
     return out

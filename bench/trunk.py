@@ -8,7 +8,9 @@ other hosts). In the same run and on the same device, :mod:`bench.ceiling`
 measures the plain-PyTorch trunk step over the same rows (batched: one forward
 and backward over every client's rows; sequential: client after client), so
 ``trunk_ceiling_fraction_<N>`` = server batched / ceiling batched. GPU
-utilization is sampled while the server runs (:mod:`bench.gpu_util`).
+utilization is sampled while the server runs (:mod:`bench.gpu_util`), and while
+the ceiling runs (``ceiling_gpu_util_mean_<N>_batched``): how busy plain PyTorch
+keeps the same GPU with the same rows.
 
 ``python -m bench.trunk --device cuda --clients 32 --config "layers=12
 hidden=768 heads=12 vocab=50257 batch=4 seq=256 bf16=1"`` is the GPT-2-small
@@ -229,8 +231,10 @@ def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat
     single = median(throughput(1, 0.0, **kw).examples_per_s for _ in range(repeat)) if "single" in only else 0.0
     roof = ceiling(device, clients, steps=steps, repeat=repeat) if "ceiling" in only else {}
     if roof and SERVER["compile"]:  # the same GPU's own figure with the same compiled blocks
-        roof["compiled"] = ceiling(device, clients, steps=steps, repeat=repeat, compiled=True,
-                                   kinds=("batched",))["batched"]
+        compiled = ceiling(device, clients, steps=steps, repeat=repeat, compiled=True, kinds=("batched",))
+        roof["compiled"] = compiled["batched"]
+        if "batched_gpu_util_mean" in compiled:
+            roof["compiled_gpu_util_mean"] = compiled["batched_gpu_util_mean"]
     one_at_a_time = median(r.examples_per_s for r in one) if one else 0.0
     best = median(r.examples_per_s for r in batched) if batched else 0.0
     if one:
@@ -247,10 +251,14 @@ def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat
         where = "" if device.startswith("cuda") else "_cpu"  # the ceiling has no mode
         out[f"ceiling_examples_per_s_{n}_batched{where}"] = roof["batched"]
         out[f"ceiling_examples_per_s_{n}_sequential{where}"] = roof["sequential"]
+        if "batched_gpu_util_mean" in roof:  # how busy plain PyTorch keeps the GPU with the same rows
+            out[f"ceiling_gpu_util_mean_{n}_batched"] = roof["batched_gpu_util_mean"]
         if batched:
             out[f"trunk_ceiling_fraction_{n}{suffix}"] = best / roof["batched"]
         if "compiled" in roof:
             out[f"ceiling_examples_per_s_{n}_batched_compiled{where}"] = roof["compiled"]
+            if "compiled_gpu_util_mean" in roof:
+                out[f"ceiling_gpu_util_mean_{n}_batched_compiled"] = roof["compiled_gpu_util_mean"]
             if batched:
                 out[f"trunk_ceiling_fraction_{n}_vs_compiled{suffix}"] = best / roof["compiled"]
         if one:

@@ -132,6 +132,8 @@ def serve(address: str, clients: int, *, device: str = "cpu", window_ms: float =
     if "ceiling" in only:
         roof = ceiling(device, clients, steps=steps, repeat=3)
         out[f"ceiling_examples_per_s_{n}_batched{suffix}"] = roof["batched"]
+        if "batched_gpu_util_mean" in roof:
+            out[f"ceiling_gpu_util_mean_{n}_batched"] = roof["batched_gpu_util_mean"]
         out[f"trunk_ceiling_fraction_{n}{suffix}"] = out[f"trunk_examples_per_s_{n}_clients_batched{suffix}"] / \
             roof["batched"]
     if recorded:
