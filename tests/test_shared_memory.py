@@ -239,3 +239,50 @@ def test_a_region_closes_only_once_a_copy_its_reader_started_is_done() -> None:
     copied.set()
     closer.join(30)
     assert closed.is_set()
+
+
+def _identity() -> nn.Module:
+    return split_sequential(nn.Sequential(nn.Identity(), nn.Identity(), nn.Identity()), 1, 2)[1]
+
+
+def test_a_region_too_small_for_a_larger_tensor_is_replaced_by_a_larger_one(trunk_server) -> None:
+    server = trunk_server(_identity())
+    with TrunkClient(server.address, insecure=True, shared_memory="on") as client:
+        small = torch.randn(64, 256)  # 64 KiB: the first region is sized for calls like this one (4 MiB)
+        assert torch.equal(client.forward(CutState(small), train=False)[0], small)
+        first = client.shared.region
+        assert first.mapping.nbytes == 4 * MiB
+        large = torch.randn(3 * MiB // 1024, 256)  # 3 MiB, and as much for its reply: more than the whole region
+        assert torch.equal(client.forward(CutState(large), train=False)[0], large)
+        second = client.shared.region
+        assert second is not first and first.broken and second.mapping.nbytes >= 6 * MiB
+        assert client.shared.calls == 2 and client.shared.bytes == 2 * (small.nbytes + large.nbytes)
+        assert server.servicer.regions.total_bytes == second.mapping.nbytes  # the first one is closed there too
+        assert torch.equal(client.forward(CutState(small), train=False)[0], small)
+        assert client.shared.region is second and client.shared.calls == 3
+
+
+def test_a_region_in_use_is_not_replaced_and_its_larger_call_takes_the_socket(trunk_server) -> None:
+    server = trunk_server(_identity())
+    with TrunkClient(server.address, insecure=True, shared_memory="on") as client:
+        client.forward(CutState(torch.randn(64, 256)), train=False)
+        first = client.shared.region
+        held = first.take(4096)  # a slice another thread's call holds
+        large = torch.randn(3 * MiB // 1024, 256)
+        assert torch.equal(client.forward(CutState(large), train=False)[0], large)
+        assert client.shared.region is first and not first.broken and client.shared.calls == 1
+        first.give(held)
+        assert torch.equal(client.forward(CutState(large), train=False)[0], large)
+        assert client.shared.region is not first and client.shared.calls == 2
+
+
+def test_a_client_asks_for_no_more_than_the_server_grants(trunk_server) -> None:
+    server = trunk_server(_identity(), shared_memory_bytes=4 * MiB)
+    with TrunkClient(server.address, insecure=True, shared_memory="on") as client:
+        client.forward(CutState(torch.randn(64 * 16, 256)), train=False)  # 1 MiB: asks for 16, is granted 4
+        first = client.shared.region
+        assert first.mapping.nbytes == 4 * MiB and client.shared.nbytes == 4 * MiB
+        large = torch.randn(3 * MiB // 1024, 256)
+        for _ in range(2):  # over the socket, with the region kept: no region opened per call
+            assert torch.equal(client.forward(CutState(large), train=False)[0], large)
+        assert client.shared.region is first and not first.broken and client.shared.calls == 1

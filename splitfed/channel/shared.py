@@ -27,7 +27,9 @@ import torch
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel.devmem import DeviceMemory, local_memory
+from splitfed.channel.hosts import host_of, is_loopback
 from splitfed.channel.regions import (
+    ALIGN,
     MIN_REGION_TENSOR_BYTES,
     RegionEvents,
     SharedRegion,
@@ -36,7 +38,6 @@ from splitfed.channel.regions import (
     local_events,
 )
 from splitfed.channel.slices import ClientRegion, Slice
-from splitfed.channel.hosts import host_of, is_loopback
 from splitfed.codec import EncodedTensor, WireDType, encode, torch_dtype, wire_dtype
 from splitfed.errors import ChannelError, CodecError, ConfigError, SharedMemoryUnavailableError, TensorValueError
 from splitfed.split.base import CutState
@@ -101,10 +102,11 @@ class SharedLane:
             if region is not None:  # a call failed: its slices may still be written, so take a new region
                 self.region = None
                 self._drop(region)
+            asked = min(self.nbytes, max(16 * need, 4 << 20))
             try:
                 reply = self.client._invoke("OpenRegion", self.client._stub.OpenRegion,
-                                            pb.OpenRegionRequest(nbytes=min(self.nbytes, max(16 * need, 4 << 20)),
-                                                                 cuda_events=cuda, client_pid=os.getpid()))
+                                            pb.OpenRegionRequest(nbytes=asked, cuda_events=cuda,
+                                                                 client_pid=os.getpid()))
             except ChannelError as exc:
                 log.info("tensors travel over the socket: the trunk server at %s offers no shared memory (%s)",
                          self.client.address, exc.code)
@@ -123,11 +125,25 @@ class SharedLane:
                 self.mode = "off"
                 self._close_remote(reply.region)
                 return None
+            if reply.nbytes < asked:  # the server's share per client: no larger region will be asked for
+                self.nbytes = int(reply.nbytes)
             memory = self._device_memory(reply) if events is not None else None
             self.region = ClientRegion(mapping, events, reply.device_uuid, memory)
             log.debug("tensors cross the cut through shared-memory region %s (%d bytes)", mapping.name,
                       mapping.nbytes)
             return self.region
+
+    def _larger(self, region: ClientRegion, need: int, cuda: bool) -> ClientRegion | None:
+        """A region with room for a call of ``need`` bytes, in place of ``region``, which has too little even
+        when empty (its size came from the first calls' tensors). ``region`` is closed and a larger one opened
+        only while no call holds a slice of it; None meanwhile, and when ``need`` is above what this client may
+        ask for (``nbytes``): that call then goes over the socket."""
+        if need > self.nbytes or not region.retire_if_idle():
+            return None
+        log.debug("region %s (%d bytes) cannot hold a call of %d bytes: opening a larger one", region.name,
+                  region.mapping.nbytes, need)
+        larger = self._region(cuda, need)
+        return larger if larger is not None and need <= larger.mapping.nbytes else None
 
     @staticmethod
     def _device_memory(reply: pb.OpenRegionReply) -> DeviceMemory | None:
@@ -206,6 +222,13 @@ class SharedLane:
         """One call with ``main`` in the region; ``others`` (masks, positions) inline, or in the region too when
         CUDA events order the copies (reading a GPU tensor on the host would wait for the GPU)."""
         tensor = main[1]
+        need = _aligned(tensor.numel() * torch_dtype(main[2]).itemsize) + _aligned(max(reply_guess,
+                                                                                     MIN_REGION_TENSOR_BYTES))
+        if need > region.mapping.nbytes:
+            larger = self._larger(region, need, tensor.is_cuda)
+            if larger is None:
+                return None
+            region = larger
         events = region.take_events() if region.orders(tensor.device) else None
         twin = events is not None and region.device_memory is not None  # the copies stay on the GPU
         sends = [(main[0], tensor.detach(), main[2])]
@@ -327,6 +350,11 @@ class SharedLane:
         copy_into(out, view)
         return out, enc.region.nbytes
 
+
+
+def _aligned(nbytes: int) -> int:
+    """``nbytes`` as a slice of a region takes them (whole blocks of :data:`~splitfed.channel.regions.ALIGN`)."""
+    return -(-max(nbytes, 1) // ALIGN) * ALIGN
 
 
 def _needed_bytes(exc: ChannelError) -> int | None:

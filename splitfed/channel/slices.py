@@ -135,6 +135,16 @@ class ClientRegion:
         with self._lock:
             self._free_events.extend(pair)
 
+    def retire_if_idle(self) -> bool:
+        """Stop taking slices if no call holds a slice or an event of this region (it can then be closed at once);
+        returns whether it did."""
+        with self._lock:
+            idle = self._slices.free == [(0, self._slices.size)] and \
+                len(self._free_events) == (len(self.events) if self.events is not None else 0)
+            if idle:
+                self.broken = True
+            return idle
+
     def poison(self) -> None:
         """Stop using this region: a call failed, and the server may still write into its slices."""
         with self._lock:
