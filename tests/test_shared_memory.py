@@ -286,3 +286,26 @@ def test_a_client_asks_for_no_more_than_the_server_grants(trunk_server) -> None:
         for _ in range(2):  # over the socket, with the region kept: no region opened per call
             assert torch.equal(client.forward(CutState(large), train=False)[0], large)
         assert client.shared.region is first and not first.broken and client.shared.calls == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_clients_region_grows_with_its_gpu_memory(trunk_server) -> None:
+    # CUDA tensors on both sides: the region has CUDA events and a twin in the trunk's GPU memory; the larger one
+    # that replaces it has them too, and the copies stay on the GPU.
+    layers = [nn.Linear(256, 256) for _ in range(3)]
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.copy_(torch.eye(256))
+            layer.bias.zero_()
+    trunk = split_sequential(nn.Sequential(*layers), 1, 2)[1].to("cuda")
+    server = trunk_server(trunk)
+    with TrunkClient(server.address, insecure=True, shared_memory="on") as client:
+        small = torch.randn(64, 256, device="cuda")
+        assert torch.equal(client.forward(CutState(small), train=False)[0].to(small.device), small)
+        first = client.shared.region
+        assert first.device_memory is not None and client.shared.on_gpu == 1
+        large = torch.randn(3 * MiB // 1024, 256, device="cuda")
+        assert torch.equal(client.forward(CutState(large), train=False)[0].to(large.device), large)
+        second = client.shared.region
+        assert second is not first and second.mapping.nbytes >= 6 * MiB and second.device_memory is not None
+        assert client.shared.on_gpu == 2 and client.shared.calls == 2
