@@ -309,3 +309,19 @@ def test_a_gpu_clients_region_grows_with_its_gpu_memory(trunk_server) -> None:
         second = client.shared.region
         assert second is not first and second.mapping.nbytes >= 6 * MiB and second.device_memory is not None
         assert client.shared.on_gpu == 2 and client.shared.calls == 2
+
+
+def test_a_larger_region_the_server_will_not_open_leaves_the_client_on_its_old_size(trunk_server) -> None:
+    server = trunk_server(_identity())
+    with TrunkClient(server.address, insecure=True, shared_memory="on") as client:
+        small = CutState(torch.randn(64, 256))
+        client.forward(small, train=False)
+        server.servicer.regions.max_total_bytes = 5 * MiB  # room for a region of 4 MiB, not for a larger one
+        large = torch.randn(3 * MiB // 1024, 256)
+        assert torch.equal(client.forward(CutState(large), train=False)[0], large)  # over the socket
+        assert client.shared.mode == "on" and client.shared.nbytes == 4 * MiB and client.shared.calls == 1
+        client.forward(small, train=False)  # through a region of the old size again
+        again = client.shared.region
+        assert again.mapping.nbytes == 4 * MiB and not again.broken and client.shared.calls == 2
+        assert torch.equal(client.forward(CutState(large), train=False)[0], large)
+        assert client.shared.region is again and not again.broken and client.shared.calls == 2

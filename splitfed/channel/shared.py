@@ -137,12 +137,16 @@ class SharedLane:
         """A region with room for a call of ``need`` bytes, in place of ``region``, which has too little even
         when empty (its size came from the first calls' tensors). ``region`` is closed and a larger one opened
         only while no call holds a slice of it; None meanwhile, and when ``need`` is above what this client may
-        ask for (``nbytes``): that call then goes over the socket."""
+        ask for (``nbytes``): that call then goes over the socket. Should the server not open the larger one (its
+        regions are full), the next calls open one of the old size again, and none larger is asked for."""
         if need > self.nbytes or not region.retire_if_idle():
             return None
         log.debug("region %s (%d bytes) cannot hold a call of %d bytes: opening a larger one", region.name,
                   region.mapping.nbytes, need)
         larger = self._region(cuda, need)
+        if larger is None and self.mode == "off":
+            with self._lock:
+                self.mode, self.nbytes = "on", min(self.nbytes, region.mapping.nbytes)
         return larger if larger is not None and need <= larger.mapping.nbytes else None
 
     @staticmethod
