@@ -23,7 +23,9 @@ from bench.processes import end_processes_of
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-RAY_START_FLAKE = "timed out during startup"  # Ray's raylet must register within a fixed 30 s
+#: What Ray says when its raylet did not register, or its GCS server did not write its port, within their fixed
+#: start-up windows (30 s): a loaded 2-core machine, nothing of splitfed's.
+RAY_START_FLAKES = ("timed out during startup", "Timed out waiting for file")
 SUPERLINK_START_FLAKE = "Failed to start local SuperLink"
 
 
@@ -91,16 +93,17 @@ def start_local_superlink(env: dict[str, str]) -> None:
 
 def flwr_run(args: list[str], env: dict[str, str]) -> str:
     """``flwr run ...``; returns its output. The local SuperLink is started first (see
-    :func:`start_local_superlink`). Retried once when Ray's raylet missed its 30 s start-up window, or when ``flwr``
-    took the (busy) SuperLink for absent (it probes for 0.4 s); both happen on a loaded 2-core machine and say
-    nothing about splitfed."""
+    :func:`start_local_superlink`). Retried once when Ray's raylet or GCS server missed its start-up window, or when
+    ``flwr`` took the (busy) SuperLink for absent (it probes for 0.4 s); both happen on a loaded 2-core machine and
+    say nothing about splitfed."""
     for attempt in range(2):
         if len(args) > 1 and args[1] == "local":
             start_local_superlink(env)
         result = subprocess.run([str(BIN / "flwr"), "run", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                                 timeout=900)
         output = result.stdout + result.stderr
-        if (RAY_START_FLAKE not in output and SUPERLINK_START_FLAKE not in output) or attempt:
+        flake = any(m in output for m in (*RAY_START_FLAKES, SUPERLINK_START_FLAKE))
+        if not flake or attempt:
             return output
         time.sleep(5)
     raise AssertionError("unreachable")

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pki import Pki, make_pki
 from test_e2e_flwr import (  # noqa: F401  (flwr_home is a fixture)
     BIN,
-    RAY_START_FLAKE,
+    RAY_START_FLAKES,
     ROOT,
     _env,
     _free_port,
@@ -30,9 +30,6 @@ from test_e2e_flwr import (  # noqa: F401  (flwr_home is a fixture)
 
 from splitfed.channel.autotls import issue
 from splitfed.channel.transport import CA_FILE
-
-#: Ray failing to start on a loaded 2-core machine (says nothing about splitfed): the run is retried once.
-RAY_FLAKES = (RAY_START_FLAKE, "Timed out waiting for file")
 
 
 def health(address: str, ca_pem: bytes | None, timeout: float = 10.0) -> int:
@@ -81,7 +78,7 @@ def test_flwr_run_off_loopback_serves_zero_config_tls_only(flwr_home: Path, tmp_
             if proc.poll() is None:
                 proc.kill()
         output = log.read_text(errors="replace")
-        if not any(flake in output for flake in RAY_FLAKES):
+        if not any(flake in output for flake in RAY_START_FLAKES):
             break
         (out_dir / CA_FILE).unlink(missing_ok=True)
     assert answers == {"plaintext": "UNAVAILABLE", "another-ca": "UNAVAILABLE", "issued-ca": "SERVING"}, output[-3000:]
