@@ -74,3 +74,22 @@ def ceiling(device: str = "cpu", clients: int = 4, steps: int = 5, warmup: int =
         if utils:
             out[f"{name}_gpu_util_mean"] = statistics.median(utils)
     return out
+
+
+def ceiling_keys(device: str, clients: int, steps: int, repeat: int, compiled: bool = False,
+                 kinds: tuple[str, ...] = ("batched", "sequential")) -> dict[str, float]:
+    """The ceiling's bench keys: ``ceiling_examples_per_s_<N>_<kind>`` for each of ``kinds`` (``_cpu`` off a GPU) and
+    on a GPU ``ceiling_gpu_util_mean_<N>_batched``; with ``compiled`` the same of the compiled blocks' batched step,
+    ending in ``_compiled`` (before ``_cpu``)."""
+    where = "" if device.startswith("cuda") else "_cpu"
+    runs = [("", kinds, ceiling(device, clients, steps=steps, repeat=repeat, kinds=kinds))]
+    if compiled:  # the same GPU's own figure with the same compiled blocks
+        runs.append(("_compiled", ("batched",), ceiling(device, clients, steps=steps, repeat=repeat, compiled=True,
+                                                         kinds=("batched",))))
+    out: dict[str, float] = {}
+    for tag, measured, roof in runs:
+        for kind in measured:
+            out[f"ceiling_examples_per_s_{clients}_{kind}{tag}{where}"] = roof[kind]
+        if "batched_gpu_util_mean" in roof:  # how busy plain PyTorch keeps the GPU with the same rows
+            out[f"ceiling_gpu_util_mean_{clients}_batched{tag}"] = roof["batched_gpu_util_mean"]
+    return out

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from bench import core, trunk_remote
-from bench.ceiling import ceiling
+from bench.ceiling import ceiling_keys
 from bench.cpu_use import CpuUse, cpu_figures, process_groups
 from bench.gpu_util import UtilSampler
 from bench.trunk_clients import (
@@ -229,12 +229,7 @@ def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat
     batched = [throughput(clients, window_ms, timeline=bool(timeline) and i == 0, **kw)
                for i in range(repeat)] if "batched" in only else []
     single = median(throughput(1, 0.0, **kw).examples_per_s for _ in range(repeat)) if "single" in only else 0.0
-    roof = ceiling(device, clients, steps=steps, repeat=repeat) if "ceiling" in only else {}
-    if roof and SERVER["compile"]:  # the same GPU's own figure with the same compiled blocks
-        compiled = ceiling(device, clients, steps=steps, repeat=repeat, compiled=True, kinds=("batched",))
-        roof["compiled"] = compiled["batched"]
-        if "batched_gpu_util_mean" in compiled:
-            roof["compiled_gpu_util_mean"] = compiled["batched_gpu_util_mean"]
+    roof = ceiling_keys(device, n, steps, repeat, compiled=bool(SERVER["compile"])) if "ceiling" in only else {}
     one_at_a_time = median(r.examples_per_s for r in one) if one else 0.0
     best = median(r.examples_per_s for r in batched) if batched else 0.0
     if one:
@@ -248,21 +243,16 @@ def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat
     if one and single:
         out[f"sync_step_ratio_{n}v1{suffix}"] = single / one_at_a_time  # time per example, N clients / 1
     if roof:
+        out.update(roof)
         where = "" if device.startswith("cuda") else "_cpu"  # the ceiling has no mode
-        out[f"ceiling_examples_per_s_{n}_batched{where}"] = roof["batched"]
-        out[f"ceiling_examples_per_s_{n}_sequential{where}"] = roof["sequential"]
-        if "batched_gpu_util_mean" in roof:  # how busy plain PyTorch keeps the GPU with the same rows
-            out[f"ceiling_gpu_util_mean_{n}_batched"] = roof["batched_gpu_util_mean"]
+        compiled_key = f"ceiling_examples_per_s_{n}_batched_compiled{where}"
         if batched:
-            out[f"trunk_ceiling_fraction_{n}{suffix}"] = best / roof["batched"]
-        if "compiled" in roof:
-            out[f"ceiling_examples_per_s_{n}_batched_compiled{where}"] = roof["compiled"]
-            if "compiled_gpu_util_mean" in roof:
-                out[f"ceiling_gpu_util_mean_{n}_batched_compiled"] = roof["compiled_gpu_util_mean"]
-            if batched:
-                out[f"trunk_ceiling_fraction_{n}_vs_compiled{suffix}"] = best / roof["compiled"]
+            out[f"trunk_ceiling_fraction_{n}{suffix}"] = best / roof[f"ceiling_examples_per_s_{n}_batched{where}"]
+            if compiled_key in roof:
+                out[f"trunk_ceiling_fraction_{n}_vs_compiled{suffix}"] = best / roof[compiled_key]
         if one:
-            out[f"trunk_ceiling_fraction_{n}_one_at_a_time{suffix}"] = one_at_a_time / roof["sequential"]
+            out[f"trunk_ceiling_fraction_{n}_one_at_a_time{suffix}"] = \
+                one_at_a_time / roof[f"ceiling_examples_per_s_{n}_sequential{where}"]
     out["client_cores"] = client_cores or len(os.sched_getaffinity(0))
     out["transport"] = "socket" if socket else "shared memory"
     out["frontends"] = SERVER["frontends"]

@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 from bench import core
-from bench.ceiling import ceiling
+from bench.ceiling import ceiling_keys
 from bench.gpu_util import UtilSampler
 from bench.trunk_clients import WAIT_S, BenchError, client_name, collect, pick_cores, run_client
 
@@ -130,12 +130,9 @@ def serve(address: str, clients: int, *, device: str = "cpu", window_ms: float =
         out[f"gpu_util_max_{n}_batched{suffix}"] = util["max"]
         out["gpu_util_source"] = util["source"]
     if "ceiling" in only:
-        roof = ceiling(device, clients, steps=steps, repeat=3)
-        out[f"ceiling_examples_per_s_{n}_batched{suffix}"] = roof["batched"]
-        if "batched_gpu_util_mean" in roof:
-            out[f"ceiling_gpu_util_mean_{n}_batched"] = roof["batched_gpu_util_mean"]
+        out.update(ceiling_keys(device, n, steps, 3, kinds=("batched",)))
         out[f"trunk_ceiling_fraction_{n}{suffix}"] = out[f"trunk_examples_per_s_{n}_clients_batched{suffix}"] / \
-            roof["batched"]
+            out[f"ceiling_examples_per_s_{n}_batched{suffix}"]
     if recorded:
         save(recorded, timeline)
         out.update({f"timeline_{k}": v for k, v in step_figures(recorded).items()})
