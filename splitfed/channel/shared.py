@@ -29,7 +29,6 @@ from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel.devmem import DeviceMemory, local_memory
 from splitfed.channel.hosts import host_of, is_loopback
 from splitfed.channel.regions import (
-    ALIGN,
     MIN_REGION_TENSOR_BYTES,
     RegionEvents,
     SharedRegion,
@@ -37,7 +36,7 @@ from splitfed.channel.regions import (
     device_uuid,
     local_events,
 )
-from splitfed.channel.slices import ClientRegion, Slice
+from splitfed.channel.slices import ClientRegion, Slice, aligned
 from splitfed.codec import EncodedTensor, WireDType, encode, torch_dtype, wire_dtype
 from splitfed.errors import ChannelError, CodecError, ConfigError, SharedMemoryUnavailableError, TensorValueError
 from splitfed.split.base import CutState
@@ -226,8 +225,8 @@ class SharedLane:
         """One call with ``main`` in the region; ``others`` (masks, positions) inline, or in the region too when
         CUDA events order the copies (reading a GPU tensor on the host would wait for the GPU)."""
         tensor = main[1]
-        need = _aligned(tensor.numel() * torch_dtype(main[2]).itemsize) + _aligned(max(reply_guess,
-                                                                                     MIN_REGION_TENSOR_BYTES))
+        need = aligned(tensor.numel() * torch_dtype(main[2]).itemsize) + aligned(max(reply_guess,
+                                                                                   MIN_REGION_TENSOR_BYTES))
         if need > region.mapping.nbytes:
             larger = self._larger(region, need, tensor.is_cuda)
             if larger is None:
@@ -354,11 +353,6 @@ class SharedLane:
         copy_into(out, view)
         return out, enc.region.nbytes
 
-
-
-def _aligned(nbytes: int) -> int:
-    """``nbytes`` as a slice of a region takes them (whole blocks of :data:`~splitfed.channel.regions.ALIGN`)."""
-    return -(-max(nbytes, 1) // ALIGN) * ALIGN
 
 
 def _needed_bytes(exc: ChannelError) -> int | None:

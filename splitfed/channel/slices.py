@@ -16,6 +16,11 @@ from splitfed.codec import RegionRef
 from splitfed.errors import CodecError
 
 
+def aligned(nbytes: int) -> int:
+    """The bytes a slice of ``nbytes`` takes in a region: whole blocks of :data:`~splitfed.channel.regions.ALIGN`."""
+    return -(-max(nbytes, 1) // ALIGN) * ALIGN
+
+
 @dataclass
 class _Slices:
     """A first-fit allocator of aligned slices in ``[0, size)``."""
@@ -27,7 +32,7 @@ class _Slices:
         self.free = [(0, self.size)]
 
     def take(self, nbytes: int) -> int | None:
-        need = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        need = aligned(nbytes)
         for i, (offset, length) in enumerate(self.free):
             if length >= need:
                 if length == need:
@@ -38,7 +43,7 @@ class _Slices:
         return None
 
     def give(self, offset: int, nbytes: int) -> None:
-        need = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        need = aligned(nbytes)
         self.free.append((offset, need))
         self.free.sort()
         merged: list[tuple[int, int]] = []
