@@ -8,7 +8,8 @@ the clients: ``runtime_ceiling_fraction_<N>``.
 
 ``python -m bench.trunk_runtime --device cuda --clients 32 --config "layers=12 hidden=768 heads=12 vocab=50257
 batch=4 seq=256 bf16=1" --vary`` (``--profile``: a torch.profiler table of one step, CPU ops and CUDA calls;
-``--trace FILE``: that step as a Chrome trace; ``--compile``: each trunk block ``torch.compile``'d, as
+``--trace FILE``: that step as a Chrome trace, and on a GPU how long the GPU was busy in it and its longest idle
+gaps with what the host did meanwhile (:mod:`bench.gpu_gaps`); ``--compile``: each trunk block ``torch.compile``'d, as
 ``splitfed serve --compile`` does; ``--batches K``: each step's forwards in K equal batches, as a server whose
 ``max_batch_tokens`` splits a step; ``--sync-debug``: every call of one step that made the host wait for the
 GPU, with where it came from).
@@ -139,6 +140,13 @@ def run(device: str = "cpu", clients: int = 8, steps: int = 5, warmup: int = 2, 
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
         if trace:
             prof.export_chrome_trace(trace)
+            if device.startswith("cuda"):
+                from bench.gpu_gaps import gpu_gaps, load
+
+                report = gpu_gaps(load(trace))
+                out.update(report.keys())
+                for line in report.lines():
+                    log.warning("%s", line)
     return out
 
 
