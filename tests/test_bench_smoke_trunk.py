@@ -82,6 +82,7 @@ def test_bench_trunk_runtime(tmp_path: Path) -> None:
                                 "--trace", str(trace), "--config", TINY, "--json").strip().splitlines()[-1])
     assert results["runtime_ceiling_fraction_3_in_2"] > 0
     assert json.loads(trace.read_text())["traceEvents"]  # a Chrome trace of one step
+    assert "trace_gpu_busy_ms" not in results  # no GPU in it to read (bench.gpu_gaps reads GPU traces)
 
 
 @pytest.mark.slow
