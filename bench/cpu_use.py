@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -27,17 +28,27 @@ def _cpu_seconds(pids: Iterable[int]) -> float:
     return total
 
 
+def _thread_seconds(names: Iterable[str]) -> float:
+    """User and system CPU seconds so far of this process's threads whose Python names are in ``names``."""
+    wanted = set(names)
+    ids = {t.native_id for t in threading.enumerate() if t.name in wanted and t.native_id is not None}
+    return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id in ids)
+
+
 class CpuUse:
     """Between :meth:`start` and :meth:`stop`: the share of the host's cores that were busy, and the CPU seconds
-    of named groups of processes (``{"engine": [pid], "front-ends": [...]}``).
+    of named groups of processes (``{"engine": [pid], "front-ends": [...]}``) and of named groups of this
+    process's threads (``{"engine-loop": ["splitfed-trunk-grpc"]}``, by their Python names).
 
     ``psutil`` counts a process's threads together; a group's figure over the run's seconds is how many cores it
     kept busy on average. A process that ends before :meth:`stop` (and is reaped) is no longer readable: processes
     that may end first count their own CPU and pass it to :meth:`stop`.
     """
 
-    def __init__(self, groups: Mapping[str, Iterable[int]]) -> None:
+    def __init__(self, groups: Mapping[str, Iterable[int]], threads: Mapping[str, Iterable[str]] | None = None
+                 ) -> None:
         self.groups = {name: [int(p) for p in pids] for name, pids in groups.items()}
+        self.threads = {name: tuple(names) for name, names in (threads or {}).items()}
         self._host: Any = None
         self._before: dict[str, float] = {}
 
@@ -45,6 +56,7 @@ class CpuUse:
         """Take the starting counts."""
         self._host = psutil.cpu_times()
         self._before = {name: _cpu_seconds(pids) for name, pids in self.groups.items()}
+        self._before.update({name: _thread_seconds(names) for name, names in self.threads.items()})
         return self
 
     def stop(self, seconds: float, **reported: float) -> dict[str, float]:
@@ -60,6 +72,8 @@ class CpuUse:
                                  "host_busy": max(0.0, 1.0 - idle / total) if total > 0 else 0.0}
         for name, pids in self.groups.items():
             out[f"{name}_cores"] = max(0.0, _cpu_seconds(pids) - self._before[name]) / seconds
+        for name, names in self.threads.items():
+            out[f"{name}_cores"] = max(0.0, _thread_seconds(names) - self._before[name]) / seconds
         for name, cpu_s in reported.items():
             out[f"{name}_cores"] = cpu_s / seconds
         return out
@@ -73,6 +87,12 @@ def process_groups(server: Any, clients: Iterable[Any]) -> dict[str, list[int]]:
     known = {os.getpid(), *frontends, *(p.pid for p in clients)}
     others = [c.pid for c in psutil.Process().children(recursive=True) if c.pid not in known]
     return {"engine": [os.getpid()], "front-ends": frontends, "others": others}
+
+
+#: The engine's own threads by role, as :class:`CpuUse` counts them (their names in :mod:`splitfed.channel.server`
+#: and :mod:`splitfed.trunk.scheduler`): the event loop that takes the calls in and answers them, and the device
+#: threads that run the trunks' work.
+ENGINE_THREADS = {"engine-loop": ("splitfed-trunk-grpc",), "engine-device": ("splitfed-trunk-device",)}
 
 
 def cpu_figures(runs: list[dict[str, float]], tag: str) -> dict[str, float]:

@@ -56,7 +56,7 @@ import torch
 
 from bench import core, trunk_remote
 from bench.ceiling import ceiling_keys
-from bench.cpu_use import CpuUse, cpu_figures, process_groups
+from bench.cpu_use import ENGINE_THREADS, CpuUse, cpu_figures, process_groups
 from bench.gpu_util import UtilSampler
 from bench.trunk_clients import (
     BenchError,
@@ -167,7 +167,7 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
         start.set()
         collect(events, procs, "warm", clients)
         sampler.start()
-        cpu = CpuUse(process_groups(server, procs)).start()
+        cpu = CpuUse(process_groups(server, procs), ENGINE_THREADS).start()
         if timeline:
             TIMELINE.start(device)
         began = time.perf_counter()
@@ -175,6 +175,9 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
         done = collect(events, procs, "done", clients)
         elapsed = time.perf_counter() - began
         cpu_use = cpu.stop(elapsed, clients=sum(json.loads(d)["cpu_s"] for d in done.values()))
+        if cpu_use:  # this engine's calls: its clients' (round robin over the replicas) Forward and Backward a step
+            calls = 2 * steps * len(range(0, clients, len(addresses)))
+            cpu_use["engine-loop_us_per_call"] = cpu_use["engine-loop_cores"] * elapsed / calls * 1e6
     finally:
         recorded = TIMELINE.stop() if timeline else []
         origin = TIMELINE.origin
@@ -193,7 +196,6 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
         recorded.sort(key=lambda e: e["t"])
     examples = clients * steps * core.SPLIT_STEP["batch"]
     return Run(examples / elapsed, 2 * clients * steps / elapsed, elapsed, util, recorded, cpu_use)
-
 
 
 def step_figures(events: list[dict[str, Any]]) -> dict[str, float]:

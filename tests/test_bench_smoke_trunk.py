@@ -39,27 +39,49 @@ def test_bench_trunk_on_the_cpu(tmp_path: Path) -> None:
     assert results["host_cores"] == os.cpu_count() and 0 < results["cpu_host_busy_2_batched_cpu"] <= 1
     assert results["cpu_clients_cores_2_batched_cpu"] > 0 and results["cpu_engine_cores_2_batched_cpu"] > 0
     assert results["cpu_front_ends_cores_2_batched_cpu"] == 0  # none were asked for
+    # the engine's event loop and device thread, among the engine's process, and the loop's CPU per call
+    loop, device = results["cpu_engine_loop_cores_2_batched_cpu"], results["cpu_engine_device_cores_2_batched_cpu"]
+    assert loop > 0 and device > 0 and loop + device <= results["cpu_engine_cores_2_batched_cpu"] + 0.05
+    assert results["cpu_engine_loop_us_per_call_2_batched_cpu"] > 0
 
 
-def test_cpu_use_counts_each_group_of_processes() -> None:
+def test_cpu_use_counts_each_group_of_processes_and_threads() -> None:
     """A process spinning meanwhile counts about one core in its group, an idle one none, and a group that
-    counted its own CPU what it reported."""
+    counted its own CPU what it reported; a thread of this process likewise, by its name."""
+    import threading
+
     from bench.cpu_use import CpuUse
 
     spin = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass\ntime.sleep(30)"
     busy = subprocess.Popen([sys.executable, "-c", spin])
     idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    stop = threading.Event()
+
+    def spinning() -> None:
+        end = time.thread_time() + 0.4
+        while time.thread_time() < end:
+            pass
+        stop.wait(30)
+
+    threads = [threading.Thread(target=spinning, name="bench-spinner", daemon=True),
+               threading.Thread(target=stop.wait, args=(30,), name="bench-sleeper", daemon=True)]
     try:
-        use = CpuUse({"busy": [busy.pid], "idle": [idle.pid], "gone": [2 ** 22 + 7]}).start()
+        for t in threads:
+            t.start()
+        use = CpuUse({"busy": [busy.pid], "idle": [idle.pid], "gone": [2 ** 22 + 7]},
+                     {"spinner": ["bench-spinner"], "sleeper": ["bench-sleeper"], "none": ["no-such-thread"]}
+                     ).start()
         began = time.perf_counter()
         time.sleep(1.5)
         figures = use.stop(time.perf_counter() - began, reported=0.75)
     finally:
+        stop.set()
         idle.kill()
         busy.kill()
     assert figures["cores"] == os.cpu_count() and 0 < figures["host_busy"] <= 1
     assert figures["busy_cores"] > 0.1 and figures["idle_cores"] < 0.05 and figures["gone_cores"] == 0
     assert 0.4 < figures["reported_cores"] < 0.6
+    assert figures["spinner_cores"] > 0.05 and figures["sleeper_cores"] < 0.02 and figures["none_cores"] == 0
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for the clients and one for the server")
