@@ -39,9 +39,12 @@ def test_bench_trunk_on_the_cpu(tmp_path: Path) -> None:
     assert results["host_cores"] == os.cpu_count() and 0 < results["cpu_host_busy_2_batched_cpu"] <= 1
     assert results["cpu_clients_cores_2_batched_cpu"] > 0 and results["cpu_engine_cores_2_batched_cpu"] > 0
     assert results["cpu_front_ends_cores_2_batched_cpu"] == 0  # none were asked for
-    # the engine's event loop and device thread, among the engine's process, and the loop's CPU per call
+    # the engine's event loop and device thread, among the engine's process (counted in 10 ms ticks: 2 of slack
+    # each end), and the loop's CPU per call
     loop, device = results["cpu_engine_loop_cores_2_batched_cpu"], results["cpu_engine_device_cores_2_batched_cpu"]
-    assert loop > 0 and device > 0 and loop + device <= results["cpu_engine_cores_2_batched_cpu"] + 0.05
+    seconds = 2 * 2 * 2 / results["trunk_requests_per_s_2_clients_batched_cpu"]  # 2 clients, 2 steps, 2 calls a step
+    assert loop > 0 and device > 0
+    assert (loop + device - results["cpu_engine_cores_2_batched_cpu"]) * seconds <= 0.04
     assert results["cpu_engine_loop_us_per_call_2_batched_cpu"] > 0
 
 
