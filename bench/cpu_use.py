@@ -41,7 +41,7 @@ def _thread_seconds(names: Iterable[str]) -> float:
         for t in threads:
             try:
                 total += time.clock_gettime(clock(t.ident))
-            except (OSError, ProcessLookupError):  # the thread ended meanwhile
+            except OSError:  # the thread ended meanwhile
                 continue
         return total
     ids = {t.native_id for t in threads}
