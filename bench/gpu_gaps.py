@@ -127,7 +127,10 @@ def load(path: str) -> dict[str, Any]:
     """A Chrome trace from ``path`` (``.json`` or ``.json.gz``)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not a Chrome trace (JSON): {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
