@@ -58,6 +58,7 @@ from bench import core, trunk_remote
 from bench.ceiling import ceiling_keys
 from bench.cpu_use import ENGINE_THREADS, CpuUse, cpu_figures, process_groups
 from bench.gpu_util import UtilSampler
+from bench.inject import PARTS, InjectError, causal, parse
 from bench.trunk_clients import (
     BenchError,
     client_name,
@@ -216,10 +217,11 @@ RUNS = ("one", "batched", "single", "ceiling")
 
 
 def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat: int = 3, steps: int = 5,
-          client_cores: int = 0, socket: bool = False, timeline: str = "", only: tuple[str, ...] = RUNS
-          ) -> dict[str, Any]:
+          client_cores: int = 0, socket: bool = False, timeline: str = "", only: tuple[str, ...] = RUNS,
+          inject: dict[str, float] | None = None) -> dict[str, Any]:
     """Batched and one-at-a-time throughput with ``clients`` clients, one client alone, and the plain-PyTorch
-    ceiling of the same rows (``only``: some of these runs); GPU utilization during the batched runs."""
+    ceiling of the same rows (``only``: some of these runs); GPU utilization during the batched runs. ``inject``:
+    the batched runs again with each of these parts slowed (:mod:`bench.inject`)."""
     from splitfed.trunk.timeline import save
 
     suffix = ("" if SERVER["mode"] == "sync" else f"_{SERVER['mode']}") + ("" if device.startswith("cuda") else "_cpu")
@@ -242,6 +244,9 @@ def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat
         out[f"trunk_requests_per_s_{n}_clients_batched{suffix}"] = median(r.requests_per_s for r in batched)
     if one and batched:
         out[f"trunk_batching_speedup{suffix}"] = best / one_at_a_time
+    if inject and batched:
+        out.update(causal(lambda: median(throughput(clients, window_ms, **kw).examples_per_s for _ in range(repeat)),
+                          best, inject, n, SERVER["frontends"], n * core.SPLIT_STEP["batch"]))
     if one and single:
         out[f"sync_step_ratio_{n}v1{suffix}"] = single / one_at_a_time  # time per example, N clients / 1
     if roof:
@@ -350,8 +355,16 @@ def main() -> int:
                         help="serve the trunk here for clients started elsewhere with --connect (bench.trunk_remote)")
     parser.add_argument("--connect", default="", metavar="HOST:PORT",
                         help="run only the clients, against a trunk started elsewhere with --serve")
+    parser.add_argument("--inject", nargs="+", default=[], metavar="PART=US",
+                        help=f"also run the batched throughput with each PART ({', '.join(PARTS)}) slowed by US "
+                        "microseconds, to see which part holds the step (bench.inject)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    try:
+        inject = parse(args.inject, one_trunk=not (args.serve or args.connect or any(r > 1 for r in args.replicas)),
+                       batched="batched" in args.only, frontends=args.frontends)
+    except InjectError as exc:
+        parser.error(str(exc))
     if args.serve and args.connect:
         parser.error("--serve and --connect run the two sides of one benchmark: give one")
     if (args.serve or args.connect) and (len(args.clients) > 1 or any(r > 1 for r in args.replicas)):
@@ -383,7 +396,7 @@ def main() -> int:
                                                            args.timeline))
         else:
             results = trunk(args.device, args.clients[0], args.window_ms, args.repeat, args.steps,
-                            args.client_cores, args.socket, args.timeline, tuple(args.only))
+                            args.client_cores, args.socket, args.timeline, tuple(args.only), inject)
     except (BenchError, SplitFedError) as exc:  # SplitFedError: the server's own (a port in use, say)
         log.error("bench.trunk failed: %s", exc)
         return 1

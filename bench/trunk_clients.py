@@ -34,6 +34,7 @@ def run_client(address: str, i: int, settings: dict[str, int], steps: int, warmu
 
     Without ``start`` and ``go`` (a trunk on another host: no event crosses the hosts), it waits instead until the
     trunk's step group has ``group`` members, and leaves the group when it fails, so that the server sees it."""
+    from bench.inject import client_delay, spin
     from splitfed.channel.client import TrunkClient
     from splitfed.split import CutState
     from splitfed.tuning import freeze_heap
@@ -65,6 +66,7 @@ def run_client(address: str, i: int, settings: dict[str, int], steps: int, warmu
         # call, and with it the whole sync step, for 100-200 ms now and then.
         freeze_heap()
         marks: list[tuple[str, float]] = []  # perf_counter is CLOCK_MONOTONIC: one clock for every process
+        delay = client_delay()
         clock = time.perf_counter
         cpu = 0.0
         for step in range(warmup + steps):
@@ -75,8 +77,10 @@ def run_client(address: str, i: int, settings: dict[str, int], steps: int, warmu
                         raise BenchError("the benchmark never started the timed steps")
                 cpu = time.process_time()  # this process's CPU (all its threads) over the timed steps
             act = uuid.uuid4().hex
+            spin(delay)  # bench.inject: a delay before each call (0: none)
             marks.append(("client-forward-sent", clock()))
             tc.forward(CutState(hidden), activation_id=act, train=True, num_examples=c["batch"])
+            spin(delay)
             marks.append(("client-backward-sent", clock()))
             tc.backward(act, grad)
             marks.append(("client-backward-got", clock()))
