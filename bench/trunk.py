@@ -38,6 +38,9 @@ plain-PyTorch one.
 
 ``--serve HOST:PORT`` and ``--connect HOST:PORT`` run the server and its clients on two hosts
 (:mod:`bench.trunk_remote`), so that the clients do not take the server's cores.
+
+``--inject loop=100 client=500`` runs the batched throughput again with each named part slowed by that many
+microseconds, and reports how much of each delay a sync step shows (:mod:`bench.inject`): which part holds the step.
 """
 
 from __future__ import annotations
@@ -67,57 +70,10 @@ from bench.trunk_clients import (
     pick_cores,
     run_client,
 )
+from bench.trunk_server import MODES, SERVER, _replica, _server
 from splitfed.errors import SplitFedError
 
 log = logging.getLogger("bench.trunk")
-
-#: The server's settings from the command line: ``max_batch_tokens`` (``--max-batch-tokens``, positions one
-#: batched trunk call may hold), ``frontends`` (``--frontends``, front-end processes taking its calls in) and
-#: ``mode`` (``--mode``, the trunk's aggregation mode: sync, async or quorum) and ``compile`` (``--compile``, the
-#: trunk's blocks compiled with torch.compile).
-SERVER: dict[str, Any] = {"max_batch_tokens": 1 << 22, "frontends": 0, "mode": "sync", "compile": False}
-
-#: Modes ``--mode`` takes. ``async`` applies each contribution as it comes (staleness bounded by the client
-#: count, so none is refused); ``quorum`` steps on the first half of the clients' contributions.
-MODES = ("sync", "async", "quorum")
-
-
-def _aggregator(replicas: int, clients: int) -> Any:
-    from splitfed.trunk.aggregation import make_aggregator
-    from splitfed.trunk.replicas import replica_aggregator
-
-    mode = SERVER["mode"]
-    if mode == "sync":
-        return (replica_aggregator if replicas > 1 else make_aggregator)("sync", timeout=300)
-    if replicas > 1:
-        raise BenchError("--replicas runs the sync mode only")
-    return make_aggregator(mode, quorum=max(1, clients // 2), max_staleness=max(clients, 1), timeout=300)
-
-
-def _server(device: str, window_ms: float, replicas: int = 1, clients: int = 1, *, host: str = "127.0.0.1",
-            port: int = 0) -> Any:
-    from splitfed.channel.server import TrunkServer
-    from splitfed.split import split_model
-    from splitfed.trunk.runtime import TrunkRuntime
-    from splitfed.trunk.store import StoreLimits
-
-    trunk = split_model(core._gpt2().to(device), core._cuts()).trunk
-    aggregator = _aggregator(replicas, clients)
-    runtime = TrunkRuntime(trunk, torch.optim.SGD(trunk.parameters(), lr=1e-4),
-                           aggregator=aggregator, limits=StoreLimits(max_bytes=1 << 40),
-                           autocast_dtype=torch.bfloat16 if core.SPLIT_STEP["bf16"] else None,
-                           compile=bool(SERVER["compile"]))
-    return TrunkServer(runtime, host=host, port=port, insecure=True, batch_window_ms=window_ms,
-                       max_batch_tokens=SERVER["max_batch_tokens"], frontends=SERVER["frontends"])
-
-
-def _replica(rank: int, device: str, window_ms: float, replicas: int, settings: dict[str, int],
-             server: dict[str, int]) -> Any:
-    """Replica ``rank``'s server (in its own process): the same trunk, on ``cuda:rank`` for a GPU run."""
-    core.SPLIT_STEP.update(settings)
-    SERVER.update(server)
-    return _server(f"cuda:{rank}" if device.startswith("cuda") else device, window_ms, replicas)
-
 
 @dataclass
 class Run:
