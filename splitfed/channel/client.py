@@ -112,6 +112,8 @@ class TrunkClient:
             none). Where the server offers none, calls stream over gRPC.
         bulk_tls: a TLS client's bulk links (:class:`~splitfed.channel.bulktls.BulkTLS`: the same trust root as
             ``credentials``, ``BulkTLS.client(ca_pem)``); required with ``credentials`` and ``bulk_connections``.
+        direct_calls: send the calls whose tensors go through a shared-memory region straight to the server's
+            engine over its Unix socket when it offers one (:mod:`splitfed.channel.direct`), else over gRPC.
     """
 
     def __init__(self, address: str, *, client_id: str | None = None, insecure: bool = False,
@@ -122,7 +124,7 @@ class TrunkClient:
                  wire_compression: WireCompression | str | None = None,
                  cut: tuple[int, int] | None = None, channels: int = 1, max_in_flight: int = 4,
                  shared_memory: str = "auto", shared_memory_bytes: int = 64 << 20, model: str = "",
-                 bulk_connections: int = 0, bulk_tls: BulkTLS | None = None) -> None:
+                 bulk_connections: int = 0, bulk_tls: BulkTLS | None = None, direct_calls: bool = True) -> None:
         tune_malloc()
         self.cut = (0, 0) if cut is None else (int(cut[0]), int(cut[1]))
         if credentials is None and not insecure:
@@ -176,7 +178,7 @@ class TrunkClient:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.calls = 0
-        self.shared = SharedLane(self, shared_memory, shared_memory_bytes)
+        self.shared = SharedLane(self, shared_memory, shared_memory_bytes, direct_calls)
         self.bulk = BulkLane(self, bulk_connections)
         #: Whether this client may be in the trunk's step group (it joined, or sent a training forward, which
         #: joins); :meth:`close` then leaves, so a sync step never waits for a client that is done.

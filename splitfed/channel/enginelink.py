@@ -256,15 +256,35 @@ class EngineListener:
         for task in list(self._tasks):
             task.cancel()
 
+    #: Whether the calls in flight on a connection are cancelled when it closes (a front-end's are not: it
+    #: answers them with the link's failure itself).
+    cancel_on_close = False
+
+    def admit(self, hello: dict[str, Any]) -> Any:
+        """What a connection's first frame proves: None refuses the connection, anything else admits it and is
+        handed to :meth:`bind` with each of its calls (a front-end: the secret)."""
+        if not hmac.compare_digest(str(hello.get("secret", "")), self.secret):
+            log.warning("a process without the front-ends' secret tried the engine link; closed")
+            return None
+        self.stats["front-ends"] += 1
+        return True
+
+    async def welcome(self, writer: asyncio.StreamWriter) -> None:
+        """Tell an admitted connection so, before its first call (a front-end is told nothing)."""
+
+    def bind(self, header: dict[str, Any], admitted: Any) -> dict[str, Any] | None:
+        """Make ``header`` the call an admitted connection may run (in place); a reply header (its status) to
+        answer with instead, or None. A front-end's calls run as it hands them over."""
+        return None
+
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        calls: dict[int, asyncio.Task[Any]] = {}
         try:
-            hello, _ = await read_frame(reader, 0)
-            if not hmac.compare_digest(str(hello.get("secret", "")), self.secret):
-                log.warning("a process without the front-ends' secret tried the engine link; closed")
+            admitted = self.admit((await read_frame(reader, 0))[0])
+            if admitted is None:
                 return
-            self.stats["front-ends"] += 1
+            await self.welcome(writer)
             lock = asyncio.Lock()
-            calls: dict[int, asyncio.Task[Any]] = {}
             while True:
                 header, body = await read_frame(reader, self.max_body)
                 if header.get("cancel") is not None:
@@ -273,24 +293,32 @@ class EngineListener:
                         task.cancel()
                     continue
                 call_id = int(header.get("id", -1))
+                refusal = self.bind(header, admitted)
                 # Started eagerly where asyncio can: the call runs up to its first wait within this turn of the
                 # loop, not in the next one (one turn less per call).
-                task = own_task(self._serve(call_id, header, body, writer, lock))
+                task = own_task(self._serve(call_id, header, body, writer, lock, refusal))
                 calls[call_id] = task
                 self._tasks.add(task)
                 task.add_done_callback(lambda t, i=call_id: (calls.pop(i, None), self._tasks.discard(t)))
-        except LinkClosed:
-            pass
+        except (LinkClosed, ValueError, TypeError) as exc:  # ValueError, TypeError: a malformed frame or id
+            if not isinstance(exc, LinkClosed):
+                log.warning("engine link closed: %s", exc)
         finally:
+            if self.cancel_on_close:
+                for task in list(calls.values()):
+                    task.cancel()
             writer.close()
 
     async def _serve(self, call_id: int, header: dict[str, Any], body: bytes, writer: asyncio.StreamWriter,
-                     lock: asyncio.Lock) -> None:
+                     lock: asyncio.Lock, refusal: dict[str, Any] | None = None) -> None:
         self.stats["calls"] += 1
         deadline = header.get("timeout")
         try:
-            run = self.dispatch.run(header, body)
-            reply, parts = await (_within(run, deadline) if deadline else run)
+            if refusal is not None:
+                reply, parts = refusal, []
+            else:
+                run = self.dispatch.run(header, body)
+                reply, parts = await (_within(run, float(deadline)) if deadline else run)
         except asyncio.TimeoutError:
             reply, parts = {"code": grpc.StatusCode.DEADLINE_EXCEEDED.name, "details": "deadline exceeded"}, []
         except asyncio.CancelledError:

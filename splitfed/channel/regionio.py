@@ -216,6 +216,8 @@ class RegionService:
     _io: RegionIO | None
     _call: Any
     _identity: Any
+    #: The server's direct-call socket (:class:`~splitfed.channel.direct.DirectCalls`; None: it offers none).
+    direct: Any = None
 
     @property
     def regions(self) -> RegionTable | None:
@@ -252,7 +254,9 @@ class RegionService:
             on = events if request.cuda_events and table.pin and device.type == "cuda" else None
             region = await asyncio.get_running_loop().run_in_executor(None, table.open, client, request.nbytes, on,
                                                                       int(request.client_pid))
-            return pb.OpenRegionReply(region=region.name, path=str(region.path), nbytes=region.nbytes,
+            path, ticket = ("", "") if self.direct is None else self.direct.issue(
+                context.invocation_metadata() or (), context.peer(), client, region.name)
+            return pb.OpenRegionReply(direct_path=path, direct_ticket=ticket, region=region.name, path=str(region.path), nbytes=region.nbytes,
                                       event_handles=[] if region.events is None else region.events.handles(),
                                       server_pid=os.getpid(), device=events,
                                       device_uuid=device_uuid(events) if region.events is not None else "",
@@ -264,5 +268,7 @@ class RegionService:
         async def run() -> pb.CloseRegionReply:
             client, _ = self._identity(context)
             self._region_io().table.close(client, request.region)
+            if self.direct is not None:
+                self.direct.revoke(client, request.region)
             return pb.CloseRegionReply()
         return await self._call(context, run, request)

@@ -37,6 +37,7 @@ from torch import nn
 
 from splitfed.channel.admin.service import AdminServicer, admin_handlers, check_admin_token
 from splitfed.channel.bulkhub import BulkHub, host_memory
+from splitfed.channel.direct import DirectCalls, start_direct
 from splitfed.channel.dispatch import ModelDispatch
 from splitfed.channel.handlers import status_for
 from splitfed.channel.hosts import is_loopback
@@ -133,6 +134,8 @@ class TrunkServer:
             :func:`~splitfed.channel.bulktls.server_context`, with the gRPC server's certificate chain, key and
             client CA); required with ``credentials`` and ``bulk_connections``.
         bulk_port: the port bulk links listen on (0: a free one; sent to each client in ``OpenBulk``'s reply).
+        direct_calls: offer each client that opens a shared-memory region a Unix socket of this process on which
+            its region-carried Forward and Backward calls skip gRPC and the front-ends (:mod:`splitfed.channel.direct`).
     """
 
     def __init__(self, trunk: nn.Module | TrunkRuntime | None = None, *, host: str = "127.0.0.1", port: int = 0,
@@ -151,7 +154,7 @@ class TrunkServer:
                  admin_token: str | None = None, max_memory: Mapping[str, int] | None = None,
                  frontends: int = 0, frontend_tls: tuple[bytes, bytes, bytes | None] | None = None,
                  reuse_port: bool = False, bulk_connections: int = 0, bulk_tls: ssl.SSLContext | None = None,
-                 bulk_port: int = 0) -> None:
+                 bulk_port: int = 0, direct_calls: bool = True) -> None:
         tune_malloc()
         serving_thresholds()  # a malformed SPLITFED_GC_THRESHOLDS fails here, before anything starts
         if credentials is None and not insecure:
@@ -209,7 +212,9 @@ class TrunkServer:
             host, max_connections=bulk_connections, max_bytes=limits.max_tensor_bytes,
             max_pending_bytes=2 * limits.max_tensor_bytes + limits.max_message_bytes, alloc=host_memory(),
             tls=bulk_tls, port=bulk_port)
-        self.options = ServerOptions(limits, authenticate, shared_memory_total_bytes, session_limits, self.bulk)
+        self.direct = DirectCalls(limits.max_message_bytes) if direct_calls and shared_memory_bytes > 0 else None
+        self.options = ServerOptions(limits, authenticate, shared_memory_total_bytes, session_limits, self.bulk,
+                                     self.direct)
         self.registry = ModelRegistry(self.options, MemoryBudget(max_memory), on_state=self._on_state,
                                       on_ready=self._on_ready)
         if self.metrics is not None:
@@ -328,7 +333,8 @@ class TrunkServer:
         return self
 
     async def _start(self) -> None:
-        handlers = (ModelDispatch(self.registry.route), admin_handlers(AdminServicer(self.registry, self._admin_token)))
+        calls = ModelDispatch(self.registry.route)
+        handlers = (calls, admin_handlers(AdminServicer(self.registry, self._admin_token)))
         self.health = health.aio.HealthServicer()
         if self._frontend_count:  # front-end processes take the calls in, this process's handlers run them
             self.frontends, dispatch = build_frontends(
@@ -341,6 +347,7 @@ class TrunkServer:
                 handlers, self.health, host=self.host, port=self._requested_port, credentials=self._credentials,
                 limits=self.limits, interceptors=self._interceptors, max_concurrent_rpcs=self._max_concurrent_rpcs,
                 reuse_port=self._reuse_port)
+        await start_direct(self.direct, (calls,), self._interceptors)
         await report_models(self.health, self.registry)
 
     def stop(self, grace: float | None = 1.0) -> None:
@@ -364,6 +371,8 @@ class TrunkServer:
 
     async def _stop(self, grace: float | None) -> None:
         await self.health.enter_graceful_shutdown()
+        if self.direct is not None:
+            await self.direct.stop()
         if self.frontends is not None:
             await self.frontends.stop()
         if self._server is not None:

@@ -27,6 +27,7 @@ import torch
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel.devmem import DeviceMemory, local_memory
+from splitfed.channel.directclient import DirectLink, DirectRefused
 from splitfed.channel.hosts import host_of, is_loopback
 from splitfed.channel.regions import (
     MIN_REGION_TENSOR_BYTES,
@@ -55,7 +56,7 @@ class SharedLane:
         nbytes: size of the region to ask for.
     """
 
-    def __init__(self, client: Any, mode: str = "auto", nbytes: int = 64 << 20) -> None:
+    def __init__(self, client: Any, mode: str = "auto", nbytes: int = 64 << 20, direct: bool = True) -> None:
         if mode not in MODES:
             raise ConfigError(f"shared_memory must be one of {MODES}, got {mode!r}")
         if mode == "auto":
@@ -63,6 +64,8 @@ class SharedLane:
         self.client = client
         self.mode = mode
         self.nbytes = int(nbytes)
+        #: Whether this lane's calls go straight to the engine when the server offers it (:mod:`.direct`).
+        self.direct = direct
         self.region: ClientRegion | None = None
         self._lock = threading.Lock()
         self._reply_bytes: dict[str, int] = {}
@@ -73,6 +76,8 @@ class SharedLane:
         self.ordered = 0
         #: Calls whose copies went device to device, through the region's GPU memory.
         self.on_gpu = 0
+        #: Calls sent straight to the engine's direct-call socket rather than over gRPC.
+        self.direct_calls = 0
 
     @property
     def active(self) -> bool:
@@ -128,6 +133,9 @@ class SharedLane:
                 self.nbytes = int(reply.nbytes)
             memory = self._device_memory(reply) if events is not None else None
             self.region = ClientRegion(mapping, events, reply.device_uuid, memory)
+            if self.direct and reply.direct_path and reply.direct_ticket:
+                self.region.direct = DirectLink(reply.direct_path, reply.direct_ticket, self.client.address,
+                                                self.client.limits.max_message_bytes)
             log.debug("tensors cross the cut through shared-memory region %s (%d bytes)", mapping.name,
                       mapping.nbytes)
             return self.region
@@ -256,7 +264,7 @@ class SharedLane:
         try:
             encs, reply = self._write(region, sends, slices, events)
             req.reply_region.CopyFrom(fastwire.region_slice(reply))
-            parsed = self.client._invoke(name, fn, fastwire.Parsed(req, [*encs, *small]))
+            parsed, direct = self._invoke(name, fn, region, fastwire.Parsed(req, [*encs, *small]))
             out, received = self._reply(name, parsed.tensors, region, dst,
                                         tensor.device if tensor.is_cuda else None, on_device)
         except ChannelError as exc:
@@ -285,7 +293,22 @@ class SharedLane:
             self.calls += 1
             self.ordered += events is not None
             self.on_gpu += twin
+            self.direct_calls += direct
         return parsed.header, out
+
+    def _invoke(self, name: str, fn: Callable[..., Any], region: ClientRegion, request: fastwire.Parsed
+                ) -> tuple[fastwire.Parsed, bool]:
+        """The call's reply, straight from the engine when the region came with a direct-call link that works,
+        else over gRPC; and whether it went direct."""
+        link = region.direct
+        if link is not None:
+            try:
+                return link.call(name, request, self.client.retry.timeout_s), True
+            except DirectRefused as exc:  # nothing was sent: this and later calls go over gRPC
+                log.info("calls go over gRPC: %s", exc)
+                region.direct = None
+                link.close()
+        return self.client._invoke(name, fn, request), False
 
     @staticmethod
     def _write(region: ClientRegion, sends: list[tuple[str, torch.Tensor, WireDType]], slices: list[Slice],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -102,6 +103,9 @@ class ClientRegion:
         self._free_events = list(range(len(events), 0, -1)) if events is not None else []
         self._lock = threading.Lock()
         self.broken = False
+        #: The engine's direct-call link that came with this region (a
+        #: :class:`~splitfed.channel.directclient.DirectLink`; None: its calls go over gRPC).
+        self.direct: Any = None
 
     def take(self, nbytes: int, device: bool = False) -> Slice | None:
         """A slice of ``nbytes`` (used in the region's GPU memory when ``device``), or None when the region has no
@@ -170,7 +174,9 @@ class ClientRegion:
         return self.mapping.pin()
 
     def close(self) -> None:
-        """Unmap the region (and its GPU memory)."""
+        """Unmap the region (and its GPU memory), and close its direct-call link."""
+        if self.direct is not None:
+            self.direct.close()
         self.mapping.close()
         if self.device_memory is not None:
             torch.cuda.synchronize(self.device_memory.device)  # no copy may still use the mapping when it goes

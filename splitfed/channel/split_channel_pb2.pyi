@@ -291,7 +291,7 @@ class OpenRegionRequest(_message.Message):
     def __init__(self, nbytes: _Optional[int] = ..., cuda_events: _Optional[bool] = ..., client_pid: _Optional[int] = ...) -> None: ...
 
 class OpenRegionReply(_message.Message):
-    __slots__ = ("region", "path", "nbytes", "event_handles", "server_pid", "device", "device_uuid", "device_memory")
+    __slots__ = ("region", "path", "nbytes", "event_handles", "server_pid", "device", "device_uuid", "device_memory", "direct_path", "direct_ticket")
     REGION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +300,8 @@ class OpenRegionReply(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_PATH_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_TICKET_FIELD_NUMBER: _ClassVar[int]
     region: str
     path: str
     nbytes: int
@@ -308,7 +310,9 @@ class OpenRegionReply(_message.Message):
     device: int
     device_uuid: str
     device_memory: bytes
-    def __init__(self, region: _Optional[str] = ..., path: _Optional[str] = ..., nbytes: _Optional[int] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., server_pid: _Optional[int] = ..., device: _Optional[int] = ..., device_uuid: _Optional[str] = ..., device_memory: _Optional[bytes] = ...) -> None: ...
+    direct_path: str
+    direct_ticket: str
+    def __init__(self, region: _Optional[str] = ..., path: _Optional[str] = ..., nbytes: _Optional[int] = ..., event_handles: _Optional[_Iterable[bytes]] = ..., server_pid: _Optional[int] = ..., device: _Optional[int] = ..., device_uuid: _Optional[str] = ..., device_memory: _Optional[bytes] = ..., direct_path: _Optional[str] = ..., direct_ticket: _Optional[str] = ...) -> None: ...
 
 class CloseRegionRequest(_message.Message):
     __slots__ = ("region",)

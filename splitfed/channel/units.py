@@ -57,6 +57,8 @@ class ServerOptions:
     session_limits: SessionLimits = SessionLimits()
     #: The server's bulk links (a :class:`~splitfed.channel.bulkhub.BulkHub`; None: it offers none).
     bulk: Any = None
+    #: The server's direct-call socket (a :class:`~splitfed.channel.direct.DirectCalls`; None: it offers none).
+    direct: Any = None
 
 
 class ModelUnit:
@@ -96,6 +98,7 @@ class ModelUnit:
         self.servicer = SplitChannelServicer(runtime, self.scheduler, options.limits, model_name=name, cuts=cuts,
                                              authenticate=options.authenticate, sessions=sessions)
         self.servicer.bulk = options.bulk
+        self.servicer.direct = options.direct
         if shared_memory_bytes > 0 and options.shared_memory_total_bytes > 0 and regions_available():
             self.servicer.regions = RegionTable(shared_memory_bytes, options.shared_memory_total_bytes,
                                                 pin=runtime.device.type == "cuda")

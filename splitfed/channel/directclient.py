@@ -1,0 +1,161 @@
+"""The client's end of direct calls (:mod:`splitfed.channel.direct`): Forward and Backward frames over the engine's
+Unix socket, with blocking sockets (the calling thread sleeps in the kernel until its reply, without the GIL).
+
+One connection carries one call at a time; a client's threads (micro-batches, :meth:`TrunkClient.submit`) each take
+a connection of their own from a small pool. A connection the engine refuses (a ticket that ended, another user's
+socket) raises :class:`DirectRefused` before anything is sent, so the call can go over gRPC instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import struct
+import threading
+from typing import Any
+
+import grpc
+
+from splitfed.channel import fastwire
+from splitfed.channel import split_channel_pb2 as pb
+from splitfed.channel.limits import SERVICE_NAME
+from splitfed.channel.replies import channel_error
+from splitfed.errors import ChannelError
+
+log = logging.getLogger(__name__)
+
+_LENGTHS = struct.Struct("!II")
+_REPLIES = {"Forward": pb.ForwardReply, "Backward": pb.BackwardReply}
+#: The largest reply header this end accepts.
+_MAX_HEADER = 1 << 20
+#: Seconds a connection waits for the engine to admit it.
+ADMIT_TIMEOUT_S = 10.0
+#: Seconds past a call's deadline that this end waits for the engine's own DEADLINE_EXCEEDED.
+_GRACE_S = 5.0
+
+
+class DirectRefused(ConnectionError):
+    """The engine's direct-call socket cannot be used (unreachable, or it refused the ticket); nothing was sent."""
+
+
+def _send_frame(sock: socket.socket, header: dict[str, Any], body: bytes = b"") -> None:
+    head = json.dumps(header, separators=(",", ":")).encode()
+    sock.sendall(b"".join((_LENGTHS.pack(len(head), len(body)), head, body)))
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("the trunk server's engine closed the direct-call connection")
+        got += k
+    return buf
+
+
+def _recv_frame(sock: socket.socket, max_body: int) -> tuple[dict[str, Any], bytes]:
+    head_len, body_len = _LENGTHS.unpack(_recv_exactly(sock, _LENGTHS.size))
+    if head_len > _MAX_HEADER or body_len > max_body:
+        raise ConnectionError(f"a direct-call reply of {head_len} + {body_len} bytes is above this client's limits")
+    frame = _recv_exactly(sock, head_len + body_len)
+    header = json.loads(bytes(frame[:head_len]))
+    if not isinstance(header, dict):
+        raise ConnectionError("a direct-call reply's header is not an object")
+    return header, bytes(frame[head_len:])
+
+
+class DirectLink:
+    """A client's direct calls to the engine at ``path``, admitted by ``ticket``.
+
+    Args:
+        path: the engine's socket (``OpenRegionReply.direct_path``).
+        ticket: the ticket that admits this client (``OpenRegionReply.direct_ticket``).
+        address: the trunk server's address (for error messages).
+        max_body: the largest reply body accepted.
+    """
+
+    def __init__(self, path: str, ticket: str, address: str, max_body: int) -> None:
+        self.path = path
+        self.ticket = ticket
+        self.address = address
+        self.max_body = max_body
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._ids = 0
+        self.closed = False
+        #: Calls that went this way.
+        self.calls = 0
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(ADMIT_TIMEOUT_S)
+            sock.connect(self.path)
+            _send_frame(sock, {"ticket": self.ticket})
+            welcome, _ = _recv_frame(sock, 0)
+            if welcome.get("admitted") is not True:
+                raise ConnectionError(f"unexpected welcome {welcome!r}")
+        except (OSError, ValueError) as exc:
+            sock.close()
+            raise DirectRefused(f"the engine's direct-call socket {self.path} cannot be used: {exc}") from None
+        return sock
+
+    def _take(self) -> socket.socket:
+        with self._lock:
+            if self.closed:
+                raise DirectRefused("the direct link is closed")
+            if self._idle:
+                return self._idle.pop()
+        return self._connect()
+
+    def _give(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self.closed:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def call(self, name: str, request: fastwire.Parsed, timeout: float | None) -> fastwire.Parsed:
+        """One ``Forward`` or ``Backward``: its parsed reply. Raises :class:`DirectRefused` when the socket cannot
+        be used (nothing sent), :class:`~splitfed.errors.ChannelError` with the call's status otherwise."""
+        sock = self._take()
+        with self._lock:
+            self._ids += 1
+            call_id = self._ids
+        try:
+            sock.settimeout(None if timeout is None else timeout + _GRACE_S)
+            _send_frame(sock, {"id": call_id, "method": f"/{SERVICE_NAME}/{name}", "timeout": timeout},
+                         fastwire.serialize(request.header, request.tensors))
+            reply, body = _recv_frame(sock, self.max_body)
+            if reply.get("id") != call_id:
+                raise ConnectionError(f"a direct-call reply for call {reply.get('id')!r} came to call {call_id}")
+        except socket.timeout:
+            sock.close()  # the engine cancels a closed connection's calls
+            raise channel_error(name, self.address, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no reply over the direct-call socket within {timeout} s") from None
+        except (OSError, ValueError) as exc:
+            sock.close()
+            raise channel_error(name, self.address, grpc.StatusCode.UNAVAILABLE,
+                                f"the direct-call connection broke: {exc}") from None
+        self._give(sock)
+        code = str(reply.get("code", ""))
+        if code != "OK":
+            status = getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN)
+            raise channel_error(name, self.address, status, str(reply.get("details", "")))
+        try:
+            parsed = fastwire.parse(_REPLIES[name], body)
+        except Exception as exc:  # noqa: BLE001 - a reply that does not parse is the server's fault
+            raise ChannelError(f"{name} to trunk server {self.address}: its direct-call reply did not parse ({exc})",
+                               code="INTERNAL") from None
+        self.calls += 1
+        return parsed
+
+    def close(self) -> None:
+        """Close every connection (the engine cancels calls still in flight on them)."""
+        with self._lock:
+            self.closed = True
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
