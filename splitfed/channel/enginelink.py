@@ -253,8 +253,10 @@ class EngineListener:
         """Stop listening and cancel the calls in flight."""
         if self._server is not None:
             self._server.close()
-        for task in list(self._tasks):
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     #: Whether the calls in flight on a connection are cancelled when it closes (a front-end's are not: it
     #: answers them with the link's failure itself).
@@ -279,6 +281,9 @@ class EngineListener:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         calls: dict[int, asyncio.Task[Any]] = {}
+        me = asyncio.current_task()
+        if me is not None:
+            self._tasks.add(me)  # stop() ends the connection too
         try:
             admitted = self.admit((await read_frame(reader, 0))[0])
             if admitted is None:
@@ -308,6 +313,7 @@ class EngineListener:
                 for task in list(calls.values()):
                     task.cancel()
             writer.close()
+            self._tasks.discard(me)  # type: ignore[arg-type]
 
     async def _serve(self, call_id: int, header: dict[str, Any], body: bytes, writer: asyncio.StreamWriter,
                      lock: asyncio.Lock, refusal: dict[str, Any] | None = None) -> None:
