@@ -12,9 +12,11 @@ from bench.trunk_clients import BenchError
 
 #: The server's settings from the command line: ``max_batch_tokens`` (``--max-batch-tokens``, positions one
 #: batched trunk call may hold), ``frontends`` (``--frontends``, front-end processes taking its calls in) and
-#: ``mode`` (``--mode``, the trunk's aggregation mode: sync, async or quorum) and ``compile`` (``--compile``, the
-#: trunk's blocks compiled with torch.compile).
-SERVER: dict[str, Any] = {"max_batch_tokens": 1 << 22, "frontends": 0, "mode": "sync", "compile": False}
+#: ``mode`` (``--mode``, the trunk's aggregation mode: sync, async or quorum), ``compile`` (``--compile``, the
+#: trunk's blocks compiled with torch.compile) and ``direct_calls`` (off with ``--no-direct``: region-carried calls
+#: go over gRPC, :mod:`splitfed.channel.direct`).
+SERVER: dict[str, Any] = {"max_batch_tokens": 1 << 22, "frontends": 0, "mode": "sync", "compile": False,
+                          "direct_calls": True}
 
 #: Modes ``--mode`` takes. ``async`` applies each contribution as it comes (staleness bounded by the client
 #: count, so none is refused); ``quorum`` steps on the first half of the clients' contributions.
@@ -47,7 +49,8 @@ def _server(device: str, window_ms: float, replicas: int = 1, clients: int = 1, 
                            autocast_dtype=torch.bfloat16 if core.SPLIT_STEP["bf16"] else None,
                            compile=bool(SERVER["compile"]))
     return TrunkServer(runtime, host=host, port=port, insecure=True, batch_window_ms=window_ms,
-                       max_batch_tokens=SERVER["max_batch_tokens"], frontends=SERVER["frontends"])
+                       max_batch_tokens=SERVER["max_batch_tokens"], frontends=SERVER["frontends"],
+                       direct_calls=bool(SERVER["direct_calls"]))
 
 
 def _replica(rank: int, device: str, window_ms: float, replicas: int, settings: dict[str, int],
