@@ -204,3 +204,54 @@ def test_threads_of_one_client_call_direct_at_once(trunk_server) -> None:
             for name, x in inputs.items():
                 assert torch.allclose(results[name], trunk(CutState(x)).hidden, atol=1e-6)
         assert client.shared.direct_calls == 1 + 8 * 20
+
+
+def test_a_silent_connection_is_closed(trunk_server, monkeypatch) -> None:
+    from splitfed.channel import enginelink
+
+    monkeypatch.setattr(enginelink, "HELLO_TIMEOUT_S", 0.3)
+    server = trunk_server(_trunk())
+    with TrunkClient(server.address, insecure=True) as client:
+        client.forward(CutState(torch.randn(5, 16)), train=False)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
+            sock.connect(client.shared.region.direct.path)
+            with pytest.raises(ConnectionError):  # no ticket sent: closed, not held
+                _recv_frame(sock, 0)
+        _steps(client, 1)
+
+
+def test_closing_a_connection_cancels_its_calls_in_flight(trunk_server) -> None:
+    import time
+
+    server = trunk_server(_trunk())
+    listener = server.direct.listener
+    alice = TrunkClient(server.address, insecure=True, client_id="alice")
+    bob = TrunkClient(server.address, insecure=True, client_id="bob")
+    try:
+        alice.forward(CutState(torch.randn(5, 16)), train=False)
+        assert alice.join() == 1 and bob.join() == 2
+        sock = _raw(alice.shared.region.direct.path, alice.shared.region.direct.ticket)
+        assert _recv_frame(sock, 0)[0] == {"admitted": True}
+        header, body = _forward_frame("act-3", "")
+        _send_frame(sock, header, body)
+        assert _recv_frame(sock, 1 << 20)[0]["code"] == "OK"
+        grad = fastwire.serialize(pb.BackwardRequest(activation_id="act-3", reply_dtype=int(WireDType.FLOAT32)),
+                                  [encode("grad", torch.ones(5, 16))])
+        _send_frame(sock, {"id": 8, "method": f"/{SERVICE_NAME}/Backward", "timeout": 60}, grad)
+        def calls() -> int:  # the listener's calls in flight (beside its connections)
+            return sum(t.get_coro().__name__ == "_serve" for t in list(listener._tasks))
+
+        deadline = time.monotonic() + 10
+        while calls() < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert calls() == 1  # the Backward: the sync step waits for Bob's gradient
+        sock.close()
+        deadline = time.monotonic() + 10
+        while calls() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert calls() == 0
+    finally:
+        alice.close()
+        bob.close()

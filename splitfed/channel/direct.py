@@ -36,7 +36,8 @@ from typing import Any
 
 import grpc
 
-from splitfed.channel.enginelink import EngineDispatch, EngineListener, write_frame
+from splitfed.channel.enginecall import EngineDispatch
+from splitfed.channel.enginelink import EngineListener, write_frame
 from splitfed.channel.limits import RETRY_KEYS, SERVICE_NAME
 
 log = logging.getLogger(__name__)

@@ -3,9 +3,9 @@
 A front-end (:mod:`splitfed.channel.frontend`) takes gRPC calls in on the server's port and hands each one,
 still as the bytes gRPC received, to the engine (the process that owns the trunks and their device). The
 engine runs the call with the very handlers its own gRPC server would (the split channel's dispatch, the
-admin service, health), through :class:`EngineCall`, a stand-in for gRPC's servicer context, and hands the
-reply's bytes back. gRPC's own per-call work runs in the front-ends, on cores of their own; the engine's event
-loop only reads frames and runs the handlers.
+admin service, health; :mod:`splitfed.channel.enginecall`), and hands the reply's bytes back. gRPC's own
+per-call work runs in the front-ends, on cores of their own; the engine's event loop only reads frames and runs the
+handlers. :mod:`splitfed.channel.direct` listens the same way for clients' direct calls.
 
 A frame is a JSON header and a body of bytes: ``!II`` (header bytes, body bytes), the header, the body. A call's
 header carries its id, method, metadata, peer and deadline; a streamed call's body holds all its messages, their
@@ -16,19 +16,18 @@ a front-end proves itself with a random secret before its first call.
 from __future__ import annotations
 
 import asyncio
-import functools
 import hmac
 import itertools
 import json
 import logging
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
 
 from splitfed.channel.dispatch import own_task
+from splitfed.channel.enginecall import EngineDispatch, split_parts
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +39,8 @@ _DRAIN_ABOVE = 1 << 20
 #: A frame whose body is at most this many bytes is read with its header in one piece.
 _READ_WHOLE_BELOW = 64 << 10
 
+#: Seconds a connection has to send its first frame (the secret or ticket that admits it).
+HELLO_TIMEOUT_S = 10.0
 #: Methods whose requests and replies are streams.
 STREAMED = frozenset({"ForwardStream", "BackwardStream"})
 
@@ -77,150 +78,7 @@ async def read_frame(reader: asyncio.StreamReader, max_body: int) -> tuple[dict[
     return header, body
 
 
-def split_parts(body: bytes, sizes: Sequence[int]) -> list[bytes]:
-    """A streamed call's messages out of its frame's body."""
-    if sum(sizes) != len(body) or any(s < 0 for s in sizes):
-        raise ValueError("message sizes do not add up to the frame's body")
-    view, out, at = memoryview(body), [], 0
-    for size in sizes:
-        out.append(bytes(view[at: at + size]))
-        at += size
-    return out
-
-
 # -- the engine's side ------------------------------------------------------------------------------------------
-class EngineCall:
-    """What an aio handler sees of its call when it comes from a front-end (a stand-in for gRPC's context)."""
-
-    def __init__(self, method: str, metadata: Sequence[tuple[str, str]], peer: str) -> None:
-        self.method = method
-        self._metadata = tuple((str(k), str(v)) for k, v in metadata)
-        self._peer = peer
-        self._code: grpc.StatusCode | None = None
-        self._details = ""
-        self._cancelled = False
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._metadata
-
-    def peer(self) -> str:
-        return self._peer
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
-        self._code, self._details = code, details
-        raise grpc.aio.AbortError()
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self._code = code
-
-    def set_details(self, details: str) -> None:
-        self._details = details
-
-    def code(self) -> grpc.StatusCode | None:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def cancelled(self) -> bool:
-        return self._cancelled
-
-    def time_remaining(self) -> float | None:
-        return None
-
-    def set_trailing_metadata(self, trailing_metadata: Any) -> None:
-        """Trailing metadata does not cross the link."""
-
-    def auth_context(self) -> dict[str, Any]:
-        return {}
-
-
-class _Handlers:
-    """Collects generic handlers the way a gRPC server does (``add_*_handlers``), to look methods up."""
-
-    def __init__(self) -> None:
-        self.generic: list[grpc.GenericRpcHandler] = []
-
-    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
-        self.generic.extend(handlers)
-
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        self.generic.append(grpc.method_handlers_generic_handler(service, handlers))
-
-
-@dataclass
-class _Details:
-    method: str
-    invocation_metadata: tuple[tuple[str, str], ...]
-
-
-@dataclass
-class EngineDispatch:
-    """Runs calls handed over by front-ends with the engine's own handlers (and interceptors)."""
-
-    handlers: list[grpc.GenericRpcHandler]
-    interceptors: list[Any] = field(default_factory=list)
-    _chain: tuple[list[Any], Callable[[Any], Awaitable[Any]]] | None = field(default=None, init=False, repr=False)
-
-    @classmethod
-    def collecting(cls) -> tuple[EngineDispatch, _Handlers]:
-        """A dispatch, and the stand-in server to register its handlers on (``add_XServicer_to_server(s, it)``)."""
-        handlers = _Handlers()
-        return cls(handlers.generic), handlers
-
-    async def _lookup(self, details: Any) -> grpc.RpcMethodHandler | None:
-        for h in self.handlers:
-            found = h.service(details)
-            if found is not None:
-                return found
-        return None
-
-    def _handler(self, details: _Details) -> Awaitable[grpc.RpcMethodHandler | None]:
-        """The method's handler, through the interceptors (their chain is built once, on the first call)."""
-        chain = self._chain
-        if chain is None or chain[0] is not self.interceptors:
-            continuation: Callable[[Any], Awaitable[Any]] = self._lookup
-            for interceptor in reversed(self.interceptors):
-                continuation = functools.partial(interceptor.intercept_service, continuation)
-            chain = self._chain = (self.interceptors, continuation)
-        return chain[1](details)
-
-    async def run(self, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], list[bytes]]:
-        """One call: the reply's header (its status) and its messages' bytes."""
-        method = str(header.get("method", ""))
-        call = EngineCall(method, [tuple(kv) for kv in header.get("md", [])], str(header.get("peer", "")))
-        handler = await self._handler(_Details(method, call.invocation_metadata()))
-        if handler is None:
-            return {"code": grpc.StatusCode.UNIMPLEMENTED.name, "details": f"method {method} is not served"}, []
-        streamed = handler.request_streaming or handler.response_streaming
-        try:
-            if streamed:
-                messages = [handler.request_deserializer(m) if handler.request_deserializer else m
-                            for m in split_parts(body, header.get("parts", []))]
-
-                async def requests() -> AsyncIterator[Any]:
-                    for m in messages:
-                        yield m
-                behaviour = handler.stream_stream or handler.stream_unary or handler.unary_stream
-                source: Any = requests() if handler.request_streaming else messages[0]
-                result = behaviour(source, call)
-                replies = [r async for r in result] if handler.response_streaming else [await result]
-            else:
-                request = handler.request_deserializer(body) if handler.request_deserializer else body
-                replies = [await handler.unary_unary(request, call)]
-        except grpc.aio.AbortError:
-            pass
-        except Exception as exc:  # noqa: BLE001 - the front-end answers with it; the engine keeps serving
-            log.exception("a call handed over by a front-end failed")
-            call.set_code(grpc.StatusCode.INTERNAL)
-            call.set_details(f"internal error in the trunk server: {exc!r}")
-        code = call.code()
-        if code is not None and code is not grpc.StatusCode.OK:
-            return {"code": code.name, "details": call.details()}, []
-        serialize = handler.response_serializer
-        return {"code": "OK", "parts": []}, [serialize(r) if serialize else r for r in replies]
-
-
 _TIMEOUT: Callable[[float], Any] | None = getattr(asyncio, "timeout", None)
 
 
@@ -285,7 +143,7 @@ class EngineListener:
         if me is not None:
             self._tasks.add(me)  # stop() ends the connection too
         try:
-            admitted = self.admit((await read_frame(reader, 0))[0])
+            admitted = self.admit((await _within(read_frame(reader, 0), HELLO_TIMEOUT_S))[0])
             if admitted is None:
                 return
             await self.welcome(writer)
@@ -305,9 +163,9 @@ class EngineListener:
                 calls[call_id] = task
                 self._tasks.add(task)
                 task.add_done_callback(lambda t, i=call_id: (calls.pop(i, None), self._tasks.discard(t)))
-        except (LinkClosed, ValueError, TypeError) as exc:  # ValueError, TypeError: a malformed frame or id
+        except (LinkClosed, ValueError, TypeError, asyncio.TimeoutError) as exc:  # a malformed frame or id; no hello
             if not isinstance(exc, LinkClosed):
-                log.warning("engine link closed: %s", exc)
+                log.warning("engine link closed: %s", exc or "no first frame in time")
         finally:
             if self.cancel_on_close:
                 for task in list(calls.values()):

@@ -17,7 +17,7 @@ from splitfed.channel.limits import SERVICE_NAME, ChannelLimits
 from splitfed.errors import ConfigError
 
 if TYPE_CHECKING:
-    from splitfed.channel.enginelink import EngineDispatch
+    from splitfed.channel.enginecall import EngineDispatch
     from splitfed.channel.frontend import Frontends
 
 __all__ = ["bind_error", "build_frontends", "start_grpc_server"]
@@ -76,7 +76,7 @@ def build_frontends(handlers: tuple[grpc.GenericRpcHandler, ...], health_service
                     tls: tuple[bytes, bytes, bytes | None] | None) -> tuple[Frontends, EngineDispatch]:
     """``count`` front-end processes that take the calls in on ``host:port`` and the dispatch that runs them on
     ``handlers`` in this process (start them with ``frontends.start(dispatch)``)."""
-    from splitfed.channel.enginelink import EngineDispatch
+    from splitfed.channel.enginecall import EngineDispatch
     from splitfed.channel.frontend import Frontends
 
     if port and not reuse_port:

@@ -256,7 +256,8 @@ class RegionService:
                                                                       int(request.client_pid))
             path, ticket = ("", "") if self.direct is None else self.direct.issue(
                 context.invocation_metadata() or (), context.peer(), client, region.name)
-            return pb.OpenRegionReply(direct_path=path, direct_ticket=ticket, region=region.name, path=str(region.path), nbytes=region.nbytes,
+            return pb.OpenRegionReply(direct_path=path, direct_ticket=ticket, region=region.name,
+                                      path=str(region.path), nbytes=region.nbytes,
                                       event_handles=[] if region.events is None else region.events.handles(),
                                       server_pid=os.getpid(), device=events,
                                       device_uuid=device_uuid(events) if region.events is not None else "",
