@@ -89,12 +89,14 @@ def test_cpu_use_counts_each_group_of_processes_and_threads() -> None:
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for the clients and one for the server")
 def test_bench_trunk_gives_clients_and_server_cores_of_their_own() -> None:
-    """``--client-cores K`` pins the clients to K cores and the server to the rest; the output says so."""
+    """``--client-cores K`` pins the clients to K cores and the server to the rest; the output says so. (With
+    ``--no-direct``: the server offers no direct calls, and the output says that too.)"""
     cores = len(os.sched_getaffinity(0))
     results = json.loads(_bench("bench.trunk", "--device", "cpu", "--clients", "2", "--repeat", "1", "--steps", "2",
-                                "--only", "batched", "--client-cores", "1", "--config", TINY,
+                                "--only", "batched", "--client-cores", "1", "--no-direct", "--config", TINY,
                                 "--json").strip().splitlines()[-1])
     assert results["client_cores"] == 1 and results["server_cores"] == cores - 1
+    assert results["direct_calls"] is False
     assert results["trunk_examples_per_s_2_clients_batched_cpu"] > 0
 
 
