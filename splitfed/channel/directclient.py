@@ -149,7 +149,8 @@ class DirectLink:
         except Exception as exc:  # noqa: BLE001 - a reply that does not parse is the server's fault
             raise ChannelError(f"{name} to trunk server {self.address}: its direct-call reply did not parse ({exc})",
                                code="INTERNAL") from None
-        self.calls += 1
+        with self._lock:
+            self.calls += 1
         return parsed
 
     def close(self) -> None:
