@@ -255,3 +255,15 @@ def test_closing_a_connection_cancels_its_calls_in_flight(trunk_server) -> None:
     finally:
         alice.close()
         bob.close()
+
+
+def test_a_new_token_drops_the_ticket_of_the_old_one(trunk_server) -> None:
+    """A ticket runs as the token it was issued for: after ``set_token`` the region's calls carry the new one."""
+    issuer = TokenIssuer("run-2")
+    server = trunk_server(_trunk(), authenticate=issuer.authenticate)
+    with TrunkClient(server.address, insecure=True, token=issuer.issue(1, 1)) as client:
+        _steps(client, 1)
+        assert client.shared.direct_calls == 2
+        client.set_token(issuer.issue(1, 2))  # the next round's token: the old one is now a replay
+        _steps(client, 1)
+        assert client.shared.calls == 4 and client.shared.direct_calls == 2

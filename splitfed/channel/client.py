@@ -186,10 +186,12 @@ class TrunkClient:
 
     # -- plumbing ------------------------------------------------------------------
     def set_token(self, token: str | None) -> None:
-        """Replace the bearer token sent with every call."""
+        """Replace the bearer token sent with every call (a direct-call ticket, issued for the old one, is
+        dropped: the region's calls go over gRPC with the new token)."""
         self._metadata = [(k, v) for k, v in self._metadata if k != "authorization"]
         if token is not None:
             self._metadata.append(("authorization", f"Bearer {token}"))
+        self.shared.forget_direct()
 
     def _invoke(self, name: str, fn: Callable[..., Any], request: Any, extra: Sequence[tuple[str, str]] = ()) -> Any:
         try:

@@ -173,6 +173,14 @@ class SharedLane:
             log.info("region %s: GPU copies go through host memory (%s)", reply.region, exc)
             return None
 
+    def forget_direct(self) -> None:
+        """Send the region's calls over gRPC from now on (the client's identity changed: its ticket runs as the old
+        one); the next region opened comes with a ticket of its own."""
+        region = self.region
+        if region is not None and region.direct is not None:
+            region.direct, link = None, region.direct
+            link.close()
+
     def _close_remote(self, name: str) -> None:
         try:
             self.client._stub.CloseRegion(pb.CloseRegionRequest(region=name), timeout=2.0,
@@ -375,7 +383,6 @@ class SharedLane:
         out = torch.empty(view.shape, dtype=dtype, pin_memory=device is not None)
         copy_into(out, view)
         return out, enc.region.nbytes
-
 
 
 def _needed_bytes(exc: ChannelError) -> int | None:
