@@ -89,6 +89,7 @@ def test_causal_reports_how_much_of_each_delay_a_step_shows() -> None:
     assert out["inject_examples_per_s_loop_4"] == pytest.approx(16 / 0.0532)
 
 
+@pytest.mark.slow
 def test_each_delay_lands_in_its_part() -> None:
     """Two clients, one front-end, 100 ms in each part in turn, through the command: with two clients every part is
     on the step's path (one loop and one front-end take every call, one device thread runs both forwards, each
