@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import struct
 import threading
 from typing import Any
 
@@ -19,16 +18,14 @@ import grpc
 
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
+from splitfed.channel.enginelink import LENGTHS, MAX_HEADER_BYTES
 from splitfed.channel.limits import SERVICE_NAME
 from splitfed.channel.replies import channel_error
 from splitfed.errors import ChannelError
 
 log = logging.getLogger(__name__)
 
-_LENGTHS = struct.Struct("!II")
 _REPLIES = {"Forward": pb.ForwardReply, "Backward": pb.BackwardReply}
-#: The largest reply header this end accepts.
-_MAX_HEADER = 1 << 20
 #: Seconds a connection waits for the engine to admit it.
 ADMIT_TIMEOUT_S = 10.0
 #: Seconds past a call's deadline that this end waits for the engine's own DEADLINE_EXCEEDED.
@@ -41,7 +38,7 @@ class DirectRefused(ConnectionError):
 
 def _send_frame(sock: socket.socket, header: dict[str, Any], body: bytes = b"") -> None:
     head = json.dumps(header, separators=(",", ":")).encode()
-    sock.sendall(b"".join((_LENGTHS.pack(len(head), len(body)), head, body)))
+    sock.sendall(b"".join((LENGTHS.pack(len(head), len(body)), head, body)))
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytearray:
@@ -56,8 +53,8 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytearray:
 
 
 def _recv_frame(sock: socket.socket, max_body: int) -> tuple[dict[str, Any], bytes]:
-    head_len, body_len = _LENGTHS.unpack(_recv_exactly(sock, _LENGTHS.size))
-    if head_len > _MAX_HEADER or body_len > max_body:
+    head_len, body_len = LENGTHS.unpack(_recv_exactly(sock, LENGTHS.size))
+    if head_len > MAX_HEADER_BYTES or body_len > max_body:
         raise ConnectionError(f"a direct-call reply of {head_len} + {body_len} bytes is above this client's limits")
     frame = _recv_exactly(sock, head_len + body_len)
     header = json.loads(bytes(frame[:head_len]))

@@ -31,7 +31,8 @@ from splitfed.channel.enginecall import EngineDispatch, split_parts
 
 log = logging.getLogger(__name__)
 
-_LENGTHS = struct.Struct("!II")
+#: A frame's first bytes: the header's and the body's lengths.
+LENGTHS = struct.Struct("!II")
 #: The largest header a side accepts (metadata is small; a larger one is a broken or hostile peer).
 MAX_HEADER_BYTES = 1 << 20
 #: A writer waits for the socket to take its bytes only once this many are buffered (a frame's write does not).
@@ -53,7 +54,7 @@ async def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any], part
     """Send one frame (``parts`` concatenated as its body)."""
     head = json.dumps(header, separators=(",", ":")).encode()
     # One write for the frame: one system call (a ``sendmsg`` of its pieces on Python 3.12+) rather than one a piece.
-    writer.writelines([_LENGTHS.pack(len(head), sum(len(p) for p in parts)), head, *parts])
+    writer.writelines([LENGTHS.pack(len(head), sum(len(p) for p in parts)), head, *parts])
     if writer.transport.get_write_buffer_size() > _DRAIN_ABOVE:
         await writer.drain()
 
@@ -61,8 +62,8 @@ async def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any], part
 async def read_frame(reader: asyncio.StreamReader, max_body: int) -> tuple[dict[str, Any], bytes]:
     """Receive one frame; raises :class:`LinkClosed` at the end of the stream."""
     try:
-        sizes = await reader.readexactly(_LENGTHS.size)
-        head_len, body_len = _LENGTHS.unpack(sizes)
+        sizes = await reader.readexactly(LENGTHS.size)
+        head_len, body_len = LENGTHS.unpack(sizes)
         if head_len > MAX_HEADER_BYTES or body_len > max_body:
             raise LinkClosed(f"frame of {head_len} + {body_len} bytes is above the link's limits")
         if body_len <= _READ_WHOLE_BELOW:  # a small frame in one read (the slice's copy costs less than a turn)
