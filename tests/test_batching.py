@@ -147,7 +147,36 @@ def _quorum_run(batched: bool) -> tuple[torch.nn.Module, dict, dict]:
         assert rt._batches.stats["group-backwards"] == 1 and rt.stats["recomputed"] == 1
     else:
         assert rt._batches.stats["group-backwards"] == 0 and rt.stats["recomputed"] == 2
+    assert rt.store.frozen_copies == 0 and rt.store.frozen_bytes == 0  # no weight copy outlives its forwards
     return split.trunk, outs, grads_in
+
+
+@pytest.mark.timeout(120)
+def test_batches_rebased_step_after_step_leave_no_weight_copy_behind() -> None:
+    """Six rounds in which a batch of two clients' forwards waits while two others make a quorum step: each
+    round's batch is rebased and recomputed, and no frozen copy of the weights outlives it (a copy that only
+    batches used was once kept with no forward counted on it: one more per such step, and past ``max_frozen``
+    of them the store's eviction looped for ever under the runtime's lock)."""
+    from splitfed.trunk.requests import ForwardRequest
+    from splitfed.trunk.runtime import TrunkRuntime
+
+    torch.manual_seed(0)
+    split = split_model(tiny_model("llama").train(), cuts=(1, 3))
+    rt = TrunkRuntime(split.trunk, torch.optim.SGD(split.trunk.parameters(), lr=0.1),
+                      aggregator=make_aggregator("quorum", quorum=2, max_staleness=4, timeout=60))
+    for r in range(6):
+        states = _inputs("llama", r)
+        requests = [ForwardRequest(f"c{i}", f"r{r}-a{i}", states[i], True, 2 + i) for i in range(4)]
+        outs = [out for out, _ in rt.forward_many(requests[:2])]
+        pending = []
+        for i in (2, 3):
+            out, _ = rt.forward_request(requests[i])
+            pending.append(rt.start_backward(f"c{i}", f"r{r}-a{i}", torch.sin(out)))
+        pending += [rt.start_backward(f"c{i}", f"r{r}-a{i}", torch.sin(outs[i])) for i in (0, 1)]
+        for p in pending:
+            p.result.result(30)
+    assert rt.version == 12 and rt.stats["recomputed"] == 6
+    assert rt.store.frozen_copies == 0 and rt.store.frozen_bytes == 0
 
 
 def test_quorum_batches_the_trunk_stepped_under_equal_one_call_per_client() -> None:

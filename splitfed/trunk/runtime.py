@@ -17,7 +17,8 @@ A forward whose backward has not arrived when the trunk steps (``async`` and
 dropped and the weights it saw are kept (one frozen copy per step, shared, a
 bounded number of them), so its backward recomputes the forward on those
 weights (same RNG state) and the gradient is exactly that of the version the
-client saw.
+client saw. In ``async`` mode with several clients a forward runs on a copy of its version's weights from the
+start instead, and keeps its graph (:mod:`splitfed.trunk.versions`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from splitfed.trunk.requests import (
 from splitfed.trunk.store import DoneBackward, ForwardStore, SavedForward, StoreLimits
 from splitfed.trunk.timeline import TIMELINE
 from splitfed.trunk.upkeep import RuntimeUpkeep
+from splitfed.trunk.versions import VersionCopies
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,7 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
         self.optimizer = optimizer
         self.aggregator = aggregator or SyncAggregator()
         self.store = ForwardStore(limits)
+        self._copies = VersionCopies(self.store)  # async forwards' weights, one copy per version
         self.guard = guard
         params = list(trunk.parameters())
         self.device = torch.device(device) if device is not None else (params[0].device if params else
@@ -199,6 +202,7 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
                 with torch.no_grad(), self._autocast(), busy_on_oom("forward"):
                     return self.deliver([(self.trunk(inputs).hidden, reply)])[0], self._version
             weights = self.aggregator.weights_for(client_id)  # a per-client copy, or None: the shared trunk
+            copy = self._copies.for_forward(self, weights)  # async with several clients: its version's weights
             if self.checkpointing:  # keep the input and the output only; the backward recomputes
                 rng = rng_state(self.device)
                 with torch.no_grad(), self._autocast(), busy_on_oom("forward"):
@@ -207,11 +211,12 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
                 nbytes = sum(t.numel() * t.element_size() for t in (inputs.hidden, out_value))
             else:
                 with TIMELINE.gpu("forward", n=1):
-                    output, nbytes, rng = self.traced_forward(inputs, weights)
+                    output, nbytes, rng = self.traced_forward(inputs, weights if copy is None else copy.params)
                 out_value = output.detach()
             self.store.admit(client_id, nbytes)
             self.store.add(SavedForward(activation_id, client_id, self._version, inputs.with_hidden(leaf), output,
-                                        out_value, nbytes, max(int(num_examples), 1), rng, weights=weights))
+                                        out_value, nbytes, max(int(num_examples), 1), rng, frozen=copy,
+                                        weights=weights))
             return self.deliver([(out_value, reply)])[0], self._version
 
     def _run(self, inputs: CutState, weights: list[torch.Tensor] | None) -> torch.Tensor:
@@ -341,9 +346,10 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
 
     def _gradients(self, entry: SavedForward, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         inputs = [entry.inputs.hidden]
-        if entry.output is not None:
+        if entry.output is not None:  # its graph: on the live weights, a per-client copy or its version's copy
             output = entry.output
-            targets = inputs + (self._trainable if entry.weights is None else entry.weights)
+            seen = entry.weights if entry.weights is not None else entry.frozen_params
+            targets = inputs + (self._trainable if seen is None else list(seen))
         else:  # rebased or checkpointed: recompute on the weights this forward saw, with its RNG state
             self.stats["recomputed"] += 1
             frozen = entry.frozen_params if entry.frozen_params is not None else entry.weights
@@ -387,11 +393,4 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
 
     def _rebase_pending(self) -> None:
         """Give forwards still waiting for their backward the weights they saw (before this step)."""
-        pending = [e for e in self.store.entries() if e.frozen is None and e.group is None]
-        waiting = [g for g in self._batches.groups if g.frozen is None]
-        if not pending and not waiting:
-            return
-        frozen = [p.detach().clone().requires_grad_(True) for p in self._trainable]
-        self.store.freeze(pending, self._version, frozen)
-        self.stats["rebased"] += len(pending) + self._batches.rebase(frozen)
-        log.debug("rebased %d pending forwards before trunk step %d", len(pending), self._version + 1)
+        self._copies.before_step(self)

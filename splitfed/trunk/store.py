@@ -148,10 +148,13 @@ class ForwardStore:
                 f"budget of {self.limits.max_bytes}; retry later or use smaller batches")
 
     def add(self, entry: SavedForward) -> None:
-        """Keep ``entry`` until its Backward (or its TTL)."""
+        """Keep ``entry`` until its Backward (or its TTL); one more user of its frozen copy if it ran on one."""
         self._items[entry.activation_id] = entry
         self._per_client[entry.client_id] = self._per_client.get(entry.client_id, 0) + 1
         self.forward_bytes += entry.nbytes
+        if entry.frozen is not None:
+            entry.frozen.users.add(entry.activation_id)
+            self.keep_copy(entry.frozen)
 
     def find(self, activation_id: str) -> SavedForward | None:
         """The saved forward with this id, if held."""
@@ -184,13 +187,13 @@ class ForwardStore:
         frozen = entry.frozen
         if frozen is not None:
             frozen.users.discard(activation_id)
-            if not frozen.users and self._frozen.pop(id(frozen), None) is not None:
-                self.frozen_bytes -= frozen.nbytes
+            self.release_copy(frozen)
         return entry
 
     # -- frozen weights of rebased forwards ------------------------------------------
     def freeze(self, pending: list[SavedForward], version: int, params: list[torch.Tensor]) -> int:
-        """Rebase ``pending`` onto one frozen copy of the weights (``params``, already copied).
+        """Rebase ``pending`` onto one frozen copy of the weights (``params``, already copied; kept only if some
+        forward uses it).
 
         Returns how many forwards had to be evicted to keep at most
         ``max_frozen`` copies (those that still needed the oldest copy).
@@ -200,11 +203,31 @@ class ForwardStore:
             entry.output = None
             entry.frozen = copy
             copy.users.add(entry.activation_id)
-        self._frozen[id(copy)] = copy
-        self.frozen_bytes += copy.nbytes
+        return self.keep_copy(copy) if pending else 0
+
+    def add_copy(self, version: int, params: list[torch.Tensor]) -> FrozenWeights:
+        """A frozen copy of the weights at ``version`` (``params``, already copied), kept for forwards that will
+        run on it (:mod:`splitfed.trunk.versions`); see :meth:`keep_copy`."""
+        copy = FrozenWeights(version, params, sum(p.numel() * p.element_size() for p in params))
+        self.keep_copy(copy)
+        return copy
+
+    def keep_copy(self, copy: FrozenWeights) -> int:
+        """Count ``copy`` among the frozen copies (once) and keep at most ``max_frozen``: a copy no forward uses
+        goes first, then the oldest with the forwards that still need it (evicted). Returns how many forwards
+        were evicted."""
+        if id(copy) not in self._frozen:
+            self._frozen[id(copy)] = copy
+            self.frozen_bytes += copy.nbytes
         evicted = 0
         while len(self._frozen) > max(self.limits.max_frozen, 1):
-            oldest = next(iter(self._frozen.values()))
+            unused = next((c for c in self._frozen.values() if not c.users and c is not copy), None)
+            if unused is not None:
+                self.release_copy(unused)
+                continue
+            oldest = next((c for c in self._frozen.values() if c.users), None)
+            if oldest is None:  # only ``copy`` is left without users: nothing to evict
+                break
             for activation_id in list(oldest.users):
                 entry = self.pop(activation_id)
                 evicted += 1
@@ -214,6 +237,11 @@ class ForwardStore:
                             self.limits.max_frozen)
         self.evicted += evicted
         return evicted
+
+    def release_copy(self, copy: FrozenWeights) -> None:
+        """Stop counting ``copy`` if no forward uses it."""
+        if not copy.users and self._frozen.pop(id(copy), None) is not None:
+            self.frozen_bytes -= copy.nbytes
 
     # -- remembered answers ---------------------------------------------------------------
     def remember(self, activation_id: str, done: DoneBackward) -> None:
