@@ -82,6 +82,35 @@ def test_a_compiled_trunk_trains_as_the_eager_one_and_compiles_before_its_first_
     _same_training(trunk_server, graphs, tolerance=1e-6)
 
 
+def test_forwards_on_older_weights_compile_before_the_first_client(graphs: Any, aot_eager: None) -> None:
+    """Async, three clients, three rounds: forwards on their version's copy of the weights and forwards rebased
+    and recomputed on a frozen copy run the variant compiled when the runtime was built (nothing compiles after),
+    and train as the eager runtime does."""
+    from splitfed.trunk.runtime import TrunkRuntime
+
+    results = {}
+    for compile in (False, True):
+        torch.manual_seed(0)
+        trunk = split_model(tiny_model("gpt2").train(), cuts=(1, 3)).trunk
+        rt = TrunkRuntime(trunk, torch.optim.SGD(trunk.parameters(), lr=0.1),
+                          aggregator=make_aggregator("async", max_staleness=8), compile=compile)
+        started, seen = graphs(), []
+        g = torch.Generator().manual_seed(1)
+        for step in range(3):
+            outs = {c: rt.forward(c, f"{c}-{step}", CutState(torch.randn(2, 6, 32, generator=g)), train=True)[0]
+                    for c in ("a", "b", "c")}
+            for c in ("c", "b", "a"):  # each backward steps the trunk under the others' forwards
+                seen += [outs[c], rt.backward(c, f"{c}-{step}", torch.sin(outs[c]) / 50).grad_in]
+        results[compile] = (seen, trunk.state_dict(), graphs() - started)
+        assert rt.stats["recomputed"] >= 1 and rt._copies.made >= 2 and rt.version == 9
+    (eager, eager_weights, _), (compiled, weights, compiled_after) = results[False], results[True]
+    assert compiled_after == 0
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)
+    for name, value in eager_weights.items():
+        torch.testing.assert_close(weights[name], value, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.slow
 def test_a_trunk_compiled_by_inductor_trains_as_the_eager_one(trunk_server: Any, graphs: Any) -> None:
     _same_training(trunk_server, graphs, tolerance=1e-4)

@@ -57,9 +57,14 @@ def warm_up(trunk: nn.Module, device: torch.device, context: Callable[[], contex
             rows: int = 2, length: int = 16) -> float:
     """Compile a transformer trunk's training forward and backward, and its evaluation forward, each without and
     with a padding mask (a batch of clients whose lengths differ is padded), on random hidden states of ``rows``
-    x ``length`` (in ``context``: the runtime's autocast and attention kernels). Nothing is trained: no gradient
-    reaches the parameters' ``.grad``. Returns the seconds it took; a trunk without a ``config.hidden_size`` is
-    left to compile on its first call (0.0)."""
+    x ``length`` (in ``context``: the runtime's autocast and attention kernels). The training forward and backward
+    also run on a copy of the trainable weights (``torch.func.functional_call``), as forwards on the weights of an
+    older version do (rebased, async and per-client): PyTorch compiles that variant apart, once, which on a GPU
+    host took seconds in the first steps that needed it. Nothing is trained: no gradient reaches the parameters'
+    ``.grad``. Returns the seconds it took; a trunk without a ``config.hidden_size`` is left to compile on its
+    first call (0.0)."""
+    from torch.func import functional_call
+
     from splitfed.split.base import CutState
 
     hidden = getattr(getattr(trunk, "config", None), "hidden_size", None)
@@ -67,7 +72,8 @@ def warm_up(trunk: nn.Module, device: torch.device, context: Callable[[], contex
         return 0.0
     start = time.monotonic()
     dtype = next((p.dtype for p in trunk.parameters() if p.is_floating_point()), torch.float32)
-    weights = [p for p in trunk.parameters() if p.requires_grad]
+    named = {n: p for n, p in trunk.named_parameters() if p.requires_grad}
+    weights = list(named.values())
     padded = torch.ones(rows, length, dtype=torch.long, device=device)
     padded[0, length // 2:] = 0
     was_training = trunk.training
@@ -78,6 +84,10 @@ def warm_up(trunk: nn.Module, device: torch.device, context: Callable[[], contex
             with context():
                 out = trunk(CutState(x, mask)).hidden
             torch.autograd.grad(out, [x, *weights], torch.ones_like(out), allow_unused=True)
+            copies = {n: p.detach().clone().requires_grad_(True) for n, p in named.items()}
+            with context():
+                out = functional_call(trunk, copies, (CutState(x, mask),)).hidden
+            torch.autograd.grad(out, [x, *copies.values()], torch.ones_like(out), allow_unused=True)
             trunk.eval()
             with torch.no_grad(), context():
                 trunk(CutState(x.detach(), mask))
