@@ -241,6 +241,46 @@ def test_a_region_closes_only_once_a_copy_its_reader_started_is_done() -> None:
     assert closed.is_set()
 
 
+def test_a_view_of_a_closed_region_stays_mapped_until_it_goes() -> None:
+    """A slice a call still writes into or reads from when its region is closed (a model unloaded past its
+    drain deadline, an idle sweep, the client closing it) stays mapped until the call lets it go: writing and
+    reading it then is harmless, where it once hit unmapped memory and killed the server's process (run in a
+    child process, so that a regression fails this test instead of ending the run)."""
+    import subprocess
+    import sys
+
+    code = """
+import gc
+import torch
+from splitfed.channel.regions import SharedRegion
+
+def mapped(address, name):
+    for line in open("/proc/self/maps"):
+        span, *rest = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= address < hi:
+            return name in line
+    return False
+
+region = SharedRegion.create(1 << 20)
+view = region.view(4096, 1 << 16)
+view.fill_(5)
+region.close()
+gc.collect()
+assert mapped(view.data_ptr(), region.name), "the slice was unmapped under its view"
+assert int(view.sum()) == 5 * (1 << 16)
+view.fill_(7)
+torch.zeros(1 << 16, dtype=torch.uint8).copy_(view)
+address, name = view.data_ptr(), region.name
+del view
+gc.collect()
+assert not mapped(address, name), "the mapping outlived its last view"
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
+
 def _identity() -> nn.Module:
     return split_sequential(nn.Sequential(nn.Identity(), nn.Identity(), nn.Identity()), 1, 2)[1]
 

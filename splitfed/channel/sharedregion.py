@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from splitfed.channel import devmem
@@ -57,8 +58,12 @@ class SharedRegion:
         self.path = path
         self.nbytes = nbytes
         self.owner = owner
-        self._map = mapping
-        self.bytes = torch.frombuffer(mapping, dtype=torch.uint8)
+        self._map: mmap.mmap | None = mapping
+        # Through numpy, whose array holds the mapping's buffer for as long as it lives: a tensor viewing these
+        # bytes (a reply being written, a request being read) keeps them mapped after :meth:`close`, which then
+        # cannot unmap them under it. ``torch.frombuffer`` lets the buffer go at once, and a write through a view
+        # after ``close`` hit unmapped memory and killed the process.
+        self.bytes = torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8))
         #: CUDA events ordering copies of its slices (None: copies complete before a call is sent).
         self.events: RegionEvents | None = None
         #: Its twin in the trunk's GPU memory, where event-ordered slices may lie (None: there is none), and who
@@ -198,9 +203,10 @@ class SharedRegion:
                 event.synchronize()
         self.bytes = torch.empty(0, dtype=torch.uint8)
         try:
-            self._map.close()
-        except BufferError:  # a tensor still views it: the mapping goes with the last view
-            pass
+            if self._map is not None:
+                self._map.close()
+        except BufferError:  # a tensor still views it: the mapping goes with the last view (see __init__)
+            self._map = None  # only the views hold it now
         if self.owner:
             self.path.unlink(missing_ok=True)
             forget_local_events(self.name)
