@@ -45,17 +45,13 @@ class VersionCopies:
         #: Copies made (one per version that had such a forward).
         self.made = 0
 
-    @staticmethod
-    def wanted(mode: str, members: int) -> bool:
-        """Whether a training forward in ``mode`` with ``members`` clients in the step group runs on a copy:
-        async, with other clients whose steps may come before its backward."""
-        return mode in VERSIONED_MODES and members > 1
-
     def for_forward(self, rt: TrunkRuntime, weights: Sequence[torch.Tensor] | None) -> FrozenWeights | None:
-        """The copy a training forward of ``rt`` runs on, or None (the live weights, or ``weights``: a client's
-        own trunk copy in ``per-client`` mode). Not with activation checkpointing (which keeps no graph)."""
-        if weights is not None or rt.checkpointing or not self.wanted(rt.aggregator.mode,
-                                                                      len(rt.aggregator.members)):
+        """The copy a training forward of ``rt`` runs on: in a mode of :data:`VERSIONED_MODES` with other clients
+        in the step group, whose steps may come before its backward. None otherwise (the live weights, or
+        ``weights``: a client's own trunk copy in ``per-client`` mode), and with activation checkpointing (which
+        keeps no graph)."""
+        agg = rt.aggregator
+        if weights is not None or rt.checkpointing or agg.mode not in VERSIONED_MODES or len(agg.members) < 2:
             return None
         return self.take(rt.version, rt._trainable)
 
