@@ -94,6 +94,7 @@ def test_bench_transport() -> None:
         assert results[key] > 0, key
 
 
+@pytest.mark.slow
 def test_bench_split_step_over_a_bulk_link() -> None:
     # 512 KiB at the cut: every Forward and Backward streams over the link (above BULK_MIN_BYTES), plaintext and
     # TLS (a TLS channel with a TLS link); int8 at the cut (docs/performance.md's command), still above it.
@@ -126,6 +127,7 @@ def test_bench_gen_batching() -> None:
     assert results["gen_replay_batched_speedup"] > 0 and results["gen_replay_batched_mean_batch"] >= 1.0
 
 
+@pytest.mark.slow
 def test_bench_leakage() -> None:
     results = _json(_bench("bench.leakage", "--quick", "--only", "mnist", "--steps", "2", "--attack-steps", "2",
                            "--json"))
@@ -140,6 +142,7 @@ def test_bench_tls(tmp_path: Path) -> None:
 
 
 # -- benchmarks made of flwr runs (one tiny run each) --------------------------------------------------------
+@pytest.mark.slow
 def test_bench_compression(tmp_path: Path) -> None:
     _bench("bench.compression", "--only", "none", "--supernodes", "2", "--extra",
            "num-server-rounds=1 local-steps=2 eval-batches=1", "--json", str(tmp_path / "c.json"))
@@ -156,6 +159,7 @@ def test_bench_mnist_curves(tmp_path: Path) -> None:
     assert all(len(ys) == 1 for ys in curves.values()) and (tmp_path / "mnist_curves.png").exists()
 
 
+@pytest.mark.slow
 def test_bench_variants(tmp_path: Path) -> None:
     _bench("bench.variants", "--only", "sync", "--partitions", "4 IID clients", "--rounds", "1", "--extra",
            "local-steps=2 eval-batches=1", "--out", str(tmp_path))

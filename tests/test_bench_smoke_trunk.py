@@ -87,6 +87,7 @@ def test_cpu_use_counts_each_group_of_processes_and_threads() -> None:
     assert figures["spinner_cores"] > 0.05 and figures["sleeper_cores"] < 0.02 and figures["none_cores"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for the clients and one for the server")
 def test_bench_trunk_gives_clients_and_server_cores_of_their_own() -> None:
     """``--client-cores K`` pins the clients to K cores and the server to the rest; the output says so. (With
@@ -140,6 +141,7 @@ def test_bench_trunk_in_other_modes(mode: str) -> None:
     assert results[f"trunk_examples_per_s_2_clients_batched_{mode}_cpu"] > 0 and results["mode"] == mode
 
 
+@pytest.mark.slow
 def test_bench_trunk_replicas_time_the_control_loop(tmp_path: Path) -> None:
     """``--replicas 2`` (docs/replicas.md; gloo processes on the CPU) gives the scaling and, with ``--timeline``,
     replica 0's control loop: its ticks a step and its way from its gradients in to its step."""

@@ -112,6 +112,7 @@ def test_async_run_steps_the_trunk_per_gradient(federation: Federation, tmp_path
     assert trunk["trunk-applied"] + trunk["trunk-rejected-stale"] + trunk["trunk-downweighted"] == 2 * 3
 
 
+@pytest.mark.slow
 def test_quorum_run_completes_with_every_gradient_counted(federation: Federation, tmp_path: Path) -> None:
     """A real quorum run. How many gradients each step holds depends on how the clients' training overlaps (a
     client that is done leaves the step group, and a step waits for min(k, members)), which a busy machine
@@ -143,6 +144,7 @@ def test_client_cuts_run_trains_both_cuts(federation: Federation, tmp_path: Path
     assert (out / "model" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_two_trunk_replicas_run_global_sync_steps(federation: Federation, tmp_path: Path) -> None:
     history = federation.run(tmp_path / "out", "trunk-replicas=2 num-server-rounds=1 local-steps=3", TWO)
     last = _last(history)
@@ -152,6 +154,7 @@ def test_two_trunk_replicas_run_global_sync_steps(federation: Federation, tmp_pa
     assert trunk["trunk-version"] == trunk["trunk-steps"] > 0  # rank 0 took every global step
 
 
+@pytest.mark.slow
 def test_a_clientapp_process_killed_mid_step_is_dropped_and_the_run_completes(federation: Federation,
                                                                              tmp_path: Path) -> None:
     # Execute: once two clients train together, the Ray actor of one that is connected to the trunk is killed.

@@ -120,6 +120,7 @@ def _run_record(run_id: str, env: dict[str, str]) -> dict:
     return json.loads(out.stdout)["runs"][0]
 
 
+@pytest.mark.slow
 def test_flwr_run_over_mutual_tls_completes(flwr_home: Path, tmp_path: Path) -> None:
     env = _env(flwr_home)
     pki = make_pki(tmp_path / "pki")

@@ -238,6 +238,7 @@ def test_one_supernode_trains_with_min_train_nodes_one(tmp_path) -> None:
     assert round1["train"]["train-steps"] == 2 and round1["evaluate"]["num-examples"] == 32
 
 
+@pytest.mark.slow
 def test_flwr_run_with_one_supernode_fails_saying_how_to_start(flwr_home: Path, tmp_path: Path) -> None:
     """The default min-train-nodes (2) and a federation of one SuperNode: the run ends failed, and says why."""
     env = _env(flwr_home)
