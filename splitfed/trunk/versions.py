@@ -65,9 +65,7 @@ class VersionCopies:
                 params = [p.detach().clone().requires_grad_(True) for p in trainable]
             current = self.current = self.store.add_copy(version, params)
             self.made += 1
-        else:
-            self.store.keep_copy(current)  # counted again if its users all went before this version ended
-        return current
+        return current  # counted again, if its users all went meanwhile, by the store's add of the forward
 
     def retire(self) -> None:
         """The current version is over (a step): its copy stays only while forwards still use it."""
