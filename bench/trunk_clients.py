@@ -50,8 +50,11 @@ def run_client(address: str, i: int, settings: dict[str, int], steps: int, warmu
         if start is None:  # a trunk on another host, maybe still starting
             tc.wait_ready(timeout=READY_S)
         size = tc.join()
-        hidden = torch.randn(c["batch"], c["seq"], c["hidden"])
-        grad = torch.randn(c["batch"], c["seq"], c["hidden"]) * 1e-3
+        # Held in the wire's dtype: a client casts its activations and gradients where it computes them (on its
+        # GPU, under bf16 autocast); a cast here would be its compute, on the server's host.
+        dtype = torch.bfloat16 if c["bf16"] else torch.float32
+        hidden = torch.randn(c["batch"], c["seq"], c["hidden"]).to(dtype)
+        grad = (torch.randn(c["batch"], c["seq"], c["hidden"]) * 1e-3).to(dtype)
         events.put(("joined", i, ""))
         if start is None:  # every client is in the step group before the first sync step
             deadline = time.monotonic() + WAIT_S
