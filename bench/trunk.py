@@ -222,6 +222,7 @@ def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat
     out["mode"] = SERVER["mode"]
     out["compile"] = bool(SERVER["compile"])
     out["direct_calls"] = bool(SERVER["direct_calls"])
+    out["bring_early"] = bool(SERVER["bring_early"])
     utils = [r.gpu_util for r in batched if r.gpu_util]
     if utils:
         out[f"gpu_util_mean_{n}_batched{suffix}"] = statistics.median(u["mean"] for u in utils)
@@ -300,6 +301,9 @@ def main() -> int:
     parser.add_argument("--no-direct", action="store_true",
                         help="the server offers no direct calls: region-carried calls go over gRPC (and the "
                              "front-ends), as before splitfed.channel.direct")
+    parser.add_argument("--bring-early", action="store_true",
+                        help="the server brings a step's tensors to the device as they come, a chunk at a time "
+                             "(splitfed.trunk.early)")
     parser.add_argument("--compile", action="store_true",
                         help="compile the trunk's blocks with torch.compile (the server's --compile); adds the "
                              "ceiling with the same compiled blocks")
@@ -331,7 +335,7 @@ def main() -> int:
         parser.error("--serve and --connect take one --clients count and no --replicas")
     logging.basicConfig(level=logging.WARNING)
     SERVER.update(max_batch_tokens=args.max_batch_tokens, frontends=args.frontends, mode=args.mode,
-                  compile=args.compile, direct_calls=not args.no_direct)
+                  compile=args.compile, direct_calls=not args.no_direct, bring_early=args.bring_early)
     for item in args.config.split():
         key, _, value = item.partition("=")
         if key not in core.SPLIT_STEP:

@@ -14,9 +14,9 @@ from bench.trunk_clients import BenchError
 #: batched trunk call may hold), ``frontends`` (``--frontends``, front-end processes taking its calls in) and
 #: ``mode`` (``--mode``, the trunk's aggregation mode: sync, async or quorum), ``compile`` (``--compile``, the
 #: trunk's blocks compiled with torch.compile) and ``direct_calls`` (off with ``--no-direct``: region-carried calls
-#: go over gRPC, :mod:`splitfed.channel.direct`).
+#: go over gRPC, :mod:`splitfed.channel.direct`); ``bring_early`` (``--bring-early``, :mod:`splitfed.trunk.early`).
 SERVER: dict[str, Any] = {"max_batch_tokens": 1 << 22, "frontends": 0, "mode": "sync", "compile": False,
-                          "direct_calls": True}
+                          "direct_calls": True, "bring_early": False}
 
 #: Modes ``--mode`` takes. ``async`` applies each contribution as it comes (staleness bounded by the client
 #: count, so none is refused); ``quorum`` steps on the first half of the clients' contributions.
@@ -48,6 +48,7 @@ def _server(device: str, window_ms: float, replicas: int = 1, clients: int = 1, 
                            aggregator=aggregator, limits=StoreLimits(max_bytes=1 << 40),
                            autocast_dtype=torch.bfloat16 if core.SPLIT_STEP["bf16"] else None,
                            compile=bool(SERVER["compile"]))
+    runtime.bring_early = bool(SERVER["bring_early"])
     return TrunkServer(runtime, host=host, port=port, insecure=True, batch_window_ms=window_ms,
                        max_batch_tokens=SERVER["max_batch_tokens"], frontends=SERVER["frontends"],
                        direct_calls=bool(SERVER["direct_calls"]))

@@ -101,6 +101,17 @@ def test_bench_trunk_gives_clients_and_server_cores_of_their_own() -> None:
     assert results["trunk_examples_per_s_2_clients_batched_cpu"] > 0
 
 
+def test_bench_trunk_bringing_tensors_early() -> None:
+    """``--bring-early``: the server brings a step's tensors as they come (tensors of 64 KiB: they arrive in host
+    memory through the clients' regions); the run ends with its figures and says so."""
+    config = "layers=3 hidden=64 heads=2 vocab=64 batch=1 seq=256"
+    out = _bench("bench.trunk", "--device", "cpu", "--clients", "4", "--repeat", "1", "--steps", "2", "--only",
+                 "batched", "--bring-early", "--json", "--config", config)
+    results = json.loads(out.strip().splitlines()[-1])
+    assert results["bring_early"] is True
+    assert results["trunk_examples_per_s_4_clients_batched_cpu"] > 0
+
+
 def test_bench_trunk_runtime(tmp_path: Path) -> None:
     results = json.loads(_bench("bench.trunk_runtime", "--clients", "2", "--steps", "1", "--config", TINY,
                                 "--json").strip().splitlines()[-1])

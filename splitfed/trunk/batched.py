@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from dataclasses import replace
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +16,7 @@ import torch
 
 from splitfed.errors import DuplicateActivationError, TensorValueError, TrunkStepError
 from splitfed.trunk.batching import ForwardGroup, batch_key, pack
+from splitfed.trunk.early import chunk, nonfinite
 from splitfed.trunk.recompute import busy_on_oom, rerun
 from splitfed.trunk.store import DoneBackward, SavedForward
 from splitfed.trunk.timeline import TIMELINE
@@ -40,7 +40,8 @@ class Batcher:
     def __init__(self, runtime: TrunkRuntime) -> None:
         self.rt = runtime
         self.groups: list[ForwardGroup] = []
-        self.stats: dict[str, int] = {"batched-calls": 0, "batched-forwards": 0, "group-backwards": 0}
+        self.stats: dict[str, int] = {"batched-calls": 0, "batched-forwards": 0, "group-backwards": 0,
+                                      "early-gradient-brings": 0}
 
     # -- forwards -------------------------------------------------------------------------------------
     def can_batch(self, request: ForwardRequest) -> bool:
@@ -79,13 +80,12 @@ class Batcher:
         out: list[Outcome | None] = [None] * len(requests)
         train = requests[0].train
         with rt._lock:
-            requests, bad = self._bring(requests)
+            requests, bad = rt.bring_requests(requests)
             ok: list[int] = []
             for i, r in enumerate(requests):
                 try:
                     if i in bad:
-                        raise TensorValueError(f"tensor {bad[i]!r} holds NaN or Inf values; the sender must stop or "
-                                               "lower its learning rate before sending again")
+                        raise nonfinite(bad[i])
                     if train:
                         if rt.store.find(r.activation_id) is not None or rt.store.done(r.activation_id) is not None \
                                 or any(requests[j].activation_id == r.activation_id for j in ok):
@@ -114,20 +114,6 @@ class Batcher:
                 if not isinstance(result, BaseException):
                     rt.aggregator.join(r.client_id)  # outside the runtime lock, as alone
         return out  # type: ignore[return-value]
-
-    def _bring(self, requests: list[ForwardRequest]) -> tuple[list[ForwardRequest], dict[int, str]]:
-        """Bring every request's tensors still in host memory (one call for the batch): the requests with their
-        states as brought, and those holding NaN or Inf (index -> tensor name)."""
-        arrivals = [(i, a) for i, r in enumerate(requests) for a in r.arrivals]
-        if not arrivals:
-            return requests, {}
-        assert self.rt.io is not None
-        bad: dict[int, str] = {}
-        for (i, a), ok in zip(arrivals, self.rt.io.bring([a for _, a in arrivals])):
-            if not ok:
-                bad.setdefault(i, a.name)
-        return [replace(r, state=self.rt.brought(r.state, r.arrivals), arrivals=()) if r.arrivals and i not in bad
-                else r for i, r in enumerate(requests)], bad
 
     def _count(self, n: int) -> None:
         self.rt.stats["forwards"] += n
@@ -189,6 +175,36 @@ class Batcher:
         self.rt.store.remember(entry.activation_id, DoneBackward(entry.client_id, pending.grad_in, pending.result,
                                                                  hidden.numel() * hidden.element_size()))
         return pending, group if group.complete else None
+
+    def bring_due(self, group: ForwardGroup) -> bool:
+        """Whether enough gradients of a batch still open wait in host memory to bring them before the others come
+        (:mod:`splitfed.trunk.early`); if so, the batch is marked so that one such bring is asked for at a time."""
+        with self.rt._lock:
+            if not self.rt.bring_early or group.bringing or group.complete or group not in self.groups \
+                    or len(group.arrivals) < chunk(len(group.clients)):
+                return False
+            group.bringing = True
+            return True
+
+    def bring_gradients(self, group: ForwardGroup) -> None:
+        """Bring the gradients of a batch still open that wait in host memory (on the device thread, while the
+        batch's other members' gradients come): at :meth:`finish` only the rest are left to bring. A member whose
+        gradient holds NaN or Inf is refused and leaves the step, as there."""
+        rt = self.rt
+        with rt._lock:
+            group.bringing = False
+            if group not in self.groups or not group.arrivals:
+                return
+            taken = dict(group.arrivals)
+            group.arrivals.clear()
+        assert rt.io is not None
+        with TIMELINE.host("bring-early", n=len(taken)):
+            verdicts = self._verdicts(taken, rt.io.bring([a for i in sorted(taken) for a in taken[i]]))
+        with rt._lock:
+            refused = self._settle_arrivals(group, taken, verdicts)
+        self.stats["early-gradient-brings"] += 1
+        for client in refused:
+            rt.aggregator.leave(client)
 
     def awaiting(self) -> set[str]:
         """Clients whose gradient waits in a batch for the batch's backward."""
@@ -297,13 +313,26 @@ class Batcher:
             return []
         io = self.rt.io
         assert io is not None
-        order = sorted(group.arrivals)
-        verdicts = iter(io.bring([a for i in order for a in group.arrivals[i]]))
+        taken = dict(group.arrivals)
+        group.arrivals.clear()
+        return self._settle_arrivals(group, taken,
+                                     self._verdicts(taken, io.bring([a for i in sorted(taken) for a in taken[i]])))
+
+    @staticmethod
+    def _verdicts(taken: dict[int, tuple[Any, ...]], brought: list[bool]) -> dict[int, bool]:
+        """Per member (in the order of its index), whether every tensor it sent was free of NaN and Inf."""
+        verdicts = iter(brought)
+        return {i: all([next(verdicts) for _ in taken[i]]) for i in sorted(taken)}
+
+    @staticmethod
+    def _settle_arrivals(group: ForwardGroup, taken: dict[int, tuple[Any, ...]], verdicts: dict[int, bool]
+                         ) -> list[str]:
+        """The brought gradients become the members' (runtime lock held); a member whose gradient held NaN or Inf
+        is refused (INVALID_ARGUMENT) and dropped from the batch. Returns the refused members."""
         refused = []
-        for i in order:
-            arrivals = group.arrivals[i]
-            if all([next(verdicts) for _ in arrivals]):
-                group.grads[i] = arrivals[0].tensor
+        for i, ok in verdicts.items():
+            if ok:
+                group.grads[i] = taken[i][0].tensor
                 continue
             del group.grads[i]
             group.dropped.add(i)
@@ -311,7 +340,6 @@ class Batcher:
                 f"the gradient of {group.activation_ids[i]} holds NaN or Inf values; the sender must stop or lower "
                 "its learning rate before sending again"))
             refused.append(group.clients[i])
-        group.arrivals.clear()
         return refused
 
 

@@ -105,6 +105,7 @@ class ForwardGroup:
     inputs: Any = None  # the trunk's input (hidden = ``leaf``), kept to recompute a rebased batch
     rng: Any = None  # the RNG state the forward ran with
     frozen: list[torch.Tensor] | None = None  # rebased: the weights the forward saw (the trunk has stepped)
+    bringing: bool = False  # its gradients in host memory are to be brought early (splitfed.trunk.early)
 
     def __post_init__(self) -> None:
         self.grad_in = [Promise() for _ in self.clients]

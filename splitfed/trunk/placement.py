@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from splitfed.errors import TensorValueError
 from splitfed.split.base import CutState
 from splitfed.transfer import Staging
 from splitfed.trunk.deviceio import Arrival, DeviceIO, ReplySink, send
+from splitfed.trunk.requests import ForwardRequest
 
 try:  # torch >= 2.3
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -54,6 +56,9 @@ class RuntimePlacement:
     _device_out: bool
     _staging: Staging | None
     io: DeviceIO | None
+    #: Whether a server brings the tensors of a window's forwards and of a batch's gradients to the device as they
+    #: come, a chunk at a time (:mod:`splitfed.trunk.early`); off unless set.
+    bring_early: bool
 
     def _stepwise(self) -> contextlib.AbstractContextManager[Any]:
         """The context for calls whose shapes change every time (decoding over a growing KV cache): compiled
@@ -131,6 +136,20 @@ class RuntimePlacement:
             if not ok:
                 raise TensorValueError(f"tensor {a.name!r} holds NaN or Inf values; the sender must stop or lower "
                                        "its learning rate before sending again")
+
+    def bring_requests(self, requests: list[ForwardRequest]) -> tuple[list[ForwardRequest], dict[int, str]]:
+        """Bring every request's tensors still in host memory (one call for all of them): the requests with their
+        states as brought, and those holding NaN or Inf (index -> tensor name), left as they were."""
+        arrivals = [(i, a) for i, r in enumerate(requests) for a in r.arrivals]
+        if not arrivals:
+            return requests, {}
+        assert self.io is not None, "arrivals come only to a runtime with a DeviceIO"
+        bad: dict[int, str] = {}
+        for (i, a), ok in zip(arrivals, self.io.bring([a for _, a in arrivals])):
+            if not ok:
+                bad.setdefault(i, a.name)
+        return [replace(r, state=self.brought(r.state, r.arrivals), arrivals=()) if r.arrivals and i not in bad
+                else r for i, r in enumerate(requests)], bad
 
     @staticmethod
     def brought(state: CutState, arrivals: Sequence[Arrival]) -> CutState:

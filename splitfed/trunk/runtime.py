@@ -131,6 +131,7 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
         self._staging = Staging(self.device) if self.device.type == "cuda" else None  # pinned, side-stream h2d
         #: The cut's copies (see :mod:`splitfed.trunk.deviceio`; on CUDA by the copy engine).
         self.io = DeviceIO(self.device)
+        self.bring_early = False  # see splitfed.trunk.early
         self.sdpa_backends = default_sdpa_backends(self.device) if sdpa_backends == "auto" else sdpa_backends
         #: Runs a batch's backward once its last gradient is in (None: at once, on the thread that brought it);
         #: a server hands it to its device thread, so taking a batch member's gradient is light work.
@@ -322,6 +323,8 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
                     self.defer(lambda: self._batches.finish_or_fail(complete))
                 else:
                     self._batches.finish(complete)
+            elif self.defer is not None and self._batches.bring_due(entry.group):  # see splitfed.trunk.early
+                self.defer(lambda group=entry.group: self._batches.bring_gradients(group))
             return pending
         result = self._submit(client_id, entry.version, trunk_grads, entry.num_examples) if step is None else \
             self.micro.offer(client_id, step, activation_id, entry.version, trunk_grads, entry.num_examples,

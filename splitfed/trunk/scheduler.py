@@ -14,7 +14,8 @@ can batch them (:meth:`TrunkRuntime.forward_many`); each client still gets its
 own output, saved forward and gradient. Inference sessions' decode steps that
 arrive within the same window run as one batched call too (:meth:`TrunkScheduler.batched`,
 :mod:`splitfed.trunk.decoding`). Everything else (backwards, evaluation without a
-window) runs one task at a time, in order.
+window) runs one task at a time, in order. While a window of training forwards stays open, the device thread
+brings the tensors of those already in it to the device, a chunk at a time (:mod:`splitfed.trunk.early`).
 
 Small requests skip the hop: when the device thread is idle and nothing is
 queued, :meth:`TrunkScheduler.now_or_queued` runs a small task on the caller's
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, TypeVar
 
 from splitfed.errors import TrunkBusyError
+from splitfed.trunk.early import bring_forwards, chunk, unbrought
 from splitfed.trunk.requests import ForwardRequest, Promise
 from splitfed.trunk.runtime import TrunkRuntime
 from splitfed.trunk.timeline import TIMELINE
@@ -77,6 +79,7 @@ class _Task:
     item: Any = None
     tokens: int = 0
     queued: float = field(default_factory=time.monotonic)
+    error: BaseException | None = None  # refused while its window was open (brought early: NaN or Inf)
 
 
 class TrunkScheduler:
@@ -110,7 +113,8 @@ class TrunkScheduler:
         # be full): not once per arrival, each wake a turn of the GIL taken from the event loop taking calls in.
         self._wake_at, self._room, self._since = 1, -1, 0
         self.stats: dict[str, int] = {"tasks": 0, "batched-forwards": 0, "forward-batches": 0, "inline": 0,
-                                      "item-batches": 0, "batched-items": 0, "early-closes": 0}
+                                      "item-batches": 0, "batched-items": 0, "early-closes": 0,
+                                      "early-brings": 0, "early-brought": 0, "early-refused": 0}
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> TrunkScheduler:
@@ -276,11 +280,30 @@ class TrunkScheduler:
                 self.stats["early-closes"] += remaining > 0 and not self._stopping
                 TIMELINE.mark("window", n=len(batch), waited=time.monotonic() - first.queued)
                 return batch
-            self._wake_at, self._room, self._since = len(self._queue) + missing, self.max_batch_tokens - tokens, 0
+            wake = missing
+            if first.forward is not None and getattr(self.runtime, "bring_early", False):
+                waiting = unbrought(batch)
+                if len(waiting) >= chunk(len(batch) + missing):
+                    self._bring_early(waiting)
+                    continue  # calls came in meanwhile: look at the queue again
+                wake = min(missing, chunk(len(batch) + missing) - len(waiting))  # woken for the next chunk too
+            self._wake_at, self._room, self._since = len(self._queue) + wake, self.max_batch_tokens - tokens, 0
             try:
                 self._cond.wait(remaining)
             finally:
                 self._wake_at, self._room = 1, -1
+
+    def _bring_early(self, waiting: list[_Task]) -> None:
+        """Bring the tensors of forwards in an open window (:mod:`splitfed.trunk.early`); the caller holds the
+        condition, let go meanwhile so that calls keep coming in."""
+        self._cond.release()
+        try:
+            with TIMELINE.host("bring-early", n=len(waiting)):
+                self.stats["early-refused"] += bring_forwards(self.runtime, waiting)
+        finally:
+            self._cond.acquire()
+        self.stats["early-brings"] += 1
+        self.stats["early-brought"] += len(waiting)
 
     @staticmethod
     def _joins(first: _Task, task: _Task) -> bool:
@@ -312,6 +335,12 @@ class TrunkScheduler:
             task = batch[0]
             assert task.run is not None
             self._settle(task.future, task.run)
+            return
+        for task in batch:
+            if task.error is not None:  # refused while its window was open
+                task.future.set_exception(task.error)
+        batch = [t for t in batch if t.error is None]
+        if not batch:
             return
         requests = [t.forward for t in batch]
         if len(batch) > 1:
