@@ -111,3 +111,25 @@ def test_nan_brought_early_is_refused_and_the_others_step(trunk_server, early: b
         assert server.runtime._batches.stats["early-gradient-brings"] >= 1
     else:
         assert server.scheduler.stats["early-brings"] == 0
+
+
+def test_an_early_bring_that_fails_leaves_the_gradients_to_the_batchs_backward(trunk_server, monkeypatch) -> None:
+    """The first early bring of gradients fails after taking them: they go back to the batch, whose backward
+    brings them again, and every member's step applies."""
+    from splitfed.trunk.batched import Batcher
+
+    verdicts = Batcher._verdicts
+    calls: list[int] = []
+
+    def failing_once(taken, brought):
+        calls.append(len(taken))
+        if len(calls) == 1:
+            raise RuntimeError("copy failed")
+        return verdicts(taken, brought)
+
+    monkeypatch.setattr(Batcher, "_verdicts", staticmethod(failing_once))
+    trunk, server, results = _run(trunk_server, early=True)
+    assert len(calls) >= 2
+    assert {results[i][2] for i in range(CLIENTS)} == {"APPLIED"}  # type: ignore[index]
+    assert server.runtime.version == 1
+    assert sum(calls[1:]) >= calls[0]  # what the failed bring took was brought again

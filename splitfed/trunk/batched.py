@@ -198,8 +198,13 @@ class Batcher:
             taken = dict(group.arrivals)
             group.arrivals.clear()
         assert rt.io is not None
-        with TIMELINE.host("bring-early", n=len(taken)):
-            verdicts = self._verdicts(taken, rt.io.bring([a for i in sorted(taken) for a in taken[i]]))
+        try:
+            with TIMELINE.host("bring-early", n=len(taken)):
+                verdicts = self._verdicts(taken, rt.io.bring([a for i in sorted(taken) for a in taken[i]]))
+        except Exception:
+            with rt._lock:  # left to the batch's backward, which brings them again or answers every member
+                group.arrivals.update(taken)
+            raise
         with rt._lock:
             refused = self._settle_arrivals(group, taken, verdicts)
         self.stats["early-gradient-brings"] += 1

@@ -14,8 +14,9 @@ can batch them (:meth:`TrunkRuntime.forward_many`); each client still gets its
 own output, saved forward and gradient. Inference sessions' decode steps that
 arrive within the same window run as one batched call too (:meth:`TrunkScheduler.batched`,
 :mod:`splitfed.trunk.decoding`). Everything else (backwards, evaluation without a
-window) runs one task at a time, in order. While a window of training forwards stays open, the device thread
-brings the tensors of those already in it to the device, a chunk at a time (:mod:`splitfed.trunk.early`).
+window) runs one task at a time, in order. With the runtime's ``bring_early`` on, while a window of training
+forwards stays open the device thread brings the tensors of those already in it to the device, a chunk at a time
+(:mod:`splitfed.trunk.early`).
 
 Small requests skip the hop: when the device thread is idle and nothing is
 queued, :meth:`TrunkScheduler.now_or_queued` runs a small task on the caller's
@@ -300,6 +301,9 @@ class TrunkScheduler:
         try:
             with TIMELINE.host("bring-early", n=len(waiting)):
                 self.stats["early-refused"] += bring_forwards(self.runtime, waiting)
+        except Exception as exc:  # noqa: BLE001 - these calls fail, as their batch would have; the thread goes on
+            for task in waiting:
+                task.error = exc
         finally:
             self._cond.acquire()
         self.stats["early-brings"] += 1
