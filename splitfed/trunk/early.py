@@ -11,8 +11,8 @@ With :attr:`~splitfed.trunk.placement.RuntimePlacement.bring_early` on (off by d
 batch at a time: the forwards already in an open window (:meth:`~splitfed.trunk.scheduler.TrunkScheduler._take`),
 and the gradients already in for a batch still waiting for others
 (:meth:`~splitfed.trunk.batched.Batcher.bring_gradients`). What is left when the window closes or the last
-gradient comes is the last chunk. The outcome is the one of bringing them at the end: the same
-tensors, and a tensor holding NaN or Inf refused with INVALID_ARGUMENT while the rest of its batch goes on.
+gradient comes is the last chunk. The outcome is the one of bringing them at the end: the same tensors, and a
+tensor holding NaN or Inf refused with INVALID_ARGUMENT while the rest of its batch goes on.
 """
 
 from __future__ import annotations

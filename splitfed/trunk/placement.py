@@ -24,6 +24,7 @@ from splitfed.errors import TensorValueError
 from splitfed.split.base import CutState
 from splitfed.transfer import Staging
 from splitfed.trunk.deviceio import Arrival, DeviceIO, ReplySink, send
+from splitfed.trunk.early import nonfinite
 from splitfed.trunk.requests import ForwardRequest
 
 try:  # torch >= 2.3
@@ -134,8 +135,7 @@ class RuntimePlacement:
         assert self.io is not None, "arrivals come only to a runtime with a DeviceIO"
         for a, ok in zip(arrivals, self.io.bring(arrivals)):
             if not ok:
-                raise TensorValueError(f"tensor {a.name!r} holds NaN or Inf values; the sender must stop or lower "
-                                       "its learning rate before sending again")
+                raise nonfinite(a.name)
 
     def bring_requests(self, requests: list[ForwardRequest]) -> tuple[list[ForwardRequest], dict[int, str]]:
         """Bring every request's tensors still in host memory (one call for all of them): the requests with their
