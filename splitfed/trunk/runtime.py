@@ -323,7 +323,7 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
                     self.defer(lambda: self._batches.finish_or_fail(complete))
                 else:
                     self._batches.finish(complete)
-            elif self.defer is not None and self._batches.bring_due(entry.group):  # see splitfed.trunk.early
+            elif self.bring_early and self.defer is not None and self._batches.bring_due(entry.group):
                 self.defer(lambda group=entry.group: self._batches.bring_gradients(group))
             return pending
         result = self._submit(client_id, entry.version, trunk_grads, entry.num_examples) if step is None else \

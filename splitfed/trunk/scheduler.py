@@ -282,12 +282,12 @@ class TrunkScheduler:
                 TIMELINE.mark("window", n=len(batch), waited=time.monotonic() - first.queued)
                 return batch
             wake = missing
-            if first.forward is not None and getattr(self.runtime, "bring_early", False):
-                waiting = unbrought(batch)
-                if len(waiting) >= chunk(len(batch) + missing):
+            if first.forward is not None and self.runtime.bring_early:  # see splitfed.trunk.early
+                waiting, size = unbrought(batch), chunk(len(batch) + missing)
+                if len(waiting) >= size:
                     self._bring_early(waiting)
                     continue  # calls came in meanwhile: look at the queue again
-                wake = min(missing, chunk(len(batch) + missing) - len(waiting))  # woken for the next chunk too
+                wake = min(missing, size - len(waiting))  # woken for the next chunk too
             self._wake_at, self._room, self._since = len(self._queue) + wake, self.max_batch_tokens - tokens, 0
             try:
                 self._cond.wait(remaining)
