@@ -289,8 +289,9 @@ class Batcher:
             rt.stats["backwards"] += len(members)
             grad_leaf = grads[0] if grads[0] is not None else torch.zeros_like(group.leaf)
             members_in = sorted(group.grads)
-            parts = rt.deliver([(group.packed.part(grad_leaf, i) / weights[i], group.replies.get(i))
-                                for i in members_in])
+            with TIMELINE.host("grads-out", n=len(members_in)):
+                parts = rt.deliver([(group.packed.part(grad_leaf, i) / weights[i], group.replies.get(i))
+                                    for i in members_in])
             for i, part in zip(members_in, parts):
                 group.grad_in[i].set_result(part)
         for client in refused:  # the step does not wait for them (as for a gradient refused on arrival)

@@ -370,7 +370,8 @@ class TrunkRuntime(RuntimePlacement, RuntimeUpkeep):
                 members: tuple[str, ...] = ()) -> Future[Result]:
         if not self.trains:
             return resolved(Result(Outcome.NOT_TRAINED, self._version, 0, 0.0))
-        refused = self.guard.check(trunk_grads)
+        with TIMELINE.host("guard"):
+            refused = self.guard.check(trunk_grads)
         if refused is not None:
             log.warning("gradient guard refused client %s's gradient: %s", ", ".join(members or (client_id,)),
                         refused)
