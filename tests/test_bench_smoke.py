@@ -115,6 +115,18 @@ def test_bench_checkpointing() -> None:
     assert results["saved_bytes_ratio"] > 1
 
 
+def test_bench_graph_turns_on_the_cpu_and_a_mode_that_cannot_run_fails_the_run() -> None:
+    config = "layers=3 hidden=32 heads=2 vocab=64 seq=8"
+    results = _json(_bench("bench.graph_turns", "--device", "cpu", "--modes", "eager", "--rows", "2", "--steps", "2",
+                           "--config", config, "--json"))
+    assert results["eager_2_forward_ms"] > 0 and results["eager_2_backward_ms"] > 0
+    assert results["eager_2_max_abs_diff"] == 0.0
+    done = subprocess.run([sys.executable, "-m", "bench.graph_turns", "--device", "cpu", "--modes", "eager", "graphed",
+                           "--rows", "2", "--steps", "1", "--config", config, "--json"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 1 and "graphed_2_error" in done.stdout and "CUDA graphs need a CUDA device" in done.stderr
+
+
 def test_bench_generation() -> None:
     results = _json(_bench("bench.generation", "--new-tokens", "4", "--prompt-len", "4", "--repeat", "1", "--json"))
     assert results["gen_greedy_match"] == 1.0 and results["gen_bytes_per_token_nocache"] > 0
