@@ -41,6 +41,11 @@ plain-PyTorch one.
 
 ``--inject loop=100 client=500`` runs the batched throughput again with each named part slowed by that many
 microseconds, and reports how much of each delay a sync step shows (:mod:`bench.inject`): which part holds the step.
+
+``--switch-interval 0.0005`` sets the engine's interpreter switch interval (``sys.setswitchinterval``, Python's
+5 ms by default; ``switch_interval_s`` in the output): a thread that waits for the interpreter lock, as the device
+thread does after each wait for the GPU while the event loop takes calls in, asks for it and gets it after at most
+that long.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -223,6 +229,7 @@ def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat
     out["compile"] = bool(SERVER["compile"])
     out["direct_calls"] = bool(SERVER["direct_calls"])
     out["bring_early"] = bool(SERVER["bring_early"])
+    out["switch_interval_s"] = sys.getswitchinterval()  # the engine's (set by _server)
     utils = [r.gpu_util for r in batched if r.gpu_util]
     if utils:
         out[f"gpu_util_mean_{n}_batched{suffix}"] = statistics.median(u["mean"] for u in utils)
@@ -304,6 +311,9 @@ def main() -> int:
     parser.add_argument("--bring-early", action="store_true",
                         help="the server brings a step's tensors to the device as they come, a chunk at a time "
                              "(splitfed.trunk.early)")
+    parser.add_argument("--switch-interval", type=float, default=0.0, metavar="SECONDS",
+                        help="the engine's interpreter switch interval (sys.setswitchinterval; default: Python's "
+                             "5 ms): how long its event loop may keep the device thread waiting for the lock")
     parser.add_argument("--compile", action="store_true",
                         help="compile the trunk's blocks with torch.compile (the server's --compile); adds the "
                              "ceiling with the same compiled blocks")
@@ -333,9 +343,12 @@ def main() -> int:
         parser.error("--serve and --connect run the two sides of one benchmark: give one")
     if (args.serve or args.connect) and (len(args.clients) > 1 or any(r > 1 for r in args.replicas)):
         parser.error("--serve and --connect take one --clients count and no --replicas")
+    if args.switch_interval < 0:
+        parser.error("--switch-interval: give seconds above 0 (or 0 for Python's own)")
     logging.basicConfig(level=logging.WARNING)
     SERVER.update(max_batch_tokens=args.max_batch_tokens, frontends=args.frontends, mode=args.mode,
-                  compile=args.compile, direct_calls=not args.no_direct, bring_early=args.bring_early)
+                  compile=args.compile, direct_calls=not args.no_direct, bring_early=args.bring_early,
+                  switch_interval=args.switch_interval)
     for item in args.config.split():
         key, _, value = item.partition("=")
         if key not in core.SPLIT_STEP:

@@ -3,6 +3,7 @@ server, as the command line sets them (:data:`SERVER`), in this process or as a 
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -14,9 +15,11 @@ from bench.trunk_clients import BenchError
 #: batched trunk call may hold), ``frontends`` (``--frontends``, front-end processes taking its calls in) and
 #: ``mode`` (``--mode``, the trunk's aggregation mode: sync, async or quorum), ``compile`` (``--compile``, the
 #: trunk's blocks compiled with torch.compile) and ``direct_calls`` (off with ``--no-direct``: region-carried calls
-#: go over gRPC, :mod:`splitfed.channel.direct`); ``bring_early`` (``--bring-early``, :mod:`splitfed.trunk.early`).
+#: go over gRPC, :mod:`splitfed.channel.direct`); ``bring_early`` (``--bring-early``, :mod:`splitfed.trunk.early`);
+#: ``switch_interval`` (``--switch-interval``, seconds; 0: Python's): how long a thread of the engine's process may
+#: hold the interpreter lock while another waits for it (``sys.setswitchinterval``), set where the server starts.
 SERVER: dict[str, Any] = {"max_batch_tokens": 1 << 22, "frontends": 0, "mode": "sync", "compile": False,
-                          "direct_calls": True, "bring_early": False}
+                          "direct_calls": True, "bring_early": False, "switch_interval": 0.0}
 
 #: Modes ``--mode`` takes. ``async`` applies each contribution as it comes (staleness bounded by the client
 #: count, so none is refused); ``quorum`` steps on the first half of the clients' contributions.
@@ -42,6 +45,8 @@ def _server(device: str, window_ms: float, replicas: int = 1, clients: int = 1, 
     from splitfed.trunk.runtime import TrunkRuntime
     from splitfed.trunk.store import StoreLimits
 
+    if SERVER["switch_interval"] > 0:
+        sys.setswitchinterval(SERVER["switch_interval"])
     trunk = split_model(core._gpt2().to(device), core._cuts()).trunk
     aggregator = _aggregator(replicas, clients)
     runtime = TrunkRuntime(trunk, torch.optim.SGD(trunk.parameters(), lr=1e-4),

@@ -112,6 +112,17 @@ def test_bench_trunk_bringing_tensors_early() -> None:
     assert results["trunk_examples_per_s_4_clients_batched_cpu"] > 0
 
 
+def test_bench_trunk_sets_the_engines_switch_interval_and_refuses_a_negative_one() -> None:
+    out = _bench("bench.trunk", "--device", "cpu", "--clients", "2", "--repeat", "1", "--steps", "2", "--only",
+                 "batched", "--switch-interval", "0.0005", "--json", "--config", TINY)
+    results = json.loads(out.strip().splitlines()[-1])
+    assert results["switch_interval_s"] == pytest.approx(0.0005)
+    assert results["trunk_examples_per_s_2_clients_batched_cpu"] > 0
+    done = subprocess.run([sys.executable, "-m", "bench.trunk", "--switch-interval", "-1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "--switch-interval: give seconds above 0" in done.stderr
+
+
 def test_bench_trunk_runtime(tmp_path: Path) -> None:
     results = json.loads(_bench("bench.trunk_runtime", "--clients", "2", "--steps", "1", "--config", TINY,
                                 "--json").strip().splitlines()[-1])
