@@ -59,11 +59,10 @@ def main() -> int:
     tune_malloc()  # as the trunk server and client do; applies to both sides of every comparison
     if args.quick:
         core.SPLIT_STEP.update(QUICK_SPLIT_STEP)
-    for item in args.split_config.split():
-        key, _, value = item.partition("=")
-        if key not in core.SPLIT_STEP:
-            parser.error(f"--split-config: unknown key {key!r}; known: {', '.join(core.SPLIT_STEP)}")
-        core.SPLIT_STEP[key] = int(value)
+    try:
+        core.set_split_step(args.split_config, "--split-config")
+    except ValueError as exc:
+        parser.error(str(exc))
     results: dict[str, object] = {
         "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
                    f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}",

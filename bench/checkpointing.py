@@ -49,11 +49,10 @@ def main() -> int:
                         '"layers=12 hidden=768 heads=12 vocab=50257")')
     args = parser.parse_args()
     core.SPLIT_STEP.update(layers=12, hidden=768, heads=12, vocab=50257, seq=args.seq)
-    for item in args.config.split():
-        key, _, value = item.partition("=")
-        if key not in core.SPLIT_STEP:
-            parser.error(f"--config: unknown key {key!r}; known: {', '.join(core.SPLIT_STEP)}")
-        core.SPLIT_STEP[key] = int(value)
+    try:
+        core.set_split_step(args.config)
+    except ValueError as exc:
+        parser.error(str(exc))
     plain = measure(False, args.batch, args.seq, args.repeat, args.device)
     ckpt = measure(True, args.batch, args.seq, args.repeat, args.device)
     print(json.dumps({"saved_forward_bytes": plain[0], "saved_forward_bytes_checkpointing": ckpt[0],

@@ -80,6 +80,18 @@ SPLIT_STEP: dict[str, int] = {"layers": 6, "hidden": 256, "heads": 4, "vocab": 8
                               "bf16": 0}
 
 
+def set_split_step(config: str, option: str = "--config") -> None:
+    """Set :data:`SPLIT_STEP` from ``"key=value ..."`` (a bench's ``option``); raises ValueError saying what is
+    wrong (a command passes it to ``parser.error``)."""
+    for item in config.split():
+        key, _, value = item.partition("=")
+        if key not in SPLIT_STEP:
+            raise ValueError(f"{option}: unknown key {key!r}; known: {', '.join(SPLIT_STEP)}")
+        if not value.isdigit():
+            raise ValueError(f"{option}: {item!r} needs an integer value, as {key}=4")
+        SPLIT_STEP[key] = int(value)
+
+
 def _gpt2(seed: int = 0) -> torch.nn.Module:
     from transformers import GPT2LMHeadModel
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from bench import core
+from bench.ceiling import _sync
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +44,6 @@ class _Hidden(nn.Module):
         from splitfed.split import CutState
 
         return self.trunk(CutState(hidden)).hidden
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _turns(fn: Any, params: list[torch.Tensor], x: torch.Tensor, g: torch.Tensor, autocast: Any, steps: int,
@@ -134,11 +130,10 @@ def main(argv: list[str] | None = None) -> int:
                         'heads=12 vocab=50257 batch=4 seq=256 bf16=1" (batch is not used: --rows)')
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    for item in args.config.split():
-        key, _, value = item.partition("=")
-        if key not in core.SPLIT_STEP or not value.isdigit():
-            parser.error(f"--config: {item!r} is not KEY=INTEGER with KEY one of {', '.join(core.SPLIT_STEP)}")
-        core.SPLIT_STEP[key] = int(value)
+    try:
+        core.set_split_step(args.config)
+    except ValueError as exc:
+        parser.error(str(exc))
     results = measure(tuple(args.rows), args.steps, tuple(args.modes), args.device)
     core.print_results(results, args.json)
     failed = sorted(k for k in results if k.endswith("_error"))

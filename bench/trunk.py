@@ -349,11 +349,10 @@ def main() -> int:
     SERVER.update(max_batch_tokens=args.max_batch_tokens, frontends=args.frontends, mode=args.mode,
                   compile=args.compile, direct_calls=not args.no_direct, bring_early=args.bring_early,
                   switch_interval=args.switch_interval)
-    for item in args.config.split():
-        key, _, value = item.partition("=")
-        if key not in core.SPLIT_STEP:
-            parser.error(f"--config: unknown key {key!r}; known: {', '.join(core.SPLIT_STEP)}")
-        core.SPLIT_STEP[key] = int(value)
+    try:
+        core.set_split_step(args.config)
+    except ValueError as exc:
+        parser.error(str(exc))
     # Clients on this host: the server keeps the cores they are not pinned to.
     if not (args.connect or args.serve):
         keep_server_off_client_cores(args.client_cores)

@@ -193,11 +193,10 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    for item in args.config.split():
-        key, _, value = item.partition("=")
-        if key not in core.SPLIT_STEP:
-            parser.error(f"--config: unknown key {key!r}; known: {', '.join(core.SPLIT_STEP)}")
-        core.SPLIT_STEP[key] = int(value)
+    try:
+        core.set_split_step(args.config)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.batches < 1:
         parser.error("--batches must be >= 1")
     results: dict[str, Any] = run(args.device, args.clients, args.steps, vary=args.vary, profile=args.profile,

@@ -127,6 +127,16 @@ def test_bench_graph_turns_on_the_cpu_and_a_mode_that_cannot_run_fails_the_run()
     assert done.returncode == 1 and "graphed_2_error" in done.stdout and "CUDA graphs need a CUDA device" in done.stderr
 
 
+@pytest.mark.parametrize(("module", "config", "says"), [
+    ("bench.graph_turns", "nope=3", "--config: unknown key 'nope'"),
+    ("bench.trunk", "layers=x", "--config: 'layers=x' needs an integer value"),
+])
+def test_a_bad_config_ends_a_bench_at_once_saying_what_is_wrong(module: str, config: str, says: str) -> None:
+    done = subprocess.run([sys.executable, "-m", module, "--config", config], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 2 and says in done.stderr
+
+
 def test_bench_generation() -> None:
     results = _json(_bench("bench.generation", "--new-tokens", "4", "--prompt-len", "4", "--repeat", "1", "--json"))
     assert results["gen_greedy_match"] == 1.0 and results["gen_bytes_per_token_nocache"] > 0
