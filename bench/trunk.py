@@ -1,51 +1,37 @@
 """Trunk throughput with many clients, against what the same device does in plain PyTorch.
 
-Clients run in processes of their own and send precomputed activations and
-gradients (their own parts' compute is left out), so the figures are those of
-the trunk server: examples per second through its forward and backward, in
-``sync`` mode, over shared memory (``--socket``: over the socket, as clients on
-other hosts). In the same run and on the same device, :mod:`bench.ceiling`
-measures the plain-PyTorch trunk step over the same rows (batched: one forward
-and backward over every client's rows; sequential: client after client), so
-``trunk_ceiling_fraction_<N>`` = server batched / ceiling batched. GPU
-utilization is sampled while the server runs (:mod:`bench.gpu_util`), and while
-the ceiling runs (``ceiling_gpu_util_mean_<N>_batched``): how busy plain PyTorch
-keeps the same GPU with the same rows.
+Clients run in processes of their own and send precomputed activations and gradients (their own parts' compute is
+left out), so the figures are those of the trunk server: examples per second through its forward and backward, in
+``sync`` mode, over shared memory (``--socket``: over the socket, as clients on other hosts). In the same run and on
+the same device, :mod:`bench.ceiling` measures the plain-PyTorch trunk step over the same rows (batched: one
+forward and backward over every client's rows; sequential: client after client), so ``trunk_ceiling_fraction_<N>``
+= server batched / ceiling batched. GPU utilization is sampled while the server runs (:mod:`bench.gpu_util`), and
+while the ceiling runs (``ceiling_gpu_util_mean_<N>_batched``): how busy plain PyTorch keeps the same GPU.
 
-``python -m bench.trunk --device cuda --clients 32 --config "layers=12
-hidden=768 heads=12 vocab=50257 batch=4 seq=256 bf16=1"`` is the GPT-2-small
-measurement of the README. ``--timeline FILE`` records the server's timeline
-(:mod:`splitfed.trunk.timeline`) over the batched run's timed steps, writes it
-as JSON and prints the figures of its median sync step. ``--client-cores K``
-pins the client processes to the last K cores and the server (its threads and
-front-end processes) to the others, as if the clients had a host of their own;
-the output says how many cores each side used (``client_cores``, ``server_cores``).
+``python -m bench.trunk --device cuda --clients 32 --config "layers=12 hidden=768 heads=12 vocab=50257 batch=4
+seq=256 bf16=1"`` is the GPT-2-small measurement of the README. ``--timeline FILE`` records the server's timeline
+(:mod:`splitfed.trunk.timeline`) over the batched run's timed steps, writes it as JSON and prints the figures of
+its median sync step. ``--client-cores K`` pins the client processes to the last K cores and the server (its
+threads and front-end processes) to the others; the output says how many cores each side used (``client_cores``,
+``server_cores``).
 
-``--replicas 2`` adds trunk replicas over torch.distributed (:mod:`splitfed.launcher`):
-for each ``--clients`` count, one trunk one-at-a-time, one trunk batched, and
-``--replicas`` trunks batched (one per GPU with ``--device cuda``, NCCL; CPU
-processes with gloo otherwise), clients spread round robin over the replicas.
-``python -m bench.trunk --device cuda --replicas 2 --clients 8 32 --config
-"layers=12 hidden=768 heads=12 vocab=50257 batch=4 seq=256 bf16=1"`` gives
-``replica_scaling_2gpu`` (2 GPUs / 1 GPU, batched, 32 clients).
+``--replicas 2`` adds trunk replicas over torch.distributed (:mod:`splitfed.launcher`): for each ``--clients``
+count, one trunk one-at-a-time, one trunk batched, and ``--replicas`` trunks batched (one per GPU with ``--device
+cuda``, NCCL; CPU processes with gloo otherwise), clients spread round robin over the replicas:
+``replica_scaling_2gpu`` (2 GPUs / 1 GPU, batched, 32 clients). ``--engines 2`` does the same with independent
+engines on the one device (:class:`bench.trunk_server.Engines`: each its own process and clients, no gradient
+exchange): ``engine_scaling_2``, the most that several engine processes per GPU could give.
 
-Every wait on a client process is bounded and checks that the processes are
-alive: a client that dies or fails ends the benchmark with a non-zero exit.
+Every wait on a client process is bounded and checks that the processes are alive: a client that dies or fails
+ends the benchmark with a non-zero exit.
 
 ``--compile`` compiles the server's trunk blocks with torch.compile (``splitfed serve --compile``) and adds, in
-the same run, the ceiling with the same compiled blocks: ``trunk_ceiling_fraction_<N>_vs_compiled`` beside the
-plain-PyTorch one.
-
+the same run, the ceiling with the same compiled blocks (``trunk_ceiling_fraction_<N>_vs_compiled``).
 ``--serve HOST:PORT`` and ``--connect HOST:PORT`` run the server and its clients on two hosts
-(:mod:`bench.trunk_remote`), so that the clients do not take the server's cores.
-
-``--inject loop=100 client=500`` runs the batched throughput again with each named part slowed by that many
-microseconds, and reports how much of each delay a sync step shows (:mod:`bench.inject`): which part holds the step.
-
+(:mod:`bench.trunk_remote`). ``--inject loop=100 client=500`` runs the batched throughput again with each named
+part slowed by that many microseconds, and reports how much of each delay a sync step shows (:mod:`bench.inject`).
 ``--switch-interval 0.0005`` sets the engine's interpreter switch interval (``sys.setswitchinterval``, Python's
-5 ms by default; ``switch_interval_s`` in the output): a thread that waits for the interpreter lock, as the device
-thread does after each wait for the GPU while the event loop takes calls in, asks for it and gets it after at most
-that long.
+5 ms by default; ``switch_interval_s`` in the output).
 """
 
 from __future__ import annotations
@@ -76,7 +62,7 @@ from bench.trunk_clients import (
     pick_cores,
     run_client,
 )
-from bench.trunk_server import MODES, SERVER, _replica, _server
+from bench.trunk_server import MODES, SERVER, Engines, _replica, _server
 from splitfed.errors import SplitFedError
 
 log = logging.getLogger("bench.trunk")
@@ -94,9 +80,10 @@ class Run:
 
 
 def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, device: str = "cpu",
-               replicas: int = 1, *, client_cores: int = 0, socket: bool = False, timeline: bool = False) -> Run:
+               replicas: int = 1, *, client_cores: int = 0, socket: bool = False, timeline: bool = False,
+               engines: int = 1) -> Run:
     """``clients`` client processes, ``steps`` timed steps each (in the mode of ``SERVER``, sync by default), over
-    ``replicas`` trunk replicas.
+    ``replicas`` trunk replicas, or over ``engines`` independent engines on the one device (:class:`Engines`).
 
     Raises :class:`BenchError` when a client fails or dies, or the run stalls.
     """
@@ -117,6 +104,14 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
                                                                   dict(SERVER)),
                                  timeout_s=600).start()
         addresses = replica_set.addresses
+    extra = None
+    if engines > 1:
+        try:
+            extra = Engines(engines, device, window_ms, clients // engines).start()
+        except BenchError:
+            server.stop(grace=0)
+            raise
+        addresses += extra.addresses
     events, start, go = ctx.Queue(), ctx.Event(), ctx.Event()
     cores = pick_cores(client_cores)
     procs = [ctx.Process(target=run_client, args=(addresses[i % len(addresses)], i, dict(core.SPLIT_STEP), steps,
@@ -147,6 +142,8 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
         util = sampler.stop()
         if replica_set is not None:
             replica_set.stop()
+        if extra is not None:
+            extra.stop()
         server.stop(grace=0)
         for p in procs:
             p.join(5)
@@ -243,28 +240,35 @@ def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat
     return out
 
 
-def replica_scaling(device: str = "cpu", clients: tuple[int, ...] = (8, 32), replicas: tuple[int, ...] = (2,),
-                    window_ms: float = 50.0, repeat: int = 1, steps: int = 5, client_cores: int = 0,
-                    socket: bool = False, only: tuple[str, ...] = RUNS, timeline: str = "") -> dict[str, Any]:
-    """For each client count: one trunk one at a time (``only`` holding ``one``), one trunk batched, and each count
-    of ``replicas`` batched (examples/s); the scaling of the largest client count (``r`` trunks / one, both
-    batched). ``timeline``: record replica 0 of the largest replica count (the sync step's all-reduce included)."""
+def scale_out(device: str = "cpu", clients: tuple[int, ...] = (8, 32), replicas: tuple[int, ...] = (2,),
+              window_ms: float = 50.0, repeat: int = 1, steps: int = 5, client_cores: int = 0,
+              socket: bool = False, only: tuple[str, ...] = RUNS, timeline: str = "",
+              engines: tuple[int, ...] = ()) -> dict[str, Any]:
+    """For each client count: one trunk one at a time (``only`` holding ``one``), one trunk batched, each count of
+    ``replicas`` and of independent ``engines`` on the one device batched (examples/s); the scaling of the largest
+    client count (``r`` trunks / one, ``e`` engines / one, all batched). ``timeline``: record replica 0 of the
+    largest replica count (the sync step's all-reduce included), or else engine 0 of the most engines."""
     from splitfed.trunk.timeline import save
 
     gpu = device.startswith("cuda")
     suffix = "" if gpu else "_cpu"
     out: dict[str, Any] = {}
     kw = {"device": device, "steps": steps, "client_cores": client_cores, "socket": socket}
-    largest = max(replicas)
+    largest = (max(replicas), 1) if replicas else (1, max(engines))
     for n in clients:
-        runs = ([("", 0.0, 1)] if "one" in only else []) + [("_batched", window_ms, 1)] + \
-            [(f"_batched_{r}replicas", window_ms, r) for r in replicas]
-        for name, window, r in runs:
-            record = bool(timeline) and r == largest and n == max(clients)
-            results = [throughput(n, window, replicas=r, timeline=record and i == 0, **kw) for i in range(repeat)]
+        runs = ([("", 0.0, 1, 1)] if "one" in only else []) + [("_batched", window_ms, 1, 1)] + \
+            [(f"_batched_{r}replicas", window_ms, r, 1) for r in replicas] + \
+            [(f"_batched_{e}engines", window_ms, 1, e) for e in engines]
+        for name, window, r, e in runs:
+            record = bool(timeline) and (r, e) == largest and n == max(clients)
+            results = [throughput(n, window, replicas=r, engines=e, timeline=record and i == 0, **kw)
+                       for i in range(repeat)]
             value = statistics.median(x.examples_per_s for x in results)
             out[f"trunk_examples_per_s_{n}_clients{name}{suffix}"] = value
             out.update(cpu_figures([x.cpu for x in results], f"{n}_clients{name}{suffix}"))
+            utils = [x.gpu_util for x in results if x.gpu_util]
+            if utils:
+                out[f"gpu_util_mean_{n}_clients{name}"] = statistics.median(u["mean"] for u in utils)
             log.warning("%d clients%s: %.1f examples/s", n, name or " one at a time", value)
             if record and results[0].timeline:
                 save(results[0].timeline, timeline)
@@ -280,10 +284,12 @@ def replica_scaling(device: str = "cpu", clients: tuple[int, ...] = (8, 32), rep
                     out[f"allreduce_ms_per_step_{r}replicas"] = mean * 1e3
                     out[f"allreduce_step_share_{r}replicas"] = mean / per_step
     n = max(clients)
+    one = out[f"trunk_examples_per_s_{n}_clients_batched{suffix}"]
     for r in replicas:
-        scaling = out[f"trunk_examples_per_s_{n}_clients_batched_{r}replicas{suffix}"] / \
-            out[f"trunk_examples_per_s_{n}_clients_batched{suffix}"]
+        scaling = out[f"trunk_examples_per_s_{n}_clients_batched_{r}replicas{suffix}"] / one
         out[f"replica_scaling_{r}gpu" if gpu else f"replica_scaling_{r}proc_cpu"] = scaling
+    for e in engines:
+        out[f"engine_scaling_{e}{suffix}"] = out[f"trunk_examples_per_s_{n}_clients_batched_{e}engines{suffix}"] / one
     return out
 
 
@@ -295,6 +301,9 @@ def main() -> int:
                         help="client counts (several only with --replicas)")
     parser.add_argument("--replicas", type=int, nargs="+", default=[1],
                         help="also measure these counts of trunk replicas (batched), one per GPU with --device cuda")
+    parser.add_argument("--engines", type=int, nargs="+", default=[1],
+                        help="also measure these counts of independent engines on the one device (batched, each "
+                             "its own process and clients, no gradient exchange): engine_scaling_<K>")
     parser.add_argument("--window-ms", type=float, default=50.0, help="the server's batching window (default 50)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each kind; medians are reported (default 3)")
     parser.add_argument("--steps", type=int, default=5, help="timed sync steps per run (default 5)")
@@ -335,14 +344,18 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     try:
-        inject = parse(args.inject, one_trunk=not (args.serve or args.connect or any(r > 1 for r in args.replicas)),
+        several = any(n > 1 for n in args.replicas + args.engines)
+        inject = parse(args.inject, one_trunk=not (args.serve or args.connect or several),
                        batched="batched" in args.only, frontends=args.frontends)
     except InjectError as exc:
         parser.error(str(exc))
     if args.serve and args.connect:
         parser.error("--serve and --connect run the two sides of one benchmark: give one")
-    if (args.serve or args.connect) and (len(args.clients) > 1 or any(r > 1 for r in args.replicas)):
-        parser.error("--serve and --connect take one --clients count and no --replicas")
+    replicas, engines = tuple(r for r in args.replicas if r > 1), tuple(e for e in args.engines if e > 1)
+    if (args.serve or args.connect) and (len(args.clients) > 1 or replicas or engines):
+        parser.error("--serve and --connect take one --clients count and no --replicas or --engines")
+    if any(n < e for n in args.clients for e in engines):
+        parser.error("--engines: every engine needs a client; give --clients at least the largest --engines")
     if args.switch_interval < 0:
         parser.error("--switch-interval: give seconds above 0 (or 0 for Python's own)")
     logging.basicConfig(level=logging.WARNING)
@@ -357,7 +370,6 @@ def main() -> int:
     if not (args.connect or args.serve):
         keep_server_off_client_cores(args.client_cores)
     try:
-        replicas = tuple(r for r in args.replicas if r > 1)
         if args.serve:
             results = trunk_remote.serve(args.serve, args.clients[0], device=args.device, window_ms=args.window_ms,
                                          steps=args.steps, timeline=args.timeline, only=tuple(args.only),
@@ -365,11 +377,10 @@ def main() -> int:
         elif args.connect:
             results = trunk_remote.connect(args.connect, args.clients[0], steps=args.steps,
                                            client_cores=args.client_cores)
-        elif replicas:
-            results: dict[str, Any] = dict(replica_scaling(args.device, tuple(args.clients), replicas,
-                                                           args.window_ms, args.repeat, args.steps,
-                                                           args.client_cores, args.socket, tuple(args.only),
-                                                           args.timeline))
+        elif replicas or engines:
+            results: dict[str, Any] = dict(scale_out(args.device, tuple(args.clients), replicas, args.window_ms,
+                                                     args.repeat, args.steps, args.client_cores, args.socket,
+                                                     tuple(args.only), args.timeline, engines))
         else:
             results = trunk(args.device, args.clients[0], args.window_ms, args.repeat, args.steps,
                             args.client_cores, args.socket, args.timeline, tuple(args.only), inject)

@@ -1,9 +1,13 @@
 """The trunk server of :mod:`bench.trunk`: the GPT-2 trunk of :data:`bench.core.SPLIT_STEP`, its runtime and its
-server, as the command line sets them (:data:`SERVER`), in this process or as a replica's (:mod:`splitfed.launcher`)."""
+server, as the command line sets them (:data:`SERVER`), in this process, as a replica's (:mod:`splitfed.launcher`),
+or as one of several independent engines on one device (:class:`Engines`)."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import queue
 import sys
+import time
 from typing import Any
 
 import torch
@@ -65,3 +69,66 @@ def _replica(rank: int, device: str, window_ms: float, replicas: int, settings: 
     core.SPLIT_STEP.update(settings)
     SERVER.update(server)
     return _server(f"cuda:{rank}" if device.startswith("cuda") else device, window_ms, replicas)
+
+
+#: Seconds an extra engine may take to build, compile and start its server.
+ENGINE_START_S = 900.0
+
+
+def _engine(settings: dict[str, int], server: dict[str, Any], device: str, window_ms: float, clients: int,
+            addresses: Any, stop: Any) -> None:
+    """An extra engine (in a process of its own): the same trunk and settings as this process's server, serving
+    until ``stop`` is set."""
+    core.SPLIT_STEP.update(settings)
+    SERVER.update(server)
+    try:
+        started = _server(device, window_ms, 1, clients).start()
+    except BaseException as exc:
+        addresses.put(f"error: {exc!r}")
+        raise
+    addresses.put(started.address)
+    stop.wait()
+    started.stop(grace=0)
+
+
+class Engines:
+    """``count - 1`` more trunk servers beside this process's, each an engine of its own (its own process, event
+    loop, device thread and interpreter lock) on the same ``device``, with the same trunk and settings, and no
+    gradient exchange between them: each steps over its own clients. What several engine processes per GPU
+    could give at most, before the collectives that replicas add (:mod:`splitfed.trunk.replicas`)."""
+
+    def __init__(self, count: int, device: str, window_ms: float, clients: int) -> None:
+        ctx = mp.get_context("spawn")
+        self._found, self._stop = ctx.Queue(), ctx.Event()
+        self._procs = [ctx.Process(target=_engine, args=(dict(core.SPLIT_STEP), dict(SERVER), device, window_ms,
+                                                         clients, self._found, self._stop), daemon=True)
+                       for _ in range(count - 1)]
+        self.addresses: list[str] = []
+
+    def start(self) -> Engines:
+        """Start the engines and wait for their addresses; :class:`BenchError` if one fails or does not start."""
+        for p in self._procs:
+            p.start()
+        deadline = time.monotonic() + ENGINE_START_S
+        while len(self.addresses) < len(self._procs):
+            try:
+                found = self._found.get(timeout=1.0)
+            except queue.Empty:
+                if any(not p.is_alive() for p in self._procs) or time.monotonic() > deadline:
+                    self.stop()
+                    raise BenchError("an extra trunk engine died or did not start in time") from None
+                continue
+            if found.startswith("error:"):
+                self.stop()
+                raise BenchError(f"an extra trunk engine failed to start: {found[6:].strip()}")
+            self.addresses.append(found)
+        return self
+
+    def stop(self) -> None:
+        """Stop every engine (killed if it does not end within seconds)."""
+        self._stop.set()
+        for p in self._procs:
+            if p.pid is not None:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()

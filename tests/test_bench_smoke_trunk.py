@@ -176,6 +176,21 @@ def test_bench_trunk_replicas_time_the_control_loop(tmp_path: Path) -> None:
     assert 0 < results["timeline_hop_replica_ready_wait_ms"] <= results["timeline_hop_replica_ready_to_step_ms"]
 
 
+def test_bench_trunk_engines_serve_their_own_clients_beside_the_first(tmp_path: Path) -> None:
+    """``--engines 2``: a second engine in a process of its own on the same device takes half the clients (the
+    first engine's timeline holds one client's calls a step, not two), and the scaling is reported; more engines
+    than clients is refused before anything starts."""
+    timeline = tmp_path / "timeline.json"
+    results = json.loads(_bench("bench.trunk", "--device", "cpu", "--engines", "2", "--clients", "2", "--repeat",
+                                "1", "--steps", "3", "--only", "batched", "--config", TINY, "--timeline",
+                                str(timeline), "--json").strip().splitlines()[-1])
+    assert results["engine_scaling_2_cpu"] > 0 and results["trunk_examples_per_s_2_clients_batched_2engines_cpu"] > 0
+    assert results["timeline_forward_in_count"] == 1 and results["timeline_backward_in_count"] == 1
+    done = subprocess.run([sys.executable, "-m", "bench.trunk", "--engines", "3", "--clients", "2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "every engine needs a client" in done.stderr
+
+
 def _free_port() -> int:
     import socket
 
