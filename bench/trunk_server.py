@@ -101,8 +101,8 @@ class Engines:
         ctx = mp.get_context("spawn")
         self._found, self._stop = ctx.Queue(), ctx.Event()
         self._procs = [ctx.Process(target=_engine, args=(dict(core.SPLIT_STEP), dict(SERVER), device, window_ms,
-                                                         clients, self._found, self._stop), daemon=True)
-                       for _ in range(count - 1)]
+                                                         clients, self._found, self._stop))
+                       for _ in range(count - 1)]  # not daemons: an engine starts front-end processes of its own
         self.addresses: list[str] = []
 
     def start(self) -> Engines:

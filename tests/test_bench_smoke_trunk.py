@@ -177,12 +177,13 @@ def test_bench_trunk_replicas_time_the_control_loop(tmp_path: Path) -> None:
 
 
 def test_bench_trunk_engines_serve_their_own_clients_beside_the_first(tmp_path: Path) -> None:
-    """``--engines 2``: a second engine in a process of its own on the same device takes half the clients (the
+    """``--engines 2``: a second engine in a process of its own (with its front-end) takes half the clients (the
     first engine's timeline holds one client's calls a step, not two), and the scaling is reported; more engines
     than clients is refused before anything starts."""
     timeline = tmp_path / "timeline.json"
     results = json.loads(_bench("bench.trunk", "--device", "cpu", "--engines", "2", "--clients", "2", "--repeat",
-                                "1", "--steps", "3", "--only", "batched", "--config", TINY, "--timeline",
+                                "1", "--steps", "3", "--only", "batched", "--frontends", "1", "--config", TINY,
+                                "--timeline",
                                 str(timeline), "--json").strip().splitlines()[-1])
     assert results["engine_scaling_2_cpu"] > 0 and results["trunk_examples_per_s_2_clients_batched_2engines_cpu"] > 0
     assert results["timeline_forward_in_count"] == 1 and results["timeline_backward_in_count"] == 1
