@@ -37,3 +37,29 @@ def test_a_gradient_whose_call_was_cancelled_does_not_fail_the_step_of_the_other
     finally:
         gives_up.close()
         stays.close()
+
+
+def test_a_server_stopped_while_a_cancelled_calls_work_waits_leaves_no_task_pending(trunk_server) -> None:
+    """The work of a call the client gave up on runs on, detached, until its step; a server stopped before that
+    step cancels it instead of leaving it to be destroyed pending with the loop ("Task was destroyed but it is
+    pending!" at exit)."""
+    import asyncio
+
+    split = split_model(tiny_model("llama", layers=2).train(), cuts=(1, 2))
+    server = trunk_server(split.trunk, aggregator=make_aggregator("sync", timeout=120))
+    gives_up = TrunkClient(server.address, insecure=True, client_id="a", retry=RetryPolicy(timeout_s=2.0))
+    never = TrunkClient(server.address, insecure=True, client_id="b")
+    try:
+        gives_up.join()
+        never.join()  # a member that never sends: "a"'s gradient waits for the step
+        act = uuid.uuid4().hex
+        out, _ = gives_up.forward(CutState(torch.randn(1, 3, 32)), activation_id=act, train=True)
+        with pytest.raises(ChannelError, match="DEADLINE_EXCEEDED"):
+            gives_up.backward(act, torch.ones_like(out) * 0.01)
+        loop = server._loop
+        assert any(not t.done() for t in asyncio.all_tasks(loop))  # the detached work, still waiting
+        server.stop(grace=0)
+        assert [t for t in asyncio.all_tasks(loop) if not t.done()] == []
+    finally:
+        gives_up.close()
+        never.close()

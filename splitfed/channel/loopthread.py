@@ -14,11 +14,35 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+#: Seconds the tasks still pending on a stopping loop have to end once cancelled.
+CANCEL_GRACE_S = 2.0
+
+
+async def _cancel_pending(grace: float) -> None:
+    """Cancel every task of the running loop but this one and give them ``grace`` seconds to end (their
+    outcomes read, so none is reported as never retrieved)."""
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=grace)
+    for task in tasks:
+        if task.done():
+            task.cancelled() or task.exception()
+
+
 def stop_loop(loop: asyncio.AbstractEventLoop | None, thread: threading.Thread | None) -> None:
-    """Stop ``loop`` (running forever on ``thread``), wait up to 5 s for the thread, and close the loop once it
-    no longer runs."""
+    """Cancel what still runs on ``loop`` (running forever on ``thread``): work detached from calls that were
+    answered or cancelled, which would otherwise be destroyed pending with the loop. Then stop it, wait up to 5 s
+    for the thread, and close the loop once it no longer runs."""
     if loop is None or thread is None:
         return
+    if loop.is_running() and threading.current_thread() is not thread:
+        try:
+            asyncio.run_coroutine_threadsafe(_cancel_pending(CANCEL_GRACE_S), loop).result(CANCEL_GRACE_S + 3)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            pass  # a loop that does not answer is stopped all the same
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
     if not loop.is_running():
