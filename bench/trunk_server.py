@@ -5,6 +5,7 @@ or as one of several independent engines on one device (:class:`Engines`)."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import sys
 import time
@@ -76,9 +77,9 @@ ENGINE_START_S = 900.0
 
 
 def _engine(settings: dict[str, int], server: dict[str, Any], device: str, window_ms: float, clients: int,
-            addresses: Any, stop: Any) -> None:
+            addresses: Any, stop: Any, parent: int) -> None:
     """An extra engine (in a process of its own): the same trunk and settings as this process's server, serving
-    until ``stop`` is set."""
+    until ``stop`` is set or the bench's process (``parent``) is gone."""
     core.SPLIT_STEP.update(settings)
     SERVER.update(server)
     try:
@@ -87,7 +88,8 @@ def _engine(settings: dict[str, int], server: dict[str, Any], device: str, windo
         addresses.put(f"error: {exc!r}")
         raise
     addresses.put(started.address)
-    stop.wait()
+    while not stop.wait(1.0) and os.getppid() == parent:
+        pass
     started.stop(grace=0)
 
 
@@ -101,7 +103,7 @@ class Engines:
         ctx = mp.get_context("spawn")
         self._found, self._stop = ctx.Queue(), ctx.Event()
         self._procs = [ctx.Process(target=_engine, args=(dict(core.SPLIT_STEP), dict(SERVER), device, window_ms,
-                                                         clients, self._found, self._stop))
+                                                         clients, self._found, self._stop, os.getpid()))
                        for _ in range(count - 1)]  # not daemons: an engine starts front-end processes of its own
         self.addresses: list[str] = []
 
