@@ -12,13 +12,14 @@ Pure numpy and torch.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from splitfed.errors import TensorValueError
 
-__all__ = ["check_finite", "is_finite"]
+__all__ = ["FiniteFlag", "check_finite", "is_finite"]
 
 #: Per float dtype: the integer dtype of its width, the smallest positive non-finite bit pattern (the exponent
 #: mask) and the smallest negative one (sign bit and exponent mask, unsigned).
@@ -69,3 +70,36 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
     if not is_finite(tensor):
         raise TensorValueError(f"tensor {name!r} holds NaN or Inf values; the sender must stop or lower its "
                                "learning rate before sending again")
+
+
+@dataclass(frozen=True)
+class FiniteFlag:
+    """Whether a device tensor holds no NaN or Inf, computed on the device and read later without a stall.
+
+    :meth:`of` queues the check and a copy of its one-byte answer into pinned host memory on the current stream,
+    with an event after the copy. :meth:`read` waits for that event only: for the check, never for the work
+    queued on the stream after it (reading the device tensor itself would wait for all of it, leaving the GPU
+    idle until the host queues more).
+    """
+
+    value: torch.Tensor
+    #: Recorded after the copy to the host (None: ``value`` is on the CPU already).
+    done: torch.cuda.Event | None = None
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> FiniteFlag:
+        """Queue the check of ``tensor`` (after the work already queued on the current stream)."""
+        ok = torch.isfinite(tensor).all()
+        if not ok.is_cuda:
+            return cls(ok)
+        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host.copy_(ok, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return cls(host, done)
+
+    def read(self) -> bool:
+        """The answer (waits for the check and its copy, nothing queued after them)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return bool(self.value)

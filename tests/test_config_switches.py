@@ -194,6 +194,61 @@ def test_split_logits_equal_unsplit(case: Case, attn: str, padded: bool) -> None
     assert abs(want.loss.item() - got.loss.item()) <= 1e-5
 
 
+def packed_positions(batch: int, length: int) -> torch.Tensor:
+    """Position ids of rows that each hold several sequences (packing), restarting at a different place per row."""
+    rows = []
+    for i in range(batch):
+        cut = 3 + 2 * i
+        rows.append(torch.cat([torch.arange(cut), torch.arange(length - cut)]))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("positions", ["default", "packed"])
+@pytest.mark.parametrize(("case", "attn"), PARAMS)
+def test_split_logits_equal_unsplit_without_a_padding_mask(case: Case, attn: str, positions: str) -> None:
+    # Prepare: no attention mask, so positions decide the mask (packed rows attend within their own sequence;
+    # a decoder's forward looks for packing only without its KV cache, as in training)
+    model = build(case, attn).eval()
+    ref = copy.deepcopy(model)
+    inputs = batch(case, padded=False)
+    del inputs["attention_mask"]
+    if positions == "packed":
+        inputs["position_ids"] = packed_positions(*inputs["input_ids"].shape)
+    split = split_model(model, cuts=(1, 3))
+    # Execute
+    with torch.no_grad():
+        want = ref(**inputs, **({} if case.arch == "bert" else {"use_cache": False}))
+        got = split(**inputs)
+    # Assert
+    assert (want.logits - got.logits).abs().max().item() <= 1e-5
+    assert abs(want.loss.item() - got.loss.item()) <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral"])
+def test_default_positions_stay_on_the_client_and_no_part_looks_for_packing(arch: str, monkeypatch) -> None:
+    # Prepare: count the packed-sequence checks (each one's answer is read back from the device: a GPU stall)
+    import transformers.masking_utils as masking
+
+    checks: list[torch.Tensor] = []
+    real = masking.find_packed_sequence_indices
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda pos: checks.append(pos) or real(pos))
+    case = next(c for c in CASES if c.arch == arch)
+    model = build(case).eval()
+    split = split_model(model, cuts=(1, 3))
+    ids = batch(case, padded=False)["input_ids"]
+    # Execute
+    with torch.no_grad():
+        state = split.bottom(ids)
+        split(input_ids=ids)
+        defaulted = len(checks)
+        split(input_ids=ids, position_ids=torch.arange(ids.shape[1]).expand_as(ids))
+    # Assert: default positions do not cross the cut and cost no check; explicit ones are checked in every part
+    assert state.position_ids is None
+    assert "position_ids" not in state.tensors()
+    assert defaulted == 0
+    assert len(checks) >= 3
+
+
 @pytest.mark.parametrize(("case", "attn"), PARAMS)
 def test_five_training_steps_equal_unsplit(case: Case, attn: str) -> None:
     # Prepare

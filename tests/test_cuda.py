@@ -158,9 +158,9 @@ def test_pipelined_gpu_steps_over_grpc_equal_unsplit(arch: str, trunk_server) ->
     diff = _five_steps_side_by_side(client, opt, model, ref, ref_opt, (ids, mask, labels))
     assert diff <= 1e-5
     assert server.runtime.version == 5 and remote.outcomes == {"APPLIED": 5}
-    # Activations, masks and positions leave through the side stream; activations and gradients come back so
-    # (on the client), and the trunk in this process takes activations and gradients in likewise.
-    assert transfer.COPIES["d2h"] - before["d2h"] == 5 * 4 * (3 + 1)
+    # Activations and masks leave through the side stream (default positions stay on the client); activations
+    # and gradients come back so (on the client), and the trunk in this process takes them in likewise.
+    assert transfer.COPIES["d2h"] - before["d2h"] == 5 * 4 * (2 + 1)
     assert transfer.COPIES["h2d"] - before["h2d"] == 5 * 4 * 2 + 5 * 4 * 2
     assert any(s.pooled > 0 for s in remote.__dict__["_stagings"].values())  # pinned buffers kept for reuse
     assert server.runtime._staging is not None  # the trunk takes its inputs through pinned buffers too

@@ -7,9 +7,11 @@ the socket. With one (client and trunk both on a GPU), the trunk's stream
 waits for the client's copy and copies the bytes straight to the device; the
 host never waits, so neither side's GPU idles while the other launches work.
 Such tensors are checked for NaN/Inf on the device and the verdict is read
-once the Backward's step is done (:meth:`RegionIO.verdict`): the host would
-otherwise stall the GPU pipeline for it. A non-finite trunk gradient is never
-applied either way (the gradient guard).
+once the Backward's step is done (:meth:`RegionIO.verdict`), each check's
+answer copied to the host behind it (:class:`~splitfed.finite.FiniteFlag`), so
+that reading it waits for the check alone and never for the backward and step
+queued after it: the GPU is not left idle while the reply goes out. A
+non-finite trunk gradient is never applied either way (the gradient guard).
 
 Replies go into the slice the request offered when they are raw and fit,
 from the device or from host memory, with the request's reply event recorded
@@ -38,6 +40,7 @@ from splitfed.errors import (
     SplitFedError,
     TensorValueError,
 )
+from splitfed.finite import FiniteFlag
 from splitfed.trunk.deviceio import Arrival, DeviceIO
 
 #: Verdicts kept for training forwards whose Backward has not come yet.
@@ -61,18 +64,18 @@ class RegionIO:
         self.device = device
         self.max_bytes = max_bytes
         self.io = io
-        self._verdicts: OrderedDict[tuple[str, str], list[torch.Tensor]] = OrderedDict()
+        self._verdicts: OrderedDict[tuple[str, str], list[FiniteFlag]] = OrderedDict()
 
     # -- requests ----------------------------------------------------------------------------
     def resolve(self, client: str, tensors: list[EncodedTensor], arrive: bool = True
-                ) -> tuple[list[EncodedTensor], dict[str, torch.Tensor], list[torch.Tensor], list[Arrival]]:
+                ) -> tuple[list[EncodedTensor], dict[str, torch.Tensor], list[FiniteFlag], list[Arrival]]:
         """The request's tensors: those in ``client``'s region copied out (host bytes, or device tensors when an
         event orders the copy), the device tensors' finiteness flags (read later, see :meth:`verdict`), and
         the large ones the device thread brings from the region itself (:class:`~splitfed.trunk.deviceio.Arrival`,
         placeholders in ``ready`` until then; ``arrive=False``: none)."""
         out: list[EncodedTensor] = []
         ready: dict[str, torch.Tensor] = {}
-        flags: list[torch.Tensor] = []
+        flags: list[FiniteFlag] = []
         arrivals: list[Arrival] = []
         for enc in tensors:
             ref = enc.region
@@ -107,7 +110,7 @@ class RegionIO:
                 continue
             tensor = self._to_device(enc, region, ref, src)
             if tensor.is_floating_point():
-                flags.append(torch.isfinite(tensor).all())
+                flags.append(FiniteFlag.of(tensor))
             ready[enc.name] = tensor
         return out, ready, flags, arrivals
 
@@ -187,20 +190,21 @@ class RegionIO:
         return EncodedTensor(name, wdt, tuple(out.shape), b"", None, ref), departure.event
 
     # -- deferred checks ----------------------------------------------------------------------
-    def keep(self, client: str, activation_id: str, flags: list[torch.Tensor]) -> None:
+    def keep(self, client: str, activation_id: str, flags: list[FiniteFlag]) -> None:
         """Keep a training forward's flags for its Backward's verdict."""
         if flags:
             self._verdicts[(client, activation_id)] = flags
             while len(self._verdicts) > MAX_PENDING_VERDICTS:
                 self._verdicts.popitem(last=False)
 
-    def verdict(self, client: str, activation_id: str, flags: list[torch.Tensor]) -> None:
+    def verdict(self, client: str, activation_id: str, flags: list[FiniteFlag]) -> None:
         """Raise :class:`TensorValueError` if the forward's input or the gradient held NaN or Inf.
 
-        Called once the Backward's step is done, when reading the flags no longer stalls the GPU.
+        Called once the Backward's step is done. Each flag's read waits for its own check only, not for the
+        backward and step queued after it, so the reply leaves with the GPU still busy.
         """
         flags = self._verdicts.pop((client, activation_id), []) + flags
-        if flags and not bool(torch.stack(flags).all()):
+        if not all([flag.read() for flag in flags]):
             raise TensorValueError(f"the forward's input or the gradient of {activation_id} held NaN or Inf "
                                    "(tensors through a GPU-ordered region are checked once the step is done; a "
                                    "non-finite trunk gradient is never applied)")
@@ -236,7 +240,7 @@ class RegionService:
         return self._io
 
     def _resolve(self, client: str, tensors: list[EncodedTensor], arrive: bool = True
-                 ) -> tuple[list[EncodedTensor], dict[str, torch.Tensor], list[torch.Tensor], list[Arrival]]:
+                 ) -> tuple[list[EncodedTensor], dict[str, torch.Tensor], list[FiniteFlag], list[Arrival]]:
         if all(enc.region is None for enc in tensors):
             return tensors, {}, [], []
         return self._region_io().resolve(client, tensors, arrive)

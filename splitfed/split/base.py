@@ -29,8 +29,10 @@ class CutState:
 
     ``attention_mask`` is the 2-D padding mask (1 = token, 0 = padding) over the
     whole sequence seen so far (past tokens of a KV cache included);
-    ``position_ids`` are the positions of the tokens in ``hidden``. Both are
-    ``None`` for models that do not use them (the CNN). Each part rebuilds its
+    ``position_ids`` are the positions of the tokens in ``hidden``, ``None``
+    for the default ones (``past + arange``, which each part makes again from
+    its own KV cache; only explicit positions travel). Both are ``None`` for
+    models that do not use them (the CNN). Each part rebuilds its
     own 4-D mask and rotary embeddings from these. ``blocks`` asks a trunk to
     run only model blocks ``[start, end)`` of its own (a client with a
     heterogeneous cut, see :func:`requested_blocks`); ``None`` runs them all.

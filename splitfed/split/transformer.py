@@ -118,9 +118,9 @@ class TransformerBottom(TransformerPart):
                 token_type_ids: torch.Tensor | None = None) -> CutState:
         """Embed ``input_ids`` (and ``token_type_ids`` where the family uses them) and run the bottom blocks."""
         past = cache.get_seq_length() if cache is not None else 0
-        if position_ids is None:
-            position_ids = default_positions(input_ids, past)
-        hidden = self._runner.embed(self, input_ids, position_ids, token_type_ids)
+        positions = default_positions(input_ids, past) if position_ids is None else position_ids
+        hidden = self._runner.embed(self, input_ids, positions, token_type_ids)
+        # Default positions do not travel: each part makes them again from its own cache (see _Runner.positions).
         state = CutState(hidden, attention_mask, position_ids if self._runner.uses_positions else None)
         return state.with_hidden(self.run_layers(state, cache, use_cache))
 
@@ -146,6 +146,20 @@ class _Runner:
     """Per-family calling convention of blocks, masks, embeddings and heads."""
 
     uses_positions = True
+
+    @staticmethod
+    def positions(state: CutState, cache: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The positions of ``state``'s tokens for the blocks, and those the mask functions are given.
+
+        A state without positions holds the default ones (``past + arange``; the bottom leaves them out), which a
+        part makes again from its cache. The mask functions then get none: given positions and no padding mask,
+        they look for packed sequences, a check whose answer the host must read back from the device, which
+        stalls the GPU's queue at every part; default positions are never packed, so their mask is the same
+        without it. Explicit positions are passed on as given.
+        """
+        if state.position_ids is not None:
+            return state.position_ids, state.position_ids
+        return default_positions(state.hidden, cache.get_seq_length() if cache is not None else 0), None
 
     def embed(self, part: TransformerPart, input_ids: torch.Tensor, position_ids: torch.Tensor,
               token_type_ids: torch.Tensor | None) -> torch.Tensor:
@@ -178,10 +192,11 @@ class _GPT2Runner(_Runner):
     def run(self, part: TransformerPart, state: CutState, cache: Any, use_cache: bool,
             blocks: slice) -> torch.Tensor:
         hidden = state.hidden
+        pos, mask_pos = self.positions(state, cache)
         mask = create_causal_mask(config=part.config, inputs_embeds=hidden, attention_mask=state.attention_mask,
-                                  cache=cache, position_ids=state.position_ids)
+                                  cache=cache, position_ids=mask_pos)
         for block in part.layers[blocks]:
-            hidden = block(hidden, cache, mask, use_cache=use_cache, position_ids=state.position_ids)
+            hidden = block(hidden, cache, mask, use_cache=use_cache, position_ids=pos)
         return hidden
 
 
@@ -192,11 +207,10 @@ class _LlamaRunner(_Runner):
 
     def run(self, part: TransformerPart, state: CutState, cache: Any, use_cache: bool,
             blocks: slice) -> torch.Tensor:
-        hidden, pos = state.hidden, state.position_ids
-        if pos is None:
-            pos = default_positions(hidden, cache.get_seq_length() if cache is not None else 0)
+        hidden = state.hidden
+        pos, mask_pos = self.positions(state, cache)
         kwargs = dict(config=part.config, inputs_embeds=hidden, attention_mask=state.attention_mask, cache=cache,
-                      position_ids=pos)
+                      position_ids=mask_pos)
         kinds = attention_kinds(part.config)[blocks]
         masks = {kind: _MASKS[kind](**kwargs) for kind in dict.fromkeys(kinds)}
         position_embeddings = part.rotary(hidden, position_ids=pos)
