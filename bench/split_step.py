@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from bench.core import SPLIT_STEP, _cuts, _gpt2, interleaved
+from bench.host_syncs import count_host_syncs
 from bench.processes import check_alive, end_children, get_from
 
 #: Connections of a bulk link (the split step's ``bulk`` and ``bulk-tls`` transports).
@@ -85,7 +86,9 @@ def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple
     ``split_step_ratio_process_mb{k}``, each timed interleaved with the unsplit step. ``wire_compression``
     (none, int8, topk) is what crosses the cut in every split run (reported as ``split_step_wire_compression``).
     ``transports`` (see the module docstring): keys carry ``_socket``, ``_bulk``, ``_tls`` or ``_bulk_tls``
-    (none for ``auto``).
+    (none for ``auto``). On a GPU, ``split_step_host_syncs*`` (trunk in this process: the client's and the
+    trunk's) and ``unsplit_step_host_syncs`` count the host's reads of the device in one step
+    (:mod:`bench.host_syncs`).
     """
     from splitfed.channel.client import RemoteTrunk
     from splitfed.split import SplitModel, split_model
@@ -156,6 +159,9 @@ def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple
                 sync()
 
             t_split, t_ref = interleaved(split_step, ref_step, repeat)
+            if device.startswith("cuda") and not suffix.startswith("_process"):  # client and trunk both seen here
+                out[f"split_step_host_syncs{suffix}"] = count_host_syncs(split_step)
+                out.setdefault("unsplit_step_host_syncs", count_host_syncs(ref_step))
             out[f"split_step_ratio{suffix}"] = t_split / t_ref
             out[f"split_step{suffix}_s"] = t_split
             out[f"unsplit_step{suffix}_s"] = t_ref

@@ -412,3 +412,33 @@ def test_over_the_socket_a_gpu_client_sends_and_receives_through_pinned_memory(t
     reply = client.backward("a", grad, input_numel=x.numel(), owned=True)
     assert reply.grad.is_pinned() and reply.grad.shape == x.shape
     client.close()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_split_step_through_gpu_ordered_shared_memory_reads_the_gpu_only_for_the_gradient_guard(
+        arch: str, trunk_server, monkeypatch) -> None:
+    # Default positions cost no read in any part (they stay on the client), and the region's NaN/Inf verdicts wait
+    # for their checks alone; the one read left is the gradient guard's norm, needed before the step applies.
+    from bench.host_syncs import where_host_syncs
+    from splitfed.channel import shared
+
+    monkeypatch.setattr(shared, "MIN_REGION_TENSOR_BYTES", 1)
+    split = split_model(tiny_model(arch).train().to(CUDA), (1, 3))
+    server = trunk_server(TrunkRuntime(split.trunk, torch.optim.SGD(split.trunk.parameters(), lr=0.05)))
+    remote = RemoteTrunk(server.address, insecure=True)
+    client = SplitModel(split.bottom, remote, split.top, task="causal-lm")
+    opt = torch.optim.SGD(split.client_modules().parameters(), lr=0.05)
+    ids, _, _ = (t.to(CUDA) for t in batch_for(arch))
+
+    def step() -> None:
+        client(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+
+    for _ in range(2):  # the region opens and the pipeline warms up
+        step()
+    reads = where_host_syncs(step)
+    assert remote.client.shared.on_gpu == remote.client.shared.calls > 0  # event-ordered, device to device
+    assert sum(reads.values()) == 1, "\n".join(reads)
+    assert "guard.py" in next(iter(reads))
