@@ -11,7 +11,8 @@ while the ceiling runs (``ceiling_gpu_util_mean_<N>_batched``): how busy plain P
 ``python -m bench.trunk --device cuda --clients 32 --config "layers=12 hidden=768 heads=12 vocab=50257 batch=4
 seq=256 bf16=1"`` is the GPT-2-small measurement of the README. ``--timeline FILE`` records the server's timeline
 (:mod:`splitfed.trunk.timeline`) over the batched run's timed steps, writes it as JSON and prints the figures of
-its median sync step. ``--client-cores K`` pins the client processes to the last K cores and the server (its
+its median sync step (on a GPU also the engine's reads of the GPU a step, ``timeline_host_syncs_per_step``:
+:mod:`bench.host_syncs`). ``--client-cores K`` pins the client processes to the last K cores and the server (its
 threads and front-end processes) to the others; the output says how many cores each side used (``client_cores``,
 ``server_cores``).
 
@@ -37,7 +38,6 @@ part slowed by that many microseconds, and reports how much of each delay a sync
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import os
@@ -53,6 +53,7 @@ from bench import core, trunk_remote
 from bench.ceiling import ceiling_keys
 from bench.cpu_use import ENGINE_THREADS, CpuUse, cpu_figures, process_groups
 from bench.gpu_util import UtilSampler
+from bench.host_syncs import HostSyncs
 from bench.inject import PARTS, InjectError, causal, parse
 from bench.trunk_clients import (
     BenchError,
@@ -63,6 +64,7 @@ from bench.trunk_clients import (
     run_client,
 )
 from bench.trunk_server import MODES, SERVER, Engines, _replica, _server
+from bench.trunk_timeline import step_figures
 from splitfed.errors import SplitFedError
 
 log = logging.getLogger("bench.trunk")
@@ -77,6 +79,8 @@ class Run:
     gpu_util: dict[str, Any] = field(default_factory=dict)
     timeline: list[dict[str, Any]] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)
+    #: The engine's reads of the GPU over the timed steps (recorded with the timeline, on a GPU).
+    host_syncs: int = 0
 
 
 def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, device: str = "cpu",
@@ -117,7 +121,7 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
     procs = [ctx.Process(target=run_client, args=(addresses[i % len(addresses)], i, dict(core.SPLIT_STEP), steps,
                                                   warmup, cores, socket, events, go, start), daemon=True)
              for i in range(clients)]
-    sampler = UtilSampler(device)
+    sampler, syncs = UtilSampler(device), HostSyncs(frames=9)
     try:
         for p in procs:
             p.start()
@@ -128,6 +132,7 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
         cpu = CpuUse(process_groups(server, procs), ENGINE_THREADS).start()
         if timeline:
             TIMELINE.start(device)
+            syncs.start()
         began = time.perf_counter()
         go.set()
         done = collect(events, procs, "done", clients)
@@ -138,6 +143,7 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
             cpu_use["engine-loop_us_per_call"] = cpu_use["engine-loop_cores"] * elapsed / calls * 1e6
     finally:
         recorded = TIMELINE.stop() if timeline else []
+        host_syncs = syncs.stop()
         origin = TIMELINE.origin
         util = sampler.stop()
         if replica_set is not None:
@@ -155,20 +161,7 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
                          for kind, t in json.loads(detail)["marks"]]
         recorded.sort(key=lambda e: e["t"])
     examples = clients * steps * core.SPLIT_STEP["batch"]
-    return Run(examples / elapsed, 2 * clients * steps / elapsed, elapsed, util, recorded, cpu_use)
-
-
-def step_figures(events: list[dict[str, Any]]) -> dict[str, float]:
-    """The figures of the median sync step of a recording (between two consecutive trunk steps), and of all its
-    steps' lengths (with the garbage collector's part in the long ones)."""
-    from splitfed.trunk.timeline import hops, step_lengths, summarize
-
-    steps = [e["t"] for e in events if e["kind"] == "step"]
-    if len(steps) < 2:
-        return summarize(events)
-    spans = sorted(itertools.pairwise(steps), key=lambda s: s[1] - s[0])
-    lo, hi = spans[len(spans) // 2]
-    return {**summarize(events, lo, hi), **step_lengths(events), **hops(events)}
+    return Run(examples / elapsed, 2 * clients * steps / elapsed, elapsed, util, recorded, cpu_use, host_syncs)
 
 
 #: The runs :func:`trunk` makes; ``--only`` picks some.
@@ -237,6 +230,8 @@ def trunk(device: str = "cpu", clients: int = 4, window_ms: float = 50.0, repeat
         save(batched[0].timeline, timeline)
         for key, value in step_figures(batched[0].timeline).items():
             out[f"timeline_{key}"] = value
+        if device.startswith("cuda"):  # the engine's reads of the GPU a sync step (bench.host_syncs)
+            out["timeline_host_syncs_per_step"] = batched[0].host_syncs / steps
     return out
 
 

@@ -67,8 +67,8 @@ def serve(address: str, clients: int, *, device: str = "cpu", window_ms: float =
     """Serve the bench's trunk at ``address`` to ``clients`` clients of :func:`connect` (elsewhere), time their
     ``steps`` sync steps after ``warmup``, and measure the ceiling. ``settings``: the server's (see
     :data:`bench.trunk_server.SERVER`). Raises :class:`BenchError` when they fail."""
-    from bench.trunk import step_figures
     from bench.trunk_server import SERVER, _server
+    from bench.trunk_timeline import step_figures
     from splitfed.trunk.timeline import TIMELINE, save
 
     SERVER.update(settings or {})  # (run as ``python -m bench.trunk``, that module is __main__, not this one)
