@@ -38,7 +38,7 @@ class HostSyncs:
               file: object = None, line: str | None = None) -> None:
         if SYNC_WARNING not in str(message):
             assert self._saved is not None
-            self._saved[0](message, category, filename, lineno, file, line)  # type: ignore[operator]
+            self._saved[1](message, category, filename, lineno, file, line)  # type: ignore[operator]
             return
         stack = "".join(traceback.format_stack(limit=self.frames)[:-2])
         with self._lock:
@@ -48,7 +48,9 @@ class HostSyncs:
         """Begin counting (the work queued so far is waited for first, so that it is not counted)."""
         if torch.cuda.is_available() and self._saved is None:
             torch.cuda.synchronize()
-            self._saved = (warnings.showwarning, warnings.filters[:], torch.cuda.get_sync_debug_mode())
+            saved = warnings.catch_warnings()  # restores the filters and showwarning at stop
+            saved.__enter__()
+            self._saved = (saved, warnings.showwarning, torch.cuda.get_sync_debug_mode())
             warnings.simplefilter("always")
             warnings.showwarning = self._show
             torch.cuda.set_sync_debug_mode("warn")
@@ -57,10 +59,9 @@ class HostSyncs:
     def stop(self) -> int:
         """Stop counting; the reads counted."""
         if self._saved is not None:
-            show, filters, mode = self._saved
+            saved, _, mode = self._saved
             torch.cuda.set_sync_debug_mode(mode)  # type: ignore[arg-type]
-            warnings.showwarning = show  # type: ignore[assignment]
-            warnings.filters[:] = filters  # type: ignore[index]
+            saved.__exit__(None, None, None)  # type: ignore[attr-defined]
             self._saved = None
         return sum(self.found.values())
 
