@@ -5,7 +5,9 @@
   divided by the same unsplit step (``_process``: trunk server in its own process).
   ``split_step_shared_fraction`` is the share of the cut's bytes that went through
   a shared-memory region, ``split_step_gpu_copy_fraction`` the share of calls whose
-  copies went device to device through the region's GPU memory.
+  copies went device to device through the region's GPU memory; on a GPU,
+  ``split_step_host_syncs`` and ``unsplit_step_host_syncs`` the host's reads of the
+  device in one step of each (:mod:`bench.host_syncs`).
 * ``channel_vs_grpc_ratio_{1,16}MiB``: a channel Forward round trip (identity
   trunk, evaluation forward: decode, check, encode) divided by a bare gRPC
   unary echo of the same bytes.
