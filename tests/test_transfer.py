@@ -67,10 +67,10 @@ def test_a_pipelined_cpu_step_copies_only_where_it_must(trunk_server, monkeypatc
         transfer.COPIES[key] = 0
     sent0, received0 = remote.client.bytes_sent, remote.client.bytes_received
     model(ids, attention_mask=mask, labels=labels).loss.backward()
-    # Per micro-batch: Forward (hidden, mask, positions) and its reply, Backward and its reply.
-    assert counter.encodes == parts * (3 + 1 + 1 + 1)
+    # Per micro-batch: Forward (hidden, mask; default positions stay home) and its reply, Backward and its reply.
+    assert counter.encodes == parts * (2 + 1 + 1 + 1)
     assert counter.encode_copies == 0  # every tensor is encoded from its own memory, on both sides
-    assert counter.decodes == parts * (3 + 1 + 1 + 1)
+    assert counter.decodes == parts * (2 + 1 + 1 + 1)
     assert counter.decode_copies == 0  # decoded tensors view the received bytes, on both sides
     # gRPC's Python API takes bytes: each payload is copied once into its message, never twice.
     assert counter.messages == 4 * parts
