@@ -161,7 +161,8 @@ def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple
             t_split, t_ref = interleaved(split_step, ref_step, repeat)
             if device.startswith("cuda") and not suffix.startswith("_process"):  # client and trunk both seen here
                 out[f"split_step_host_syncs{suffix}"] = count_host_syncs(split_step)
-                out.setdefault("unsplit_step_host_syncs", count_host_syncs(ref_step))
+                if "unsplit_step_host_syncs" not in out:  # the unsplit step is the same in every run
+                    out["unsplit_step_host_syncs"] = count_host_syncs(ref_step)
             out[f"split_step_ratio{suffix}"] = t_split / t_ref
             out[f"split_step{suffix}_s"] = t_split
             out[f"unsplit_step{suffix}_s"] = t_ref
