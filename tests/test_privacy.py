@@ -261,6 +261,24 @@ def test_target_epsilon_is_met_and_then_refused() -> None:
                         steps=3, planned_steps=6, target_epsilon=4.0, accountant_state=state, accountant="rdp")
 
 
+def test_an_empty_draw_after_a_real_step_takes_a_noise_only_step() -> None:
+    """Training loops zero gradients before backward, so an empty Poisson draw meets the last step's gradients."""
+    from splitfed.data import mnist
+    from splitfed.training import train
+
+    data = mnist()["train"].select(range(40))
+    model, _ = _split("cnn")
+    parts = model.client_modules()
+    pt = PrivateTraining(parts, torch.optim.SGD(parts.parameters(), lr=0.05), dataset_size=len(data),
+                         sample_rate=0.2, steps=3, noise_multiplier=1.0, generator=torch.Generator().manual_seed(0))
+    draws = iter([torch.arange(8).numpy(), torch.arange(0).numpy(), torch.arange(8, 16).numpy()])
+    pt.sample = lambda: next(draws)  # type: ignore[method-assign]
+    report = train(model, pt.optimizer, pt.batches(data, "image"), 3)
+    assert report.steps == 2 and pt.empty_steps == 1
+    assert pt.accountant.steps == 3
+    pt.close()
+
+
 def test_accountant_state_checks() -> None:
     acc = Accountant(delta=1e-5)
     assert acc.epsilon() == 0.0

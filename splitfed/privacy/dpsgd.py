@@ -253,7 +253,13 @@ class PrivateTraining:
             yield collate(dataset[index], kind)
 
     def noise_only_step(self) -> None:
-        """An optimizer step on an empty batch: zero clipped sum plus noise (keeps the accounting exact)."""
+        """An optimizer step on an empty batch: zero clipped sum plus noise (keeps the accounting exact).
+
+        The previous step's gradients are cleared first: training loops zero
+        gradients before their backward, so after a real step they are still
+        there, marked as used, and opacus refuses to step on them again.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
         for p in self.optimizer.params:
             p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
         self.optimizer.step()
