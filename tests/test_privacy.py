@@ -272,8 +272,17 @@ def test_an_empty_draw_after_a_real_step_takes_a_noise_only_step() -> None:
     pt = PrivateTraining(parts, torch.optim.SGD(parts.parameters(), lr=0.05), dataset_size=len(data),
                          sample_rate=0.2, steps=3, noise_multiplier=1.0, generator=torch.Generator().manual_seed(0))
     draws = iter([torch.arange(8).numpy(), torch.arange(0).numpy(), torch.arange(8, 16).numpy()])
-    pt.sample = lambda: next(draws)  # type: ignore[method-assign]
-    report = train(model, pt.optimizer, pt.batches(data, "image"), 3)
+    before: list[torch.Tensor] = []
+
+    def sample() -> object:
+        before[:] = [p.detach().clone() for p in parts.parameters()]
+        return next(draws)
+
+    def noised() -> None:  # the empty draw's step moved every trainable parameter by noise alone
+        assert all(not torch.equal(b, p) for b, p in zip(before, parts.parameters()))
+
+    pt.sample = sample  # type: ignore[method-assign]
+    report = train(model, pt.optimizer, pt.batches(data, "image", on_empty=noised), 3)
     assert report.steps == 2 and pt.empty_steps == 1
     assert pt.accountant.steps == 3
     pt.close()
