@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(.*?)\s*-->\s*$")
+_FENCE = re.compile(r"^\s*(`{3,}|~{3,})\s*([\w+.-]*)")
 
 # Runs each document's blocks in order in a namespace of its own, from the document's own folder; a document whose
 # block fails is reported (its traceback) and the next document runs. Results go to a JSON file.
@@ -68,6 +69,40 @@ def python_blocks(doc: Path) -> list[Block]:
             end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
             out.append(Block(str(doc.relative_to(ROOT)), i + 2, "\n".join(lines[i + 1:end]) + "\n",
                              None if marker is None else marker.group(1)))
+            i = end
+        i += 1
+    return out
+
+
+@dataclass(frozen=True)
+class Fenced:
+    """One fenced block of a document, of any language (``lang`` is "" for an untagged fence)."""
+
+    doc: str  # path relative to the repository
+    line: int  # line of the opening fence
+    lang: str
+    text: str
+    not_run: str | None  # the reason on a ``<!-- not-run: ... -->`` line before the fence
+
+    @property
+    def label(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+
+def fenced_blocks(doc: Path) -> list[Fenced]:
+    """Every fenced block of ``doc``, in order (a fence closes at a line of the same fence characters)."""
+    lines = doc.read_text().splitlines()
+    out: list[Fenced] = []
+    i = 0
+    while i < len(lines):
+        match = _FENCE.match(lines[i])
+        if match:
+            fence = match.group(1)
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].strip().startswith(fence)
+                        and not lines[j].strip().strip(fence[0])), len(lines))
+            marker = _NOT_RUN.match(lines[i - 1].strip()) if i else None
+            out.append(Fenced(str(doc.relative_to(ROOT)), i + 1, match.group(2).lower(),
+                              "\n".join(lines[i + 1:end]) + "\n", None if marker is None else marker.group(1)))
             i = end
         i += 1
     return out
