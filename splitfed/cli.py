@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -68,10 +69,13 @@ def _build_server(rank: int, args: argparse.Namespace) -> Any:
                        model_name=args.model, cuts=cuts, batch_window_ms=args.batch_window_ms,
                        max_batch_tokens=args.max_batch_tokens, checkpointing=args.checkpointing,
                        compile=args.compile, shared_memory_bytes=args.shared_memory_mib << 20, frontends=args.frontends,
-                       frontend_tls=frontend_tls)
+                       frontend_tls=frontend_tls, authenticate=getattr(args, "authenticate", None))
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from splitfed.cli_security import server_security
+
+    args.authenticate = server_security(args)  # TLS flags, plaintext off loopback, the clients' token
     if args.replicas > 1 and args.bulk_connections:
         raise SystemExit("splitfed serve: --bulk-connections needs --replicas 1 (the router does not route bulk "
                          "links)")
@@ -209,13 +213,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", action="append", help="named model (mnist-cnn), local folder or hub id, as "
                        "[NAME=]SOURCE[:A,B]; repeat it to serve several models (see docs/serving.md)")
     serve.add_argument("--cuts", type=_cuts, help="cut points A,B: the trunk holds blocks A..B-1")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces: then "
+                       "clients need --token-file's token or a client certificate)")
     serve.add_argument("--port", type=int, default=50051,
                        help="port to listen on (default: %(default)s; 0: a free one); a port in use is refused")
-    serve.add_argument("--insecure", action="store_true", help="serve plaintext (loopback and tests only)")
+    serve.add_argument("--insecure", action="store_true", help="serve plaintext (loopback and tests only; "
+                       "elsewhere also --allow-insecure-remote)")
     serve.add_argument("--tls-cert", help="server certificate chain (PEM)")
     serve.add_argument("--tls-key", help="server private key (PEM)")
     serve.add_argument("--tls-client-ca", help="CA that signs client certificates: require mutual TLS")
+    from splitfed.cli_security import add_security_options
+
+    add_security_options(serve)
     serve.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"],
                        help="the trunk's optimizer (default: %(default)s)")
     serve.add_argument("--lr", type=float, default=0.01, help="the trunk's learning rate (default: %(default)s)")
@@ -259,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--trunk", help="host:port of a trunk server (default: serve the trunk on 127.0.0.1)")
     gen.add_argument("--insecure", action="store_true", help="plaintext to --trunk (loopback and tests only)")
     gen.add_argument("--tls-ca", help="root CA that signs the trunk server's certificate (default: system roots)")
-    gen.add_argument("--token", help="bearer token for a trunk server that requires one")
+    gen.add_argument("--token", default=os.environ.get("SPLITFED_TOKEN"),
+                     help="bearer token for a trunk server that requires one (default: $SPLITFED_TOKEN)")
     gen.add_argument("--trunk-model", default="", help="the model's name on a --trunk server that holds several")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample")
     gen.add_argument("--top-k", type=int, help="sample among the k most likely tokens")

@@ -132,7 +132,8 @@ def serve_models(args: argparse.Namespace) -> int:
                              models=specs, admin_token=read_token(args), max_memory=parse_budget(args.max_memory),
                              metrics_port=args.metrics_port, metrics_host=args.host, frontends=args.frontends,
                              frontend_tls=frontend_tls, bulk_connections=args.bulk_connections,
-                             bulk_tls=bulk_tls, bulk_port=args.bulk_port).start()
+                             bulk_tls=bulk_tls, bulk_port=args.bulk_port,
+                             authenticate=getattr(args, "authenticate", None)).start()
     except SplitFedError as exc:
         raise SystemExit(f"splitfed serve: {exc}") from None
     log.info("serving %s on %s", ", ".join(names), server.address)

@@ -28,10 +28,16 @@ def add_parser(sub: Any) -> None:
                             "endpoint: its memory breaks load ties); repeat for each")
     route.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     route.add_argument("--port", type=int, default=50051)
-    route.add_argument("--insecure", action="store_true", help="serve plaintext (loopback and tests only)")
+    route.add_argument("--insecure", action="store_true", help="serve plaintext (loopback and tests only; elsewhere "
+                                                               "also --allow-insecure-remote)")
     route.add_argument("--tls-cert", help="the router's certificate chain (PEM)")
     route.add_argument("--tls-key", help="the router's private key (PEM)")
     route.add_argument("--tls-client-ca", help="CA that signs client certificates: require mutual TLS")
+    from splitfed.cli_security import add_security_options
+
+    add_security_options(route)
+    route.add_argument("--backend-token-file", help="file holding the token the backends require, sent in place of "
+                                                    "the client's (default: the client's token passes through)")
     route.add_argument("--backend-ca", help="CA that signs the trunk servers' certificates: reach them over TLS "
                                             "(default: plaintext, which only loopback backends accept)")
     route.add_argument("--backend-insecure", action="store_true",
@@ -58,7 +64,12 @@ def _route(args: argparse.Namespace) -> int:
     from splitfed.channel.routing import Router
     from splitfed.channel.security import channel_credentials
 
+    from splitfed.auth import load_token_file
+    from splitfed.cli_security import server_security
+
+    authenticate = server_security(args)  # TLS flags, plaintext off loopback, the clients' token
     credentials = _server_credentials(args)
+    backend_token = load_token_file(args.backend_token_file) if args.backend_token_file else None
     addresses = [a for a, _ in args.backend]
     backend_credentials = None
     if args.backend_ca:
@@ -70,7 +81,8 @@ def _route(args: argparse.Namespace) -> int:
                              "--backend-insecure (plaintext on a trusted network)")
     router = Router(addresses, host=args.host, port=args.port, insecure=credentials is None, credentials=credentials,
                     backend_credentials=backend_credentials, metrics={a: m for a, m in args.backend if m},
-                    probe_interval_s=args.probe_interval, sticky_idle_s=args.sticky_idle).start()
+                    probe_interval_s=args.probe_interval, sticky_idle_s=args.sticky_idle, authenticate=authenticate,
+                    backend_token=backend_token).start()
     return _serve_until_stopped(router)
 
 
@@ -103,4 +115,5 @@ def replica_router(args: argparse.Namespace, addresses: Sequence[str]) -> Any:
         backend_credentials, options = backend_tls(args.tls_cert, args.tls_key if args.tls_client_ca else None)
     dial = [advertised("", 0, a) for a in addresses]  # a wildcard bind is dialled on loopback
     return Router(dial, host=args.host, port=args.port, insecure=credentials is None, credentials=credentials,
-                  backend_credentials=backend_credentials, backend_options=options)
+                  backend_credentials=backend_credentials, backend_options=options,
+                  authenticate=getattr(args, "authenticate", None))  # the replicas check the same token again

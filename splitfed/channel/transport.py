@@ -67,8 +67,14 @@ def advertised_host(bind: str, advertise: str = "") -> str:
     return "127.0.0.1" if normalize_host(bind) in WILDCARD_HOSTS else normalize_host(bind)
 
 
-def _leaves_machine(bind: str, advertise: str) -> bool:
+def leaves_machine(bind: str, advertise: str = "") -> bool:
+    """True when a server bound to ``bind`` (advertised as ``advertise``) can be reached from other machines: its
+    plaintext would cross the network (the check behind ``trunk-allow-plaintext-remote`` and
+    ``splitfed serve --allow-insecure-remote``)."""
     return not (is_loopback(bind) and is_loopback(advertised_host(bind, advertise)))
+
+
+_leaves_machine = leaves_machine
 
 
 def choose_mode(bind: str, *, advertise: str = "", insecure: bool = False, allow_plaintext_remote: bool = False,
@@ -271,4 +277,4 @@ def client_bulk_tls(*, pinned_ca: str | bytes | None = None, root_ca: str = "", 
 
 
 __all__ = ["CA_FILE", "ServerTransport", "TransportMode", "advertised_host", "choose_mode", "client_bulk_tls",
-           "client_credentials", "host_of", "is_loopback"]
+           "client_credentials", "host_of", "is_loopback", "leaves_machine"]

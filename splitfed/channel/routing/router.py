@@ -31,7 +31,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -48,7 +48,7 @@ from splitfed.channel.limits import (
 from splitfed.channel.loopthread import stop_loop
 from splitfed.channel.routing.backends import Backend, model_health_name
 from splitfed.channel.routing.table import ANY_MODEL, RouteTable
-from splitfed.errors import ConfigError
+from splitfed.errors import AuthError, ConfigError
 
 __all__ = ["Router"]
 
@@ -114,6 +114,10 @@ class Router:
         max_concurrent_rpcs: calls served at once; past it gRPC answers RESOURCE_EXHAUSTED.
         probe_interval_s: how often each backend's health is checked.
         sticky_idle_s: a client's pin holding no session or region ends after this long without a call.
+        authenticate: checks each call's metadata (e.g. :meth:`splitfed.auth.StaticToken.authenticate`) before
+            it is forwarded; an :class:`~splitfed.errors.AuthError` is answered UNAUTHENTICATED by the router.
+        backend_token: sent to the backends as ``authorization: Bearer`` in place of the client's (None: the
+            client's passes through).
     """
 
     def __init__(self, backends: Sequence[str], *, host: str = "127.0.0.1", port: int = 0, insecure: bool = False,
@@ -121,7 +125,8 @@ class Router:
                  backend_credentials: grpc.ChannelCredentials | None = None,
                  backend_options: Sequence[tuple[str, Any]] = (), metrics: Mapping[str, str] | None = None,
                  limits: ChannelLimits = ChannelLimits(), max_concurrent_rpcs: int = 4096,
-                 probe_interval_s: float = 1.0, sticky_idle_s: float = 600.0) -> None:
+                 probe_interval_s: float = 1.0, sticky_idle_s: float = 600.0,
+                 authenticate: Callable[[dict[str, str]], str] | None = None, backend_token: str | None = None) -> None:
         if not backends:
             raise ConfigError("a router needs at least one backend address")
         if credentials is None and not insecure:
@@ -130,6 +135,8 @@ class Router:
         if len(set(backends)) != len(backends):
             raise ConfigError(f"a backend is listed twice: {list(backends)}")
         metrics = dict(metrics or {})
+        self.authenticate = authenticate
+        self._backend_auth = None if backend_token is None else ("authorization", f"Bearer {backend_token}")
         options = list(limits.grpc_options()) + list(backend_options)
         self.backends = [Backend(a, i, credentials=backend_credentials, options=options, metrics_url=metrics.get(a))
                          for i, a in enumerate(backends)]
@@ -158,7 +165,16 @@ class Router:
 
     # -- forwarding ----------------------------------------------------------------------------------
     async def _route(self, context: Any, method: str) -> tuple[Backend, list[tuple[str, Any]], str, str]:
-        out, client, model = _split(context.invocation_metadata() or (), context.peer())
+        received = context.invocation_metadata() or ()
+        if self.authenticate is not None:
+            try:
+                self.authenticate({k: v for k, v in received if isinstance(v, str)})
+            except AuthError as exc:
+                log.warning("UNAUTHENTICATED %s from %s: %s", method, context.peer(), exc)
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        out, client, model = _split(received, context.peer())
+        if self._backend_auth is not None:
+            out = [kv for kv in out if kv[0] != "authorization"] + [self._backend_auth]
         state = self.table.pick(client, model)
         if state is None and model != ANY_MODEL and any(b.state.live for b in self.backends):
             await self._learn(model)
