@@ -27,6 +27,9 @@ from splitfed.training import evaluate, perplexity, train
 
 log = logging.getLogger(__name__)
 
+#: The metric Flower's QFedAvg reads each client's training loss from (its ``train_loss_key`` default).
+QFEDAVG_LOSS = "train_loss"
+
 
 @dataclass
 class ClientResult:
@@ -117,15 +120,43 @@ def _proximal(parts: nn.Module, mu: float) -> Any:
     return add_term
 
 
+#: Keys of a round's config (the strategy's ConfigRecord) that set the client's training for that round.
+TRAIN_KEYS = ("lr", "local-steps", "local-epochs", "batch-size", "momentum", "weight-decay", "optimizer")
+#: Keys of an evaluate round's config that set the client's evaluation.
+EVALUATE_KEYS = ("batch-size", "eval-batches")
+
+
+def round_settings(cfg: RunConfig, round_config: Mapping[str, Any] | None, keys: tuple[str, ...] = TRAIN_KEYS
+                   ) -> RunConfig:
+    """``cfg`` with what the strategy sent for this round: the :data:`TRAIN_KEYS` (or ``keys``) present in
+    ``round_config`` override the run config. ``local-steps`` without ``local-epochs`` means steps (epochs 0).
+
+    Raises:
+        ConfigError: a value of the wrong type or out of range (the key is named).
+    """
+    values = {k: v for k, v in (round_config or {}).items() if k in keys}
+    if "local-steps" in values and "local-epochs" not in values:
+        values["local-epochs"] = 0
+    return cfg.updated(values) if values else cfg
+
+
 def client_train(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Module, splits: Splits,
                  server_round: int, partition_id: int, proximal_mu: float = 0.0,
-                 privacy_state: Mapping[str, Any] | None = None) -> ClientResult:
+                 privacy_state: Mapping[str, Any] | None = None,
+                 round_config: Mapping[str, Any] | None = None) -> ClientResult:
     """One round of local training: returns the updated bottom/top state and the round's metrics.
+
+    ``round_config`` is what the strategy sent this round (its ConfigRecord, SplitFed's own keys removed):
+    ``lr``, ``local-steps``/``local-epochs`` and the other :data:`TRAIN_KEYS` override the run config, and
+    ``proximal-mu`` (FedProx) overrides ``proximal_mu``; other keys are a researcher's own, for code of theirs.
 
     With differential privacy on (``dp-*``, ``cut-*`` keys), training runs under
     :class:`~splitfed.privacy.ClientPrivacy` (opacus DP-SGD on the client parts, noise at
     the cut) and ``privacy_state`` carries the accountant from round to round.
     """
+    cfg = round_settings(cfg, round_config)
+    if round_config is not None and "proximal-mu" in round_config:
+        proximal_mu = float(round_config["proximal-mu"])
     model = _client_model(cfg, state, trunk)
     parts = model.client_modules()
     optimizer = make_optimizer(cfg.optimizer, parts.parameters(), cfg.lr, momentum=cfg.momentum,
@@ -158,6 +189,8 @@ def client_train(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Mo
     new_state = client_state(SplitModel(model.bottom, model.trunk, model.top, task=model.task),
                              full_keys=bool(cfg.client_cuts))
     metrics["train-state-bytes"] = state_nbytes(new_state)
+    metrics["train-lr"] = cfg.lr
+    metrics[QFEDAVG_LOSS] = metrics["train-loss"]  # the key Flower's QFedAvg reads the training loss under
     return ClientResult(new_state, metrics, new_privacy_state)
 
 
@@ -165,9 +198,13 @@ def _autocast(cfg: RunConfig) -> torch.dtype | None:
     return torch.bfloat16 if cfg.precision == "bf16" else None
 
 
-def client_evaluate(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Module, splits: Splits
-                    ) -> dict[str, float | int]:
-    """Forward-only evaluation of the global client parts with the trunk on the held-out split."""
+def client_evaluate(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.Module, splits: Splits,
+                    round_config: Mapping[str, Any] | None = None) -> dict[str, float | int]:
+    """Forward-only evaluation of the global client parts with the trunk on the held-out split.
+
+    ``round_config``: what the strategy sent for this evaluate round; its :data:`EVALUATE_KEYS` override the
+    run config."""
+    cfg = round_settings(cfg, round_config, EVALUATE_KEYS)
     model = _client_model(cfg, state, trunk)
     noise = install_eval_noise(PrivacyConfig.from_mapping(cfg.to_mapping()), model)
     try:

@@ -19,7 +19,8 @@ from splitfed.errors import ConfigError
 _MODES = ("sync", "async", "quorum", "per-client", "sequential")
 _PARTITIONERS = ("iid", "dirichlet", "pathological")
 _STRATEGIES = ("fedavg", "fedprox", "fedadam", "fedavgm", "fedadagrad", "fedyogi", "fedmedian", "fedtrimmedavg",
-               "krum", "multikrum", "bulyan")
+               "krum", "multikrum", "bulyan", "qfedavg")
+_DP_WRAPPERS = ("", "server-fixed", "server-adaptive", "client-fixed", "client-adaptive")
 _OPTIMIZERS = ("sgd", "adam", "adamw")
 _WIRE = ("fp32", "fp16", "bf16")
 _PRECISION = ("fp32", "bf16")
@@ -64,6 +65,9 @@ class RunConfig:
     proximal_mu: float = 0.01  # fedprox
     server_lr: float = 0.01  # fedadam, fedadagrad, fedyogi (eta)
     server_momentum: float = 0.9  # fedavgm
+    strategy_args: str = ""  # any constructor argument of the strategy: "beta-1=0.8 tau=0.001" (wins over the above)
+    dp_wrapper: str = ""  # Flower's DP wrapper around it: server-fixed, server-adaptive, client-fixed, client-adaptive
+    dp_args: str = ""  # the wrapper's arguments: "noise-multiplier=1.0 clipping-norm=0.1 num-sampled-clients=4"
     # Trunk aggregation.
     trunk_mode: str = "sync"
     quorum: int = 2
@@ -76,6 +80,7 @@ class RunConfig:
     trunk_max_concurrent_rpcs: int = 4096  # calls the trunk serves at once (waiting ones hold no thread)
     trunk_checkpointing: bool = False  # keep only each forward's input; recompute in its backward
     trunk_strategy: str = ""  # per-client mode: strategy that merges the trunk copies (empty: as strategy says)
+    trunk_strategy_args: str = ""  # its constructor arguments, as strategy-args (empty: strategy-args if same)
     trunk_replicas: int = 1  # trunk processes over torch.distributed (one per GPU when there are GPUs)
     client_cuts: str = ""  # heterogeneous cuts "a,b a,b ...", assigned by partition id (round robin)
     micro_batches: str = "1"  # pipelined split step: micro-batches per client batch, or "auto"
@@ -131,6 +136,14 @@ class RunConfig:
 
     def for_node(self, node_config: Mapping[str, Any]) -> RunConfig:
         """The run config as one node sees it: the :data:`NODE_KEYS` its ``node_config`` sets (a SuperNode's
+    def updated(self, values: Mapping[str, Any]) -> RunConfig:
+        """A copy with ``values`` (run-config keys) set, each checked as :meth:`from_mapping` checks it."""
+        fields = {_key(f.name): f for f in dataclasses.fields(self)}
+        check_keys(values)
+        config = dataclasses.replace(self, **{fields[k].name: _coerce(k, fields[k], v) for k, v in values.items()})
+        config.validate()
+        return config
+
         ``--node-config``) replace the run's values; its other keys (``partition-id``, ...) are not settings."""
         own = {key: value for key, value in node_config.items() if key in NODE_KEYS}
         return self if not own else RunConfig.from_mapping({**self.to_mapping(), **own})
@@ -169,6 +182,10 @@ class RunConfig:
         _choice("trunk-strategy", self.trunk_strategy, ("",) + _STRATEGIES)
         if self.client_cuts and self.trunk_mode == "per-client":
             raise ConfigError("client-cuts and trunk-mode = 'per-client' do not combine yet (the trunk's per-client "
+        _choice("dp-wrapper", self.dp_wrapper, _DP_WRAPPERS)
+        for key, text in (("strategy-args", self.strategy_args), ("trunk-strategy-args", self.trunk_strategy_args),
+                          ("dp-args", self.dp_args)):
+            parse_args(text, key)
                               "copies hold its whole range); use sync, async, quorum or sequential with client-cuts")
         if self.trunk_strategy and self.trunk_mode != "per-client":
             raise ConfigError(f"trunk-strategy merges per-client trunk copies: set trunk-mode = 'per-client' or "
@@ -273,6 +290,28 @@ NODE_KEYS = ("tls-client-cert", "tls-client-key", "tls-root-ca")
 
 def parse_client_cuts(text: str) -> list[tuple[int, int]]:
     """Parse ``client-cuts`` ("a,b a,b ..."): one (bottom end, top start) pair per entry, 0 < a < b.
+def parse_args(text: str, key: str) -> dict[str, str]:
+    """Parse a ``name=value`` list (``strategy-args``, ``dp-args``): names kebab- or snake-case, returned in
+    snake case (a constructor's argument names); values as text (the strategy factory types them).
+
+    Raises ConfigError naming ``key`` when an entry is not ``name=value`` or a name appears twice.
+    """
+    try:
+        tokens = shlex.split(text)
+    except ValueError as exc:
+        raise ConfigError(f"{key} = {text!r} is not valid: {exc}") from None
+    out: dict[str, str] = {}
+    for token in tokens:
+        name, sep, value = token.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or not name.isidentifier():
+            raise ConfigError(f"{key} entries must be name=value (e.g. {key}='beta-1=0.8 tau=0.001'), got {token!r}")
+        if name in out:
+            raise ConfigError(f"{key} sets {name.replace('_', '-')} twice")
+        out[name] = value.strip()
+    return out
+
+
 
     Raises ConfigError naming the key when an entry is not two integers in order.
     """
@@ -333,4 +372,4 @@ def _coerce(key: str, f: dataclasses.Field[Any], value: Any) -> Any:
         raise ConfigError(f"run-config key {key!r} = {value!r} is not valid: {key} must be {expected}") from None
 
 
-__all__ = ["NODE_KEYS", "RunConfig", "check_keys", "known_keys", "override_keys", "parse_client_cuts"]
+__all__ = ["NODE_KEYS", "RunConfig", "check_keys", "known_keys", "override_keys", "parse_args", "parse_client_cuts"]

@@ -33,8 +33,8 @@ from strategies.factory import build_strategy
 
 
 def build_trunk_strategy(cfg: RunConfig) -> Strategy:
-    """The strategy named by ``trunk-strategy`` (empty: the same as ``strategy``), set up like the client one."""
-    return build_strategy(dataclasses.replace(cfg, strategy=cfg.trunk_strategy or cfg.strategy))
+    """The strategy named by ``trunk-strategy`` with ``trunk-strategy-args`` (empty: as ``strategy`` says)."""
+    return build_strategy(cfg, trunk=True)
 
 
 def _node_id(client_id: str, index: int) -> int:
