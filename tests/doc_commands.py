@@ -182,6 +182,8 @@ def parse_module_args(module: str, argv: list[str]) -> None:
     """Run ``python -m module argv`` up to its first ``ArgumentParser.parse_args`` and stop there."""
     import importlib.util
 
+    if str(ROOT) not in sys.path:  # python -m from the repository's root, as the documents run it
+        sys.path.insert(0, str(ROOT))
     try:
         found = importlib.util.find_spec(module)
     except ModuleNotFoundError:
@@ -279,6 +281,12 @@ class Checker:
     # ------------------------------------------------------------------ programs
     def check(self, argv: list[str]) -> str:
         """Check (or run) one command; returns "ran" or "checked". Raises :class:`Failed`."""
+        outcome = self._check(argv)
+        if outcome == "ran":
+            self.ran.append(shlex.join(argv))
+        return outcome
+
+    def _check(self, argv: list[str]) -> str:
         while argv and re.match(r"^[A-Z_][A-Z0-9_]*=", argv[0]):  # VAR=value command
             argv = argv[1:]
         if argv and argv[0] == "sudo":
@@ -352,10 +360,15 @@ class Checker:
 
     def _python(self, argv: list[str]) -> str:
         args = argv[1:]
-        if args and args[0] == "-c":
-            compile(args[1], "python -c", "exec")
-            self._paths(argv[:1] + argv[3:])
-            return "checked"
+        if args and args[0] == "-c":  # runs, its stdout into the file after ">" (in the scratch folder)
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                exec(compile(args[1], "python -c", "exec"), {"__name__": "__main__"})  # noqa: S102 - the doc's code
+            if ">" in args:
+                target = args[args.index(">") + 1]
+                (self.scratch / target).write_text(out.getvalue())
+                self.made.add(self._norm(target))
+            return "ran"
         if not args or args[0] != "-m":
             script = args[0]
             assert (ROOT / script).exists(), f"{shlex.join(argv)}: {script} does not exist"

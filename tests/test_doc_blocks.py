@@ -36,15 +36,16 @@ NOT_CHECKED: dict[tuple[str, str], str] = {
 def _kind(block: Fenced) -> str:
     if block.lang == "python":
         return "python"
+    prompted = any(line.strip().startswith("$ ") for line in block.text.splitlines())
     if block.lang in SHELL_LANGS:
-        return "shell"
+        return "prompted" if prompted else "shell"
     if block.lang == "toml":
         return "toml"
     if block.lang in {"yaml", "yml"}:
         return "yaml"
     if block.lang in {"", "text"}:
         lines = [line.strip() for line in block.text.splitlines() if line.strip()]
-        if any(line.startswith("$ ") for line in lines):
+        if prompted:
             return "prompted"
         first = next((line for line in lines if not line.startswith("#")), "")
         if first.split(" ", 1)[0] in COMMAND_WORDS or re.match(r"^[A-Z_]+=\S+ (python|splitfed|flwr)", first):
@@ -104,6 +105,7 @@ def check_document(doc: str, scratch: Path) -> tuple[dict[str, list[str]], list[
             failures.append(f"{block.label}: {exc}")
         except Exception as exc:  # noqa: BLE001 - a reader's tool refusing the block (a ConfigError, ...)
             failures.append(f"{block.label}: {type(exc).__name__}: {exc}")
+    outcome["commands that ran"] = checker.ran
     return outcome, failures
 
 
@@ -114,7 +116,7 @@ DOC_NAMES = [str(doc.relative_to(ROOT)) for doc in DOCS if fenced_blocks(doc)]
 def test_every_block_of_the_document_runs_or_checks(doc: str, tmp_path: Path) -> None:
     outcome, failures = check_document(doc, tmp_path)
     assert not failures, "\n".join(failures)
-    counted = sum(len(v) for v in outcome.values())
+    counted = sum(len(v) for k, v in outcome.items() if k != "commands that ran")
     assert counted == len(fenced_blocks(ROOT / doc)), outcome
 
 
@@ -176,3 +178,20 @@ def test_right_commands_pass_and_outputs_count_as_made(tmp_path: Path) -> None:
 def test_a_wrong_toml_block_fails_its_check(text: str, message: str) -> None:
     with pytest.raises(Exception, match=re.escape(message)):
         check_toml(text, "docs/x.md:1")
+
+
+def test_the_tiny_llama_the_docs_make_generates_offline(tmp_path: Path) -> None:
+    """``python -m splitfed.tiny_llama DIR`` (docs/chat.md) makes a folder ``splitfed generate --chat`` runs on."""
+    import contextlib
+    import io
+
+    from splitfed.cli import main
+    from splitfed.tiny_llama import main as make
+
+    assert make([str(tmp_path / "tiny-llama")]) == 0
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["generate", "--model", str(tmp_path / "tiny-llama"), "--prompt", "Hi", "--chat",
+                   "--max-new-tokens", "4"])
+    assert rc == 0
+    assert out.getvalue().strip(), "no text generated"
