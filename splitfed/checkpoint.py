@@ -236,8 +236,9 @@ def read_checkpoint(output_dir: str | Path, accept: Callable[[dict[str, Any]], N
             log.warning("resuming from the older checkpoint %s (round %s)", folder, meta.get("round"))
         return Checkpoint(tensors, meta, folder)
     looked = "; ".join(problems) if problems else "none found"
-    raise CheckpointError(f"resume = true but {out} holds no usable checkpoint ({looked}); point output-dir at the "
-                          "folder of the run to resume, or set resume = false to start from round 0")
+    raise CheckpointError(f"{out} holds no usable checkpoint to resume from ({looked}); set resume to the "
+                          "folder of the run to continue (a path, or 'latest' in output-dir), or resume = false to "
+                          "start a new run")
 
 
 # -- nested state <-> tensors + JSON -----------------------------------------------------------------

@@ -129,7 +129,9 @@ class RunConfig:
     # Outputs.
     output_dir: str = "outputs"
     tensorboard_dir: str = ""  # TensorBoard event files of every round's metrics; relative: inside output-dir
-    resume: bool = False  # resume from the output folder's checkpoint (after a crash)
+    # Continue a run (after a crash): "" / false: a new run folder; "latest" / true: the run output-dir's `latest`
+    # names; else a path to a run folder (relative: inside output-dir). See splitfed.rundirs.
+    resume: str = ""
     metrics_port: int = -1  # Prometheus endpoint of the trunk server; -1: off, 0: free port
     log_level: str = "INFO"
     log_json: bool = False  # JSON lines with run id, round, client and step
@@ -351,6 +353,10 @@ def _coerce(key: str, f: dataclasses.Field[Any], value: Any) -> Any:
             if len(parts) != 2:
                 raise ValueError(expected)
             return tuple(parts)
+        if key == "resume":  # false / true / "latest" / a run's path
+            text = str(value).strip()
+            return "" if text.lower() in ("", "false", "0", "no") else \
+                "latest" if text.lower() in ("true", "1", "yes", "latest") else text
         if kind == "bool":
             if isinstance(value, bool):
                 return value

@@ -50,6 +50,8 @@ class RoundRecord:
     seconds: float = 0.0
     #: Clients that failed: ``train`` / ``train-sent``, ``evaluate`` / ``evaluate-sent``, ``first-error``.
     failures: dict[str, Any] = field(default_factory=dict)
+    #: The ServerApp's own evaluation of the round's model (``evaluate_fn`` of ``Strategy.start``).
+    central: dict[str, float] = field(default_factory=dict)
 
 
 class ServerRunner:
@@ -91,6 +93,12 @@ class ServerRunner:
         self.tokens = TokenIssuer(self.run_id, secret=self._secret, ttl_s=cfg.token_ttl) if cfg.auth else None
         self.replicas: Any = None  # a splitfed.launcher.ReplicaSet once started, with trunk-replicas > 1
         self.history: list[RoundRecord] = []
+        #: The classes that aggregate (``strategy``: the client parts; ``trunk-strategy``: V1's trunk copies),
+        #: as ``module.QualName``, for the history.
+        self.strategy_classes: dict[str, str] = {"strategy": strategy_class} if strategy_class else {}
+        #: Each of those strategies' class and constructor arguments as used (``{"class", "args"}``), for the history.
+        self.strategy_settings: dict[str, Any] = {}
+        self._status: str | None = None  # the history's status once the run completed or failed
         self.round_offset = 0
         self.client_state = initial_client_state(cfg, self.split)
         #: The inner Flower strategy's own state (server optimizer moments, momentum), by tensor name.
@@ -193,13 +201,20 @@ class ServerRunner:
     def end_round(self, server_round: int, client_state: Mapping[str, torch.Tensor] | None,
                   train_metrics: Mapping[str, float] | None, eval_metrics: Mapping[str, float] | None,
                   failures: Mapping[str, Any] | None = None,
-                  strategy_state: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Record the round, checkpoint trunk + client parts + strategy and privacy state + history, log a line."""
+                  strategy_state: Mapping[str, torch.Tensor] | None = None, *,
+                  trunk: Mapping[str, float] | None = None, central: Mapping[str, float] | None = None) -> None:
+        """Record the round, checkpoint trunk + client parts + strategy and privacy state + history, log a line.
+
+        ``trunk``: counters of the round's trunk aggregation to record beside the trunk's own (V1's copies);
+        ``central``: the ServerApp's own evaluation of the round's model."""
         if client_state is not None:
             self.client_state = {k: v.detach().clone() for k, v in client_state.items()}
         if strategy_state is not None:
             self.strategy_state = {k: v.detach().clone() for k, v in strategy_state.items()}
         record = self._record(server_round, train_metrics, eval_metrics, failures)
+        record.trunk.update({k: float(v) for k, v in (trunk or {}).items()})
+        record.central = {k: float(v) for k, v in (central or {}).items()}
+        log.debug("round %d trunk counters: %s", server_round, record.trunk)
         epsilon = max((v for k, v in record.train.items() if k.endswith("epsilon")), default=None)
         if epsilon is not None and self.server.metrics is not None:
             self.server.metrics.set_epsilon(float(epsilon))
@@ -222,6 +237,13 @@ class ServerRunner:
         self._record(server_round, None, None, failures)
         log.error("round %d failed: %s", server_round, error)
         self._write_history(status="failed", error=error)
+
+    def fail_run(self, error: str) -> None:
+        """Write the history of a run that stopped on ``error`` (its finished rounds kept), unless a failed
+        round already did, or the run completed."""
+        if self._status is None:
+            log.error("the run failed: %s", error)
+            self._write_history(status="failed", error=error)
 
     def _record(self, server_round: int, train_metrics: Mapping[str, float] | None,
                 eval_metrics: Mapping[str, float] | None, failures: Mapping[str, Any] | None) -> RoundRecord:
@@ -302,12 +324,16 @@ class ServerRunner:
             plot(history, self.output_dir)
         except MissingExtraError as exc:
             log.warning("no PNG plots: %s", exc)
-        log.info("SplitFed: model, history and plots written to %s\n%s", self.output_dir, summary_table(history))
+        log.info("SplitFed: run finished\n%s\nResults (model, history.json, plots) are in %s\n"
+                 "  splitfed report %s", summary_table(history), self.output_dir, self.output_dir)
         return self.output_dir
 
     def _write_history(self, status: str, error: str | None = None) -> dict[str, Any]:
         """Write ``history.json`` (settings, run id, status, rounds; the error of a failed run)."""
+        self._status = status
         history: dict[str, Any] = {"config": self.cfg.to_mapping(), "run-id": self.run_id, "status": status,
+                                   "strategy-classes": dict(self.strategy_classes),
+                                   "strategies": dict(self.strategy_settings),
                                    "rounds": [r.__dict__ for r in sorted(self.history, key=lambda r: r.round)]}
         if error is not None:
             history["error"] = error

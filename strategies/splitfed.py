@@ -3,9 +3,9 @@
 The wrapped strategy (FedAvg, FedProx, FedAdam, Krum, a DP wrapper, or your
 own) samples nodes and aggregates the client parts (bottom and top) exactly as
 it would a whole model. SplitFed adds what split learning needs around it:
-every message gets a ``splitfed`` ConfigRecord with the trunk server's address
-and a token for that node and round, replies are checked for the trunk's
-counters, and after each round the trunk, the client parts, the inner
+every message's ConfigRecord gets ``splitfed.``-prefixed keys with the trunk
+server's address and a token for that node and round (still one ConfigRecord, as
+Flower's mods want), replies are checked for the trunk's counters, and after each round the trunk, the client parts, the inner
 strategy's state, the clients' privacy accountants and the history are
 checkpointed so a restarted ServerApp resumes from the last completed round.
 
@@ -30,16 +30,25 @@ from flwr.supercore import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from splitfed.errors import RoundFailedError
-from splitfed.messages import CLIENT_KEY, PRIVACY_RECORD, PRIVACY_STATES
+from splitfed.errors import ConfigError, RoundFailedError
+from splitfed.messages import CLIENT_CLIPPING, CLIENT_KEY, PRIVACY_RECORD, PRIVACY_STATES, with_prefix
 from splitfed.server import ServerRunner
 from strategies.cuts import complete_replies, load_trunk
+from strategies.factory import client_clipping, describe_strategy
 from strategies.replies import RoundReplies, merge_records
 from strategies.state import load_strategy_state, strategy_state
 from strategies.trunk_copies import TrunkCopies, build_trunk_strategy
 
-#: Name of the per-node record SplitFed adds to train and evaluate messages.
-SPLITFED_RECORD = "splitfed"
+#: Name of the ConfigRecord SplitFed adds its ``splitfed.``-prefixed values to when a strategy sends none
+#: (Flower's strategies send one, ``"config"``, and SplitFed adds to that).
+SPLITFED_RECORD = "config"
+#: Prefix of the trunk strategy's state (V1's trunk copies) among the checkpoint's strategy tensors.
+TRUNK_PREFIX = "trunk-"
+
+
+def _class_name(obj: object) -> str:
+    """``module.QualName`` of ``obj``'s class (what the history records)."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 class SplitFed(Strategy):
@@ -49,23 +58,40 @@ class SplitFed(Strategy):
         strategy: aggregates the client parts (any Flower ``Strategy``).
         runner: the server side of the run (trunk server, tokens, checkpoints).
         trunk_strategy: with ``trunk-mode = "per-client"``, merges the round's trunk copies (default: the one
-            ``trunk-strategy`` names, else the same kind as ``strategy``).
+            ``trunk-strategy`` names, else the one ``strategy`` names in the run config: a custom ``strategy``
+            object is not reused for the trunk, pass it here too for that).
+
+    Raises:
+        ConfigError: ``trunk_strategy`` is given but the trunk does not run per-client copies.
     """
 
     def __init__(self, strategy: Strategy, runner: ServerRunner, trunk_strategy: Strategy | None = None) -> None:
         self.strategy = strategy
         self.runner = runner
         self.trunk_copies: TrunkCopies | None = None
+        if trunk_strategy is not None and runner.cfg.trunk_mode != "per-client":
+            raise ConfigError(f"trunk_strategy={type(trunk_strategy).__name__} merges per-client trunk copies, but "
+                              f"trunk-mode is {runner.cfg.trunk_mode!r}: set trunk-mode = 'per-client', or pass no "
+                              "trunk_strategy")
         if runner.cfg.trunk_mode == "per-client":
             self.trunk_copies = TrunkCopies(trunk_strategy or build_trunk_strategy(runner.cfg))
+        runner.strategy_classes = {"strategy": _class_name(strategy)}
+        if self.trunk_copies is not None:
+            runner.strategy_classes["trunk-strategy"] = _class_name(self.trunk_copies.strategy)
+        runner.strategy_settings = {"strategy": describe_strategy(strategy)}  # classes and arguments used
+        if self.trunk_copies is not None:
+            runner.strategy_settings["trunk-strategy"] = describe_strategy(self.trunk_copies.strategy)
         self._offset = runner.round_offset
         self._last_train: MetricRecord | None = None
         self._last_eval: MetricRecord | None = None
         self._sent = {"train": 0, "evaluate": 0}
         self._outcomes: dict[str, RoundReplies | None] = {"train": None, "evaluate": None}
         self._node_keys: dict[int, str] = {}  # node id -> client key, learnt from train replies
+        self._trunk_counters: dict[str, float] = {}
         if runner.strategy_state:
             load_strategy_state(strategy, runner.strategy_state)
+            if self.trunk_copies is not None:
+                load_strategy_state(self.trunk_copies.strategy, runner.strategy_state, prefix=TRUNK_PREFIX)
 
     # -- helpers ---------------------------------------------------------------------------------
     def _round(self, server_round: int) -> int:
@@ -81,15 +107,27 @@ class SplitFed(Strategy):
         return json.dumps({key: states[key]} if key in states else states)
 
     def _with_trunk(self, messages: Iterable[Message], server_round: int) -> list[Message]:
+        """The inner strategy's messages with SplitFed's per-node values added to their one ConfigRecord.
+
+        The values go under ``splitfed.``-prefixed keys (:mod:`splitfed.messages`) into the ConfigRecord the
+        strategy sent (``"config"``; one is made when it sent none), so the message holds one ArrayRecord and
+        one ConfigRecord, as Flower's own do and as Flower's mods (``fixedclipping_mod``...) require.
+        """
         out = []
+        clipping = client_clipping(self.strategy)
         for msg in messages:
             node = msg.metadata.dst_node_id
             content = RecordDict(dict(msg.content.items()))
-            record = self.runner.trunk_config(node, server_round)
-            privacy = self._privacy_for(node) if msg.metadata.message_type == "train" else None
-            if privacy is not None:
-                record[PRIVACY_STATES] = privacy
-            content[SPLITFED_RECORD] = ConfigRecord(record)
+            values = dict(self.runner.trunk_config(node, server_round))
+            if msg.metadata.message_type == "train":
+                privacy = self._privacy_for(node)
+                if privacy is not None:
+                    values[PRIVACY_STATES] = privacy
+                if clipping:
+                    values[CLIENT_CLIPPING] = clipping
+            names = list(content.config_records)
+            name = names[0] if names else SPLITFED_RECORD
+            content[name] = ConfigRecord({**(dict(content[name]) if names else {}), **with_prefix(values)})
             out.append(Message(content=content, dst_node_id=node, message_type=msg.metadata.message_type,
                                group_id=msg.metadata.group_id or None))
         return out
@@ -151,7 +189,7 @@ class SplitFed(Strategy):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The inner strategy aggregates the client parts; the trunk's counters and the failures join the metrics.
+        """The inner strategy aggregates the client parts; failures join the metrics (trunk counters: history).
 
         Raises:
             RoundFailedError: fewer successful replies than ``min-train-nodes``, or more failures than
@@ -180,8 +218,9 @@ class SplitFed(Strategy):
         if cfg.client_cuts:  # the trunk starts the next round from the merged version of its blocks
             load_trunk(arrays, self.runner.runtime)
         copies = {} if self.trunk_copies is None else self.trunk_copies.merge(run_round, self.runner.runtime)
-        metrics = MetricRecord({**(dict(metrics) if metrics is not None else {}), **self.runner.trunk_metrics(),
-                                **copies, "train-failures": outcome.failed})
+        # What a user reads each round stays in the record Flower logs; the trunk's counters go to the history.
+        self._trunk_counters = {k: float(v) for k, v in copies.items()}
+        metrics = MetricRecord({**(dict(metrics) if metrics is not None else {}), "train-failures": outcome.failed})
         self._last_train = metrics
         return arrays, metrics
 
@@ -244,10 +283,15 @@ class SplitFed(Strategy):
         def end_of_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
             central = evaluate_fn(self._round(server_round), arrays) if evaluate_fn is not None else None
             if server_round > 0:
+                state = strategy_state(self.strategy)
+                if self.trunk_copies is not None:
+                    state.update(strategy_state(self.trunk_copies.strategy, prefix=TRUNK_PREFIX))
                 self.runner.end_round(self._round(server_round), arrays.to_torch_state_dict(),
                                       dict(self._last_train or {}), dict(self._last_eval or {}),
                                       failures=merge_records(self._outcomes["train"], self._outcomes["evaluate"]),
-                                      strategy_state=strategy_state(self.strategy))
+                                      strategy_state=state, trunk=self._trunk_counters,
+                                      central=dict(central) if central is not None else None)
+                self._trunk_counters = {}
             return central
 
         return super().start(grid, initial_arrays, num_rounds=num_rounds, timeout=timeout, train_config=train_config,

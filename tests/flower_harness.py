@@ -126,7 +126,7 @@ def run_apps(tmp_path: Path, num_nodes: int = 4, concurrency: int = 2,
              **overrides: Any) -> tuple[ThreadGrid, Path]:
     """Run the ServerApp with :class:`ThreadGrid`; returns the grid and the output folder. ``node_configs``: what
     each partition's SuperNode adds to its node config (``--node-config``); ``on_grid`` is called with the grid
-    before the ServerApp starts."""
+    before the ServerApp starts. The folder returned is the run's own (``latest`` in ``output-dir``)."""
     from apps.client_app import app as client_app
     from apps.server_app import app as server_app
 
@@ -143,7 +143,9 @@ def run_apps(tmp_path: Path, num_nodes: int = 4, concurrency: int = 2,
         server_app(grid, context)
     finally:
         grid.close()
-    return grid, out
+    from splitfed.rundirs import latest_run
+
+    return grid, latest_run(out) or out  # the run's own folder (<output-dir>/<time>-run<id>)
 
 
 def state_digest(runner: Any) -> dict[str, str]:

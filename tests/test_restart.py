@@ -43,7 +43,7 @@ run_apps(Path(sys.argv[1]), num_nodes=2, concurrency=2, **json.loads(sys.argv[3]
 
 
 def test_server_killed_mid_run_resumes_from_the_last_completed_round(tmp_path: Path) -> None:
-    state_file = tmp_path / "outputs" / "checkpoint" / "state.json"
+    state_file = tmp_path / "outputs" / "latest" / "checkpoint" / "state.json"  # the run's own folder
     proc = subprocess.Popen([sys.executable, "-c", RUN, str(tmp_path), str(ROOT / "tests"), json.dumps(SETTINGS)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -65,7 +65,8 @@ def test_server_killed_mid_run_resumes_from_the_last_completed_round(tmp_path: P
     assert 2 <= done < 6, "killed after the last round; make rounds longer"
     recorded = {d.pop("round"): d for d in map(json.loads, (tmp_path / "digests.jsonl").read_text().splitlines())}
     # A restarted server starts exactly from the state the killed one had at the end of that round...
-    cfg = RunConfig.from_mapping(default_run_config(output_dir=str(tmp_path / "outputs"), resume=True, **SETTINGS))
+    cfg = RunConfig.from_mapping(default_run_config(output_dir=str(tmp_path / "outputs" / "latest"), resume=True,
+                                                    **SETTINGS))
     runner = ServerRunner(cfg)
     assert runner.round_offset == done
     assert state_digest(runner) == recorded[done]
