@@ -465,35 +465,15 @@ def test_server_side_central_dp_clips_and_noises_the_client_parts(tmp_path) -> N
     assert result.train_metrics_clientapp[1]["train-steps"] == 2 * 3
 
 
-_STASH: dict[str, object] = {}
-
-
-def _hide_splitfed_record(msg, context, call_next):  # type: ignore[no-untyped-def]
-    """Flower's fixedclipping_mod wants one ConfigRecord; SplitFed adds a second: hide it around the mod."""
-    from strategies import SPLITFED_RECORD
-
-    _STASH[msg.metadata.message_id] = msg.content[SPLITFED_RECORD]
-    del msg.content[SPLITFED_RECORD]
-    return call_next(msg, context)
-
-
-def _restore_splitfed_record(msg, context, call_next):  # type: ignore[no-untyped-def]
-    from strategies import SPLITFED_RECORD
-
-    msg.content[SPLITFED_RECORD] = _STASH.pop(msg.metadata.message_id)
-    return call_next(msg, context)
-
-
 def test_client_side_central_dp_clips_on_the_client(tmp_path) -> None:
-    from flwr.clientapp import ClientApp
+    """Flower's fixedclipping_mod, registered as Flower documents it, on the SplitFed ClientApp (evaluate rounds
+    run too: tests/test_flower_mods.py)."""
     from flwr.clientapp.mod import fixedclipping_mod
     from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
 
-    from apps.client_app import evaluate, train
+    from apps.client_app import make_client_app
 
-    app = ClientApp(mods=[_hide_splitfed_record, fixedclipping_mod, _restore_splitfed_record])
-    app.train()(train)
-    app.evaluate()(evaluate)
+    app = make_client_app(train_mods=[fixedclipping_mod])
     inner = _spy_fedavg()
     strategy = DifferentialPrivacyClientSideFixedClipping(inner, noise_multiplier=0.0, clipping_norm=0.05,
                                                           num_sampled_clients=2)
@@ -501,7 +481,6 @@ def test_client_side_central_dp_clips_on_the_client(tmp_path) -> None:
     norms = [_update_norm(r, initial) for r in inner.seen[0]]
     assert len(norms) == 2 and all(n == pytest.approx(0.05, rel=1e-3) for n in norms)
     assert _update_norm(result.arrays.to_torch_state_dict(), initial) <= 0.05 + 1e-6
-    assert not _STASH
 
 
 def test_private_client_app_keeps_the_accountant_in_context_state(tmp_path) -> None:
