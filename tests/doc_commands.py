@@ -214,7 +214,7 @@ def parse_module_args(module: str, argv: list[str]) -> None:
     raise Failed(f"python -m {module}: ran to the end without parsing arguments")
 
 
-def _click_parse(argv: list[str]) -> None:
+def _click_parse(argv: list[str]) -> dict[str, Any]:
     import click
     import typer
     from flwr.cli.app import app
@@ -227,9 +227,9 @@ def _click_parse(argv: list[str]) -> None:
                 command = group.get_command(ctx, name)
                 if command is None:
                     raise Failed(f"flwr {name}: no such command")
-                command.make_context(name, list(rest), parent=ctx)
+                return command.make_context(name, list(rest), parent=ctx).params
         except click.exceptions.Exit:
-            return
+            return {}
         except click.ClickException as exc:
             raise Failed(f"flwr {shlex.join(argv)}: {exc.format_message()} {out.getvalue()[-300:]}") from None
 
@@ -241,6 +241,7 @@ class Checker:
     doc: str
     scratch: Path
     made: set[str] = field(default_factory=set)
+    connections: set[str] = field(default_factory=lambda: {"local"})  # flwr's own, and those a heredoc writes
     ran: list[str] = field(default_factory=list)  # commands that really ran
 
     # ------------------------------------------------------------------ paths
@@ -251,6 +252,13 @@ class Checker:
         norm = self._norm(path)
         return (norm in self.made or any(norm.startswith(m + os.sep) for m in self.made)
                 or (ROOT / norm).exists() or (self.scratch / norm).exists())
+
+    def add_heredocs(self, heredocs: dict[str, str]) -> None:
+        """Files a block's heredocs write; a Flower ``config.toml`` among them adds its connections."""
+        self.made.update(self._norm(target) for target in heredocs)
+        for target, text in heredocs.items():
+            if target.endswith("config.toml"):
+                self.connections.update(k for k in tomllib.loads(text).get("superlink", {}) if k != "default")
 
     def _paths(self, argv: list[str]) -> None:
         """Files named by ``argv`` exist or were made earlier; what an output option names is made now."""
@@ -326,7 +334,7 @@ class Checker:
     def _flwr(self, argv: list[str]) -> str:
         from flwr.common.config import parse_config_args
 
-        _click_parse(argv[1:])
+        params = _click_parse(argv[1:])
         for i, token in enumerate(argv):
             if token in {"--run-config", "--federation-config", "--node-config"} and i + 1 < len(argv):
                 try:
@@ -335,8 +343,12 @@ class Checker:
                     raise Failed(f"{shlex.join(argv)}: {token} does not parse: {exc}") from None
                 if token == "--run-config":
                     check_app_keys(values, shlex.join(argv))
-        if argv[1] == "run" and len(argv) > 2 and not argv[2].startswith("-"):
-            assert (ROOT / argv[2] / "pyproject.toml").exists(), f"{shlex.join(argv)}: no app at {argv[2]}"
+        app = params.get("app")
+        if argv[1] == "run" and app:
+            assert (ROOT / str(app) / "pyproject.toml").exists(), f"{shlex.join(argv)}: no app at {app}"
+        name = params.get("superlink")
+        if name:
+            assert name in self.connections, f"{shlex.join(argv)}: no connection {name!r} (known: {self.connections})"
         return "checked"
 
     def _flower(self, argv: list[str]) -> str:

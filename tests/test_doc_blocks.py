@@ -81,7 +81,7 @@ def check_document(doc: str, scratch: Path) -> tuple[dict[str, list[str]], list[
                 outcome["checked"].append(block.label)
             elif kind in {"shell", "prompted"}:
                 script = split_script(block.text, prompt_only=kind == "prompted")
-                checker.made.update(script.heredocs)
+                checker.add_heredocs(script.heredocs)
                 listed = _listed(block)
                 results = []
                 for argv in script.commands:
@@ -149,6 +149,7 @@ def _check(text: str, tmp_path: Path) -> None:
     ('flwr run . local --run-config "no-such-key=1"', "no-such-key"),
     ("flwr run . local --run-config \"num-server-rounds='five'\"", "num-server-rounds"),
     ("flwr run . local --no-such-flag", "no-such-flag"),
+    ("flwr run . remote --stream", "no connection 'remote'"),
     ("python -m bench.no_such_module", "no such module"),
     ("python -m bench.wan --no-such-flag 1", "unrecognized arguments"),
     ("python examples/no_such_example.py", "does not exist"),
