@@ -391,6 +391,8 @@ class Checker:
                 if not path.startswith("-"):
                     assert (ROOT / path.split("::")[0]).exists(), f"{shlex.join(argv)}: {path} does not exist"
             return "checked"
+        if module == "venv" and rest:  # makes the environment a later ". .venv/bin/activate" reads
+            self.made.add(self._norm(rest[-1]))
         if module in RUN_MODULES:
             self._run_module(module, rest)
             return "ran"
