@@ -112,10 +112,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from splitfed.report import load_history, plot, summary_table
+    from pathlib import Path
+
+    from splitfed.report import load_history, plot, run_folder, runs_table, summary_table
 
     history = load_history(args.output_dir)
-    written = plot(history, args.plots_dir or args.output_dir)
+    folder = run_folder(args.output_dir)
+    if folder != Path(args.output_dir):  # an output-dir of several runs: list them, report the latest
+        sys.stdout.write(runs_table(args.output_dir) + f"\nreport of {folder}:\n")
+    written = plot(history, args.plots_dir or (folder if folder.is_dir() else folder.parent))
     sys.stdout.write(summary_table(history) + "\n")
     sys.stdout.write("plots: " + ", ".join(str(p) for p in written) + "\n")
     return 0
@@ -284,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_parser(sub)
 
     report = sub.add_parser("report", help="plots and a summary table from a run's history.json")
-    report.add_argument("output_dir", help="the run's output-dir (holding history.json)")
+    report.add_argument("output_dir", help="a run's folder (holding history.json), or an output-dir: its runs are "
+                        "listed and the latest one reported")
     report.add_argument("--plots-dir", help="where to write the PNGs (default: the output-dir)")
     report.set_defaults(func=_report)
     return parser

@@ -1,4 +1,8 @@
-"""Plots and a summary table from a run's ``history.json`` (also the ``splitfed report`` command)."""
+"""Plots and a summary table from a run's ``history.json`` (also the ``splitfed report`` command).
+
+``splitfed report <output-dir>`` lists the runs there and reports the latest one; ``splitfed report <run folder>``
+reports that run.
+"""
 
 from __future__ import annotations
 
@@ -12,14 +16,48 @@ log = logging.getLogger(__name__)
 PLOTS = ("loss.png", "accuracy.png", "bytes.png", "seconds.png", "epsilon.png")
 
 
-def load_history(path: str | Path) -> dict[str, Any]:
-    """The history JSON of an output folder (or the file itself)."""
+def run_folder(path: str | Path) -> Path:
+    """The run folder ``path`` means: itself when it holds a history (or is the file), else the run its
+    ``latest`` names (an ``output-dir`` holding several runs: :mod:`splitfed.rundirs`)."""
+    from splitfed.rundirs import latest_run
+
     p = Path(path)
+    if not p.is_dir() or (p / "history.json").exists():
+        return p
+    return latest_run(p) or p
+
+
+def load_history(path: str | Path) -> dict[str, Any]:
+    """The history JSON of a run folder, of the latest run of an output folder, or the file itself."""
+    p = run_folder(path)
     p = p / "history.json" if p.is_dir() else p
     try:
         return json.loads(p.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"no history.json at {p}; point at a run's output-dir") from None
+        raise FileNotFoundError(f"no history.json at {p}; point at a run's folder or its output-dir") from None
+
+
+def runs_table(output_dir: str | Path) -> str:
+    """One line per run folder of ``output_dir``, oldest first: name, status, rounds, last eval accuracy
+    (empty when it holds no run folders)."""
+    from splitfed.rundirs import latest_run, list_runs
+
+    runs, latest = list_runs(output_dir), latest_run(output_dir)
+    if not runs:
+        return ""
+    lines = [f"runs in {output_dir} (latest: {latest.name if latest else '-'}):"]
+    for run in runs:
+        try:
+            history = json.loads((run / "history.json").read_text())
+        except (OSError, ValueError):
+            lines.append(f"  {run.name}  (no history yet: running, or stopped before its first round)")
+            continue
+        rounds = history.get("rounds", [])
+        accuracy = next((r["evaluate"]["eval-accuracy"] for r in reversed(rounds)
+                         if "eval-accuracy" in r.get("evaluate", {})), None)
+        lines.append(f"  {run.name}  {history.get('status', '?'):<9}  {len(rounds)} rounds"
+                     + (f"  eval-accuracy {accuracy:.4f}" if accuracy is not None else ""))
+    return "\n".join(lines)
 
 
 def _series(rounds: list[dict[str, Any]], section: str, key: str) -> tuple[list[int], list[float]]:

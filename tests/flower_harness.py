@@ -178,3 +178,14 @@ def state_digest(runner: Any) -> dict[str, str]:
         "strategy": tensors_digest(dict(runner.strategy_state)),
         "privacy": hashlib.sha256(json.dumps(runner.privacy_states, sort_keys=True).encode()).hexdigest(),
     }
+
+
+def run_folder(output_dir: Path) -> Path:
+    """The run's own folder: ``output_dir`` itself when it is one, else the run its ``latest`` names (else
+    ``output_dir``, while no run has made its folder yet)."""
+    from splitfed.rundirs import is_run_dir, latest_run
+
+    output_dir = Path(output_dir)
+    if is_run_dir(output_dir):
+        return output_dir
+    return latest_run(output_dir) or output_dir

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from flower_harness import run_folder
 
 from bench.processes import end_processes_of
 
@@ -133,11 +134,11 @@ def test_flwr_run_simulation_completes_in_every_trunk_mode(flwr_home: Path, tmp_
     run_id = _run_id(output)
     # `flwr run --stream` exits 0 even when the run failed: ask the SuperLink.
     assert _status("local", run_id, env) == "finished:completed", output[-3000:]
-    history = json.loads((out_dir / "history.json").read_text())
+    history = json.loads((run_folder(out_dir) / "history.json").read_text())
     assert [r["round"] for r in history["rounds"]] == [1, 2]
     assert history["rounds"][-1]["train"]["train-steps"] == 40
     assert history["rounds"][-1]["trunk"]["trunk-steps"] > 0
-    assert (out_dir / "model" / "model.safetensors").exists() and (out_dir / "accuracy.png").exists()
+    assert (run_folder(out_dir) / "model" / "model.safetensors").exists() and (run_folder(out_dir) / "accuracy.png").exists()
 
 
 def test_default_main_job_reaches_90_percent(flwr_home: Path, tmp_path: Path) -> None:
@@ -147,7 +148,7 @@ def test_default_main_job_reaches_90_percent(flwr_home: Path, tmp_path: Path) ->
     output = flwr_run([".", "local", "--stream", "--run-config", f"output-dir='{out_dir}'", "--federation-config",
                        "num-supernodes=4 client-resources-num-cpus=1"], env)
     assert _status("local", _run_id(output), env) == "finished:completed", output[-4000:]
-    history = json.loads((out_dir / "history.json").read_text())
+    history = json.loads((run_folder(out_dir) / "history.json").read_text())
     assert history["rounds"][-1]["evaluate"]["eval-accuracy"] >= 0.90
 
 
@@ -160,7 +161,7 @@ def test_main_job_over_two_trunk_replicas_reaches_90_percent(flwr_home: Path, tm
     output = flwr_run([".", "local", "--stream", "--run-config", f"trunk-replicas=2 output-dir='{out_dir}'",
                        "--federation-config", "num-supernodes=4 client-resources-num-cpus=1"], env)
     assert _status("local", _run_id(output), env) == "finished:completed", output[-4000:]
-    history = json.loads((out_dir / "history.json").read_text())
+    history = json.loads((run_folder(out_dir) / "history.json").read_text())
     assert history["rounds"][-1]["evaluate"]["eval-accuracy"] >= 0.90
     assert history["rounds"][-1]["trunk"]["trunk-steps"] > 0
 
@@ -208,7 +209,7 @@ def test_deployment_superlink_and_two_supernodes(flwr_home: Path, tmp_path: Path
         output = result.stdout + result.stderr
         run_id = _run_id(output)
         assert _status("deploy", run_id, env) == "finished:completed", output[-3000:]
-        history = json.loads((out_dir / "history.json").read_text())
+        history = json.loads((run_folder(out_dir) / "history.json").read_text())
         assert [r["round"] for r in history["rounds"]] == [1, 2]
         assert history["rounds"][-1]["train"]["train-steps"] == 20  # two supernodes, 10 steps each
         assert history["rounds"][-1]["evaluate"]["num-examples"] == 1000

@@ -19,6 +19,7 @@ from typing import Any
 
 import psutil
 import pytest
+from flower_harness import run_folder
 from test_e2e_flwr import (
     BIN,
     ROOT,
@@ -47,7 +48,7 @@ class Federation:
         output = flwr_run([".", "local", "--stream", "--run-config", f"{overrides} output-dir='{out_dir}'",
                            "--federation-config", federation], self.env)
         assert _status("local", _run_id(output), self.env) == "finished:completed", output[-4000:]
-        return json.loads((out_dir / "history.json").read_text())
+        return json.loads((run_folder(out_dir) / "history.json").read_text())
 
     def run_until(self, out_dir: Path, overrides: str, federation: str, act: Callable[[str], bool],
                   timeout: float = 900) -> tuple[str, str]:
@@ -129,7 +130,7 @@ def test_quorum_run_completes_with_every_gradient_counted(federation: Federation
 def test_per_client_run_merges_a_copy_per_client(federation: Federation, tmp_path: Path) -> None:
     history = federation.run(tmp_path / "out", "trunk-mode='per-client' num-server-rounds=1 local-steps=3", TWO)
     last = _last(history)
-    assert last["train"]["trunk-copies"] == 2 and last["train"]["trunk-copy-examples"] == 2 * 3 * 32
+    assert last["trunk"]["trunk-copies"] == 2 and last["trunk"]["trunk-copy-examples"] == 2 * 3 * 32
     assert last["trunk"]["trunk-version"] == 1  # the round's merge
     assert last["trunk"]["trunk-applied"] == 2 * 3  # each gradient stepped its client's copy
 
@@ -141,7 +142,7 @@ def test_client_cuts_run_trains_both_cuts(federation: Federation, tmp_path: Path
     last = _last(history)
     assert last["train"]["train-steps"] == 2 * 3 and last["failures"]["train"] == 0
     assert last["trunk"]["trunk-steps"] > 0
-    assert (out / "model" / "model.safetensors").exists()
+    assert (run_folder(out) / "model" / "model.safetensors").exists()
 
 
 @pytest.mark.slow
@@ -178,7 +179,7 @@ def test_a_clientapp_process_killed_mid_step_is_dropped_and_the_run_completes(fe
         "init-args-num-cpus=3", kill_a_training_client)
     # Assert: the run completed without that client; the trunk dropped it once, the others trained every step.
     assert status == "finished:completed", output[-4000:]
-    (round1,) = json.loads((out / "history.json").read_text())["rounds"]
+    (round1,) = json.loads((run_folder(out) / "history.json").read_text())["rounds"]
     assert round1["failures"]["train"] == 1 and "actor died" in round1["failures"]["first-error"].lower()
     assert round1["trunk"]["trunk-dropped-members"] == 1
     assert round1["train"]["train-steps"] == 2 * 200
@@ -188,7 +189,7 @@ def test_a_clientapp_process_killed_mid_step_is_dropped_and_the_run_completes(fe
 def test_a_serverapp_killed_mid_run_resumes_from_its_checkpoint(federation: Federation, tmp_path: Path) -> None:
     # Execute: the ServerApp's process (flwr-simulation) is killed once round 1's checkpoint is written.
     out = tmp_path / "out"
-    state = out / "checkpoint" / "state.json"
+    state = out / "latest" / "checkpoint" / "state.json"
     settings = "num-server-rounds=2 local-steps=3"
     done: list[int] = []
 
@@ -210,5 +211,5 @@ def test_a_serverapp_killed_mid_run_resumes_from_its_checkpoint(federation: Fede
                         "--federation-config", TWO], federation.env)
     assert _status("local", _run_id(resumed), federation.env) == "finished:completed", resumed[-4000:]
     assert f"resuming from the checkpoint of round {done[0]}" in resumed
-    history = json.loads((out / "history.json").read_text())
+    history = json.loads((run_folder(out) / "history.json").read_text())
     assert [r["round"] for r in history["rounds"]] == [1, 2] and history["status"] == "completed"

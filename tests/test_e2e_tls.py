@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from flower_harness import run_folder
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pki import Pki, make_pki
 from test_e2e_flwr import (  # noqa: F401  (flwr_home is a fixture)
@@ -69,10 +70,10 @@ def test_flwr_run_off_loopback_serves_zero_config_tls_only(flwr_home: Path, tmp_
         answers: dict[str, str] = {}
         try:
             deadline = time.monotonic() + 600
-            while time.monotonic() < deadline and proc.poll() is None and not (out_dir / CA_FILE).exists():
+            while time.monotonic() < deadline and proc.poll() is None and not (run_folder(out_dir) / CA_FILE).exists():
                 time.sleep(0.2)
-            if (out_dir / CA_FILE).exists() and proc.poll() is None:  # the trunk is serving: probe it
-                answers = probe(f"127.0.0.1:{port}", (out_dir / CA_FILE).read_bytes())
+            if (run_folder(out_dir) / CA_FILE).exists() and proc.poll() is None:  # the trunk is serving: probe it
+                answers = probe(f"127.0.0.1:{port}", (run_folder(out_dir) / CA_FILE).read_bytes())
             proc.wait(600)
         finally:
             if proc.poll() is None:
@@ -80,10 +81,10 @@ def test_flwr_run_off_loopback_serves_zero_config_tls_only(flwr_home: Path, tmp_
         output = log.read_text(errors="replace")
         if not any(flake in output for flake in RAY_START_FLAKES):
             break
-        (out_dir / CA_FILE).unlink(missing_ok=True)
+        (run_folder(out_dir) / CA_FILE).unlink(missing_ok=True)
     assert answers == {"plaintext": "UNAVAILABLE", "another-ca": "UNAVAILABLE", "issued-ca": "SERVING"}, output[-3000:]
     assert _status("local", _run_id(output), env) == "finished:completed", output[-3000:]
-    history = json.loads((out_dir / "history.json").read_text())
+    history = json.loads((run_folder(out_dir) / "history.json").read_text())
     assert [r["round"] for r in history["rounds"]] == [1]
     assert history["rounds"][0]["train"]["train-steps"] == 2 * 6  # both clients trained through the TLS trunk
     assert history["config"]["trunk-insecure"] is False and history["config"]["tls-cert"] == ""
@@ -99,7 +100,7 @@ def test_flwr_run_with_plaintext_off_loopback_fails_at_start(flwr_home: Path, tm
     output = log.read_text(errors="replace")
     assert _status("local", _run_id(output), env) == "finished:failed", output[-3000:]
     assert "trunk-allow-plaintext-remote = true" in output and "trunk-insecure = false" in output, output[-3000:]
-    assert not (out_dir / "history.json").exists() and not (out_dir / CA_FILE).exists()
+    assert not (run_folder(out_dir) / "history.json").exists() and not (run_folder(out_dir) / CA_FILE).exists()
 
 
 # -- mutual TLS with the operator's certificates -----------------------------------------------------------------
@@ -129,9 +130,9 @@ def test_flwr_run_over_mutual_tls_completes(flwr_home: Path, tmp_path: Path) -> 
                        _mtls_overrides(pki, out_dir, client_certificates=True), "--federation-config",
                        "num-supernodes=2 client-resources-num-cpus=1"], env)
     assert _status("local", _run_id(output), env) == "finished:completed", output[-3000:]
-    (round1,) = json.loads((out_dir / "history.json").read_text())["rounds"]
+    (round1,) = json.loads((run_folder(out_dir) / "history.json").read_text())["rounds"]
     assert round1["failures"]["train"] == 0 and round1["train"]["train-steps"] == 2 * 4
-    assert not (out_dir / CA_FILE).exists()  # the operator's certificate: no issued CA
+    assert not (run_folder(out_dir) / CA_FILE).exists()  # the operator's certificate: no issued CA
 
 
 @pytest.mark.slow  # CI: tests/test_mutual_tls.py checks the same refusal and its message
@@ -146,8 +147,8 @@ def test_flwr_run_over_mutual_tls_without_client_certificates_fails_naming_the_k
     run = _run_record(_run_id(output), env)
     assert run["status"] == "finished:failed", output[-3000:]
     assert "tls-client-cert and tls-client-key" in run["status-details"], run["status-details"]
-    history = json.loads((out_dir / "history.json").read_text())
-    assert history["status"] == "failed" and not (out_dir / "model").exists()
+    history = json.loads((run_folder(out_dir) / "history.json").read_text())
+    assert history["status"] == "failed" and not (run_folder(out_dir) / "model").exists()
 
 
 @pytest.mark.slow
@@ -189,7 +190,7 @@ def test_deployment_whose_supernodes_name_their_own_certificates(flwr_home: Path
                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         output = result.stdout + result.stderr
         assert _status("deploy", _run_id(output), env) == "finished:completed", output[-3000:]
-        (round1,) = json.loads((out_dir / "history.json").read_text())["rounds"]
+        (round1,) = json.loads((run_folder(out_dir) / "history.json").read_text())["rounds"]
         assert round1["failures"]["train"] == 0 and round1["train"]["train-steps"] == 2 * 4
     finally:
         for proc in reversed(procs):

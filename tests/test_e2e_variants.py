@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from flower_harness import run_folder
 from test_e2e_flwr import _env, _run_id, _status, flwr_home, flwr_run  # noqa: F401 - flwr_home is a fixture
 
 FEDERATION = "num-supernodes=4 client-resources-num-cpus=1 init-args-num-cpus=4"
@@ -22,7 +23,7 @@ def _run(flwr_home: Path, tmp_path: Path, overrides: str) -> dict:  # noqa: F811
     if "Timed out waiting for file" in output:  # Ray's GCS missed its start-up window: a loaded machine
         output = flwr_run(args, env)
     assert _status("local", _run_id(output), env) == "finished:completed", output[-4000:]
-    return json.loads((out_dir / "history.json").read_text())
+    return json.loads((run_folder(out_dir) / "history.json").read_text())
 
 
 @pytest.mark.slow  # CI: tests/test_trunk_variants_apps.py runs the same apps in one process
@@ -43,4 +44,4 @@ def test_flwr_run_main_job_reaches_90_percent_in_v1_and_v2(flwr_home: Path, tmp_
     last = history["rounds"][-1]
     assert last["evaluate"]["eval-accuracy"] >= 0.90
     if mode == "per-client":
-        assert last["train"]["trunk-copies"] == 4 and last["trunk"]["trunk-version"] == 5
+        assert last["trunk"]["trunk-copies"] == 4 and last["trunk"]["trunk-version"] == 5

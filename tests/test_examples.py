@@ -13,7 +13,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from flower_harness import ROOT, SUPERLINK_NODE, ThreadGrid, default_run_config
+from flower_harness import ROOT, SUPERLINK_NODE, ThreadGrid, default_run_config, run_folder
 
 EXAMPLES = ROOT / "examples"
 
@@ -63,8 +63,8 @@ def test_custom_strategy_serves_a_real_run_with_per_client_trunk_copies(tmp_path
                                   run_config=config))
     finally:
         grid.close()
-    (record,) = json.loads((out / "history.json").read_text())["rounds"]
-    assert record["train"]["trunk-copies"] == 2 and record["trunk"]["trunk-copies-freed"] == 2
+    (record,) = json.loads((run_folder(out) / "history.json").read_text())["rounds"]
+    assert record["trunk"]["trunk-copies"] == 2 and record["trunk"]["trunk-copies-freed"] == 2
 
 
 def test_cut_policy_gives_small_nodes_a_shallow_bottom_and_a_valid_plan() -> None:
@@ -111,7 +111,7 @@ def test_cut_policy_client_app_trains_each_node_at_its_own_depth(tmp_path) -> No
     finally:
         grid.close()
     assert [c.node_config["cuts"] for c in grid.contexts.values()] == ["3,6", "1,6"]
-    (record,) = json.loads((out / "history.json").read_text())["rounds"]
+    (record,) = json.loads((run_folder(out) / "history.json").read_text())["rounds"]
     assert record["train"]["train-steps"] == 4 and record["evaluate"]["num-examples"] > 0
 
 
@@ -169,7 +169,7 @@ def test_the_research_guides_recipes_run_through_flwr_run(tmp_path: Path) -> Non
         ray = home / "ray-tmpdir"
         if ray.exists():
             _kill_tree_matching(ray.read_text())
-    (record,) = json.loads((out / "history.json").read_text())["rounds"]
+    (record,) = json.loads((run_folder(out) / "history.json").read_text())["rounds"]
     # Simulated nodes report no memory-gb: the policy gives them the shallow cut (1, 6), whose activations
     # (32 x 28 x 28 per image) are 4x the shared cut's: evaluation alone sends more than the shared cut could.
     assert record["evaluate"]["eval-bytes-sent"] > 2 * 1000 * 32 * 14 * 14 * 4

@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from flower_harness import ROOT, run_apps
+from flower_harness import ROOT, run_apps, run_folder
 from llm_fixtures import save_tiny
 from test_e2e_flwr import _env, _run_id, flwr_home, flwr_run  # noqa: F401  (flwr_home is a fixture)
 
@@ -21,7 +21,7 @@ from splitfed.report import summary_table
 
 
 def _history(out: Path) -> dict:
-    return json.loads((out / "history.json").read_text())
+    return json.loads((run_folder(out) / "history.json").read_text())
 
 
 def _run_status(run_id: str, env: dict[str, str]) -> dict:
@@ -50,7 +50,7 @@ def test_flwr_run_whose_clients_all_fail_is_reported_failed(flwr_home: Path, tmp
     assert round1["round"] == 1 and round1["failures"]["train"] == 2 and round1["failures"]["train-sent"] == 2
     assert "some-org/some-dataset" in round1["failures"]["first-error"]
     assert "ConfigError" in round1["failures"]["first-error"]  # the client's exception type survives Flower
-    assert not (out_dir / "model").exists() and not (out_dir / "checkpoint").exists()
+    assert not (run_folder(out_dir) / "model").exists() and not (run_folder(out_dir) / "checkpoint").exists()
 
 
 FAULTY_CLIENT = '''
@@ -116,7 +116,7 @@ def test_flwr_run_with_one_of_three_clients_failing_goes_on(flwr_home: Path, tmp
         assert record["failures"]["first-error"].endswith("disk full on partition 1")
         assert record["train"]["train-failures"] == 1
         assert record["train"]["train-steps"] == 2 * 5  # the two healthy clients trained
-    assert (out_dir / "model" / "model.safetensors").exists()
+    assert (run_folder(out_dir) / "model" / "model.safetensors").exists()
     table = summary_table(history)
     assert "failed" in table.splitlines()[0] and "1/3" in table.splitlines()[2]
 
@@ -148,8 +148,8 @@ def test_a_round_with_too_few_clients_stops_the_run_and_keeps_the_last_good_chec
     assert history["rounds"][1]["failures"]["train"] == 2
     assert "RuntimeError: device unplugged on partition" in history["rounds"][1]["failures"]["first-error"]
     # The checkpoint is still round 1's, and no model was exported.
-    assert json.loads((out / "checkpoint" / "state.json").read_text())["round"] == 1
-    assert not (out / "model").exists()
+    assert json.loads((run_folder(out) / "checkpoint" / "state.json").read_text())["round"] == 1
+    assert not (run_folder(out) / "model").exists()
     assert "run failed: round 2" in summary_table(history)
 
 
@@ -188,7 +188,7 @@ def test_a_round_whose_every_evaluation_fails_stops_the_run(tmp_path, monkeypatc
     history = _history(out)
     assert history["status"] == "failed" and "all 2 clients failed to evaluate" in history["error"]
     assert history["rounds"][-1]["failures"]["evaluate"] == 2 and history["rounds"][-1]["failures"]["train"] == 0
-    assert not (out / "model").exists()  # no round 2, nothing exported
+    assert not (run_folder(out) / "model").exists()  # no round 2, nothing exported
     assert {r["round"] for r in history["rounds"]} == {1}
 
 

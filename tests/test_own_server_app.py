@@ -147,3 +147,19 @@ def test_fedadams_moments_on_v1_trunk_copies_are_checkpointed_and_restored(tmp_p
         assert all(np.array_equal(trunk.m_t[k.split("/")[2][2:]], v.numpy()) for k, v in saved.items())
     finally:
         runner.server.stop(grace=0)
+
+
+def test_report_of_an_output_dir_lists_its_runs_and_reports_the_latest(tmp_path: Path, capsys) -> None:
+    from splitfed.cli import main
+    from splitfed.rundirs import new_run_dir
+
+    out = tmp_path / "outputs"
+    for run_id, accuracy in ((1, 0.5), (2, 0.75)):
+        folder = new_run_dir(out, run_id)
+        rounds = [{"round": 1, "train": {"train-loss": 1.0}, "evaluate": {"eval-accuracy": accuracy}, "seconds": 1}]
+        (folder / "history.json").write_text(json.dumps({"status": "completed", "rounds": rounds}))
+    assert main(["report", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "run1 " in printed and "run2 " in printed and "eval-accuracy 0.5000" in printed
+    assert f"report of {latest_run(out)}" in printed and latest_run(out).name.endswith("run2")
+    assert "0.7500" in printed.split("report of")[1]  # the table is the latest run's

@@ -22,8 +22,8 @@ def test_per_client_rounds_merge_and_free_one_copy_per_client(tmp_path, trunk_st
     rounds = _rounds(out)
     assert [r["round"] for r in rounds] == [1, 2]
     for i, r in enumerate(rounds, start=1):
-        assert r["train"]["trunk-copies"] == 4
-        assert r["train"]["trunk-copy-examples"] == 4 * STEPS * 32
+        assert r["trunk"]["trunk-copies"] == 4
+        assert r["trunk"]["trunk-copy-examples"] == 4 * STEPS * 32
         assert r["trunk"]["trunk-copies-made"] == r["trunk"]["trunk-copies-freed"] == 4 * i  # freed every round
         assert r["trunk"]["trunk-version"] == i  # one merge a round
         assert r["trunk"]["trunk-applied"] == 4 * STEPS * i
