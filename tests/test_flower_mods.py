@@ -201,3 +201,25 @@ def test_qfedavg_reads_the_train_loss_the_clients_report(tmp_path) -> None:
     assert history["status"] == "completed"
     assert history["strategies"]["strategy"]["args"]["q"] == 0.2
     assert history["rounds"][0]["train"]["train_loss"] > 0
+
+
+@pytest.mark.parametrize("wrapper", ["server-fixed", "server-adaptive", "client-fixed", "client-adaptive"])
+def test_every_dp_wrapper_runs_a_round_with_evaluation(tmp_path, wrapper: str) -> None:
+    clip = "clipping-norm=0.1" if wrapper.endswith("fixed") else "initial-clipping-norm=0.1 clipped-count-stddev=1"
+    _, out = run_apps(tmp_path, num_nodes=2, num_server_rounds=2, local_steps=1, fraction_evaluate=1.0,
+                      dp_wrapper=wrapper, dp_args=f"noise-multiplier=0.01 num-sampled-clients=2 {clip}")
+    history = json.loads((out / "history.json").read_text())
+    assert history["status"] == "completed"
+    assert all(r["evaluate"]["num-examples"] > 0 for r in history["rounds"])
+    if wrapper == "client-adaptive":  # Flower's adaptiveclipping_mod ran: the clients reported their norm bits
+        assert "norm_bit" in history["rounds"][0]["train"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fedavg", "fedprox", "fedadam", "fedavgm", "fedadagrad", "fedyogi",
+                                      "fedmedian", "fedtrimmedavg", "krum", "multikrum", "bulyan", "qfedavg"])
+def test_every_strategy_runs_a_round(tmp_path, strategy: str) -> None:
+    _, out = run_apps(tmp_path, num_nodes=3, concurrency=3, num_server_rounds=1, local_steps=1,
+                      fraction_evaluate=1.0, min_train_nodes=3, strategy=strategy)
+    history = json.loads((out / "history.json").read_text())
+    assert history["status"] == "completed" and history["rounds"][0]["evaluate"]["num-examples"] > 0
