@@ -112,7 +112,7 @@ def test_apps_run_rounds_in_every_trunk_mode(tmp_path, mode: str) -> None:
     assert rounds[1]["evaluate"]["eval-loss"] < rounds[0]["train"]["train-loss"]
     # Every train message carried the trunk address and a per-node token.
     train_msgs = [m for m in grid.sent if m.metadata.message_type == "train"]
-    tokens = {m.content["splitfed"]["trunk-token"] for m in train_msgs}
+    tokens = {m.content["config"]["splitfed.trunk-token"] for m in train_msgs}
     assert len(tokens) == len(train_msgs) == 8
 
 
@@ -147,7 +147,7 @@ def test_resume_continues_from_the_last_completed_round(tmp_path) -> None:
     grid, out = run_apps(tmp_path, num_nodes=2, concurrency=2, num_server_rounds=3, local_steps=4, resume=True)
     rounds = _history(out)["rounds"]
     assert [r["round"] for r in rounds] == [1, 2, 3]
-    assert sorted({int(m.content["splitfed"]["server-round"]) for m in grid.sent}) == [2, 3]
+    assert sorted({int(m.content["config"]["splitfed.server-round"]) for m in grid.sent}) == [2, 3]
     assert rounds[2]["trunk"]["trunk-version"] == version_one + rounds[2]["trunk"]["trunk-steps"]
 
 
