@@ -13,8 +13,6 @@ Run it with ``flwr run``: set ``serverapp = "examples.own_server_app:app"`` unde
 
 from __future__ import annotations
 
-import logging
-
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAdam, Result
@@ -24,8 +22,6 @@ from splitfed.workload import load_splits
 from strategies.metrics import aggregate_split_metrics
 from strategies.run import splitfed_run
 
-log = logging.getLogger(__name__)
-
 app = ServerApp()
 
 
@@ -33,17 +29,14 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> Result:
     """FedAdam on the client parts, central evaluation after every round; returns Flower's ``Result``."""
     with splitfed_run(grid, context) as sf:
-        strategy = FedAdam(eta=0.01, eta_l=0.05, min_train_nodes=2, min_available_nodes=2,
+        strategy = FedAdam(eta=0.01, min_train_nodes=2, min_available_nodes=2,
                            train_metrics_aggr_fn=aggregate_split_metrics,
                            evaluate_metrics_aggr_fn=aggregate_split_metrics)
 
         def central(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-            held_out = load_splits(sf.cfg, 0, 1)  # the whole held-out split
-            metrics = client_evaluate(sf.cfg, arrays.to_torch_state_dict(), sf.runner.runtime.trunk, held_out)
+            metrics = client_evaluate(sf.cfg, arrays.to_torch_state_dict(), sf.runner.runtime.trunk,
+                                      load_splits(sf.cfg, 0, 1))  # the whole held-out split
             return MetricRecord({k: float(v) for k, v in metrics.items()})
 
-        result = sf.wrap(strategy).start(grid=grid, initial_arrays=sf.initial_arrays, num_rounds=sf.num_rounds,
-                                         timeout=sf.timeout, train_config=sf.train_config, evaluate_fn=central)
-    log.info("central accuracy per round: %s", {r: m.get("eval-accuracy") for r, m in
-                                                 result.evaluate_metrics_serverapp.items()})
-    return result
+        return sf.wrap(strategy).start(grid=grid, initial_arrays=sf.initial_arrays, num_rounds=sf.num_rounds,
+                                       timeout=sf.timeout, train_config=sf.train_config, evaluate_fn=central)

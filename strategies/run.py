@@ -48,6 +48,16 @@ def output_root(cfg: RunConfig) -> Path:
     return Path(os.environ.get("SPLITFED_OUTPUT_ROOT") or os.getcwd()) / path
 
 
+def root_note(cfg: RunConfig) -> str:
+    """Where a relative ``output-dir`` was taken from, and how to choose (empty for an absolute one)."""
+    if Path(cfg.output_dir).expanduser().is_absolute():
+        return ""
+    if os.environ.get("SPLITFED_OUTPUT_ROOT"):
+        return f" (output-dir {cfg.output_dir!r}, relative to $SPLITFED_OUTPUT_ROOT)"
+    return (f" (output-dir {cfg.output_dir!r}, relative to the SuperLink's working directory; set "
+            "$SPLITFED_OUTPUT_ROOT where the SuperLink starts, or an absolute output-dir, to choose)")
+
+
 def _fab_id(grid: Grid) -> str:
     """The Flower app's id (``publisher/name``), where the grid knows its run."""
     try:
@@ -73,10 +83,10 @@ class SplitFedRun:
         if self.cfg.resume:
             self.run_dir = resolve_resume(root, self.cfg.resume)
             point_latest(self.run_dir.parent, self.run_dir)  # latest: the run written last
-            log.info("SplitFed: resuming the run in %s", self.run_dir)
+            log.info("SplitFed: resuming the run in %s%s", self.run_dir, root_note(self.cfg))
         else:
             self.run_dir = new_run_dir(root, context.run_id)
-            log.info("SplitFed: this run's results go to %s", self.run_dir)
+            log.info("SplitFed: this run's results go to %s%s", self.run_dir, root_note(self.cfg))
 
     def wrap(self, strategy: Strategy, trunk_strategy: Strategy | None = None) -> SplitFed:
         """Start the trunk server and wrap ``strategy`` (it aggregates the client parts) in :class:`SplitFed`.

@@ -92,15 +92,17 @@ def test_the_apps_refuse_to_resume_another_strategys_run(tmp_path: Path) -> None
 def test_a_relative_output_dir_is_taken_from_the_output_root_else_the_working_directory(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog, root: str | None) -> None:
     from apps.server_app import output_dir
+    from strategies.run import root_note
 
     monkeypatch.chdir(tmp_path)
     if root is None:
         monkeypatch.delenv("SPLITFED_OUTPUT_ROOT", raising=False)
     else:
         monkeypatch.setenv("SPLITFED_OUTPUT_ROOT", str(tmp_path / root))
-    with caplog.at_level(logging.INFO, logger="splitfed"):
-        path = output_dir(RunConfig(output_dir="outputs"))
+    path = output_dir(RunConfig(output_dir="outputs"))
     assert path == (tmp_path / root / "outputs" if root else tmp_path / "outputs")
-    assert f"outputs go to {path}" in caplog.text
-    assert ("$SPLITFED_OUTPUT_ROOT)" if root else "the SuperLink's working directory") in caplog.text
+    # The run's first line names its folder and says where a relative output-dir was taken from.
+    assert ("$SPLITFED_OUTPUT_ROOT)" if root else "the SuperLink's working directory") in \
+        root_note(RunConfig(output_dir="outputs"))
     assert output_dir(RunConfig(output_dir=str(tmp_path / "abs"))) == tmp_path / "abs"
+    assert root_note(RunConfig(output_dir=str(tmp_path / "abs"))) == ""

@@ -95,7 +95,7 @@ def test_resumed_strategy_state_is_the_checkpointed_one(tmp_path: Path, strategy
     runner = ServerRunner(cfg)
     saved = runner.strategy_state
     expected = {"v_t", "m_t"} if strategy != "fedavgm" else {"momentum_vector"}
-    assert {name.split("/")[1] for name in saved} == expected
+    assert expected <= {name.split("/")[1] for name in saved}  # and derived values (FedAvgM's server_opt)
     inner = build_strategy(cfg)
     SplitFed(inner, runner)  # loads the state into the inner strategy
     restored = strategy_state(inner)
