@@ -310,6 +310,8 @@ def test_sequential_with_batchnorm_and_dropout_trains_exactly() -> None:
 
 def test_heterogeneous_config_is_refused() -> None:
     model = build(Case("llama", "llama"))
+    if not hasattr(type(model.config), "is_heterogeneous"):
+        pytest.skip("this transformers release has no per-layer configs (its models ignore per_layer_config)")
     model.config.per_layer_config = {0: {"intermediate_size": 48}}
     with pytest.raises(UnsupportedModelError, match="per_layer_config"):
         split_model(model, cuts=(1, 3))

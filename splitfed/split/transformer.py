@@ -24,6 +24,7 @@ from transformers.masking_utils import (
 )
 
 from splitfed.split.base import CutState, Part, PartSpec, Role, reindex_layers
+from splitfed.split.compat import cache_positions, call_layer, call_mask, takes_cache_position
 from splitfed.split.families import (
     BERT_FAMILY,
     BIDIRECTIONAL,
@@ -193,10 +194,13 @@ class _GPT2Runner(_Runner):
             blocks: slice) -> torch.Tensor:
         hidden = state.hidden
         pos, mask_pos = self.positions(state, cache)
-        mask = create_causal_mask(config=part.config, inputs_embeds=hidden, attention_mask=state.attention_mask,
-                                  cache=cache, position_ids=mask_pos)
-        for block in part.layers[blocks]:
-            hidden = block(hidden, cache, mask, use_cache=use_cache, position_ids=pos)
+        mask = call_mask(create_causal_mask, config=part.config, hidden=hidden,
+                         attention_mask=state.attention_mask, cache=cache, position_ids=mask_pos)
+        layers = part.layers[blocks]
+        cpos = cache_positions(hidden, cache) if takes_cache_position(layers[0]) else None
+        for block in layers:
+            hidden = call_layer(block, hidden, cache=cache, cache_position=cpos, attention_mask=mask,
+                                use_cache=use_cache, position_ids=pos)
         return hidden
 
 
@@ -209,14 +213,15 @@ class _LlamaRunner(_Runner):
             blocks: slice) -> torch.Tensor:
         hidden = state.hidden
         pos, mask_pos = self.positions(state, cache)
-        kwargs = dict(config=part.config, inputs_embeds=hidden, attention_mask=state.attention_mask, cache=cache,
-                      position_ids=mask_pos)
         kinds = attention_kinds(part.config)[blocks]
-        masks = {kind: _MASKS[kind](**kwargs) for kind in dict.fromkeys(kinds)}
+        masks = {kind: call_mask(_MASKS[kind], config=part.config, hidden=hidden, attention_mask=state.attention_mask,
+                                 cache=cache, position_ids=mask_pos) for kind in dict.fromkeys(kinds)}
         position_embeddings = part.rotary(hidden, position_ids=pos)
-        for layer, kind in zip(part.layers[blocks], kinds, strict=True):
-            hidden = layer(hidden, attention_mask=masks[kind], position_embeddings=position_embeddings,
-                           position_ids=pos, cache=cache, use_cache=use_cache)
+        layers = part.layers[blocks]
+        cpos = cache_positions(hidden, cache) if takes_cache_position(layers[0]) else None
+        for layer, kind in zip(layers, kinds, strict=True):
+            hidden = call_layer(layer, hidden, cache=cache, cache_position=cpos, attention_mask=masks[kind],
+                                position_embeddings=position_embeddings, position_ids=pos, use_cache=use_cache)
         return hidden
 
 
@@ -231,13 +236,13 @@ class _BertRunner(_Runner):
             blocks: slice) -> torch.Tensor:
         hidden = state.hidden
         if attention_kinds(part.config)[0] == BIDIRECTIONAL:
-            mask = create_bidirectional_mask(config=part.config, inputs_embeds=hidden,
-                                             attention_mask=state.attention_mask)
+            mask = call_mask(create_bidirectional_mask, config=part.config, hidden=hidden,
+                             attention_mask=state.attention_mask, with_cache=False)
         else:  # is_decoder: BertModel builds the causal mask (without position ids)
-            mask = create_causal_mask(config=part.config, inputs_embeds=hidden, attention_mask=state.attention_mask,
-                                      cache=cache)
+            mask = call_mask(create_causal_mask, config=part.config, hidden=hidden,
+                             attention_mask=state.attention_mask, cache=cache)
         for layer in part.layers[blocks]:
-            hidden = layer(hidden, mask)
+            hidden = call_layer(layer, hidden, attention_mask=mask)
         return hidden
 
     def head(self, part: TransformerPart, hidden: torch.Tensor) -> torch.Tensor:
