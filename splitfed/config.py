@@ -136,8 +136,6 @@ class RunConfig:
     log_level: str = "INFO"
     log_json: bool = False  # JSON lines with run id, round, client and step
 
-    def for_node(self, node_config: Mapping[str, Any]) -> RunConfig:
-        """The run config as one node sees it: the :data:`NODE_KEYS` its ``node_config`` sets (a SuperNode's
     def updated(self, values: Mapping[str, Any]) -> RunConfig:
         """A copy with ``values`` (run-config keys) set, each checked as :meth:`from_mapping` checks it."""
         fields = {_key(f.name): f for f in dataclasses.fields(self)}
@@ -146,6 +144,8 @@ class RunConfig:
         config.validate()
         return config
 
+    def for_node(self, node_config: Mapping[str, Any]) -> RunConfig:
+        """The run config as one node sees it: the :data:`NODE_KEYS` its ``node_config`` sets (a SuperNode's
         ``--node-config``) replace the run's values; its other keys (``partition-id``, ...) are not settings."""
         own = {key: value for key, value in node_config.items() if key in NODE_KEYS}
         return self if not own else RunConfig.from_mapping({**self.to_mapping(), **own})
@@ -182,12 +182,12 @@ class RunConfig:
         _choice("partitioner", self.partitioner, _PARTITIONERS)
         _choice("strategy", self.strategy, _STRATEGIES)
         _choice("trunk-strategy", self.trunk_strategy, ("",) + _STRATEGIES)
-        if self.client_cuts and self.trunk_mode == "per-client":
-            raise ConfigError("client-cuts and trunk-mode = 'per-client' do not combine yet (the trunk's per-client "
         _choice("dp-wrapper", self.dp_wrapper, _DP_WRAPPERS)
         for key, text in (("strategy-args", self.strategy_args), ("trunk-strategy-args", self.trunk_strategy_args),
                           ("dp-args", self.dp_args)):
             parse_args(text, key)
+        if self.client_cuts and self.trunk_mode == "per-client":
+            raise ConfigError("client-cuts and trunk-mode = 'per-client' do not combine yet (the trunk's per-client "
                               "copies hold its whole range); use sync, async, quorum or sequential with client-cuts")
         if self.trunk_strategy and self.trunk_mode != "per-client":
             raise ConfigError(f"trunk-strategy merges per-client trunk copies: set trunk-mode = 'per-client' or "
@@ -290,8 +290,6 @@ def override_keys(text: str) -> list[str]:
 NODE_KEYS = ("tls-client-cert", "tls-client-key", "tls-root-ca")
 
 
-def parse_client_cuts(text: str) -> list[tuple[int, int]]:
-    """Parse ``client-cuts`` ("a,b a,b ..."): one (bottom end, top start) pair per entry, 0 < a < b.
 def parse_args(text: str, key: str) -> dict[str, str]:
     """Parse a ``name=value`` list (``strategy-args``, ``dp-args``): names kebab- or snake-case, returned in
     snake case (a constructor's argument names); values as text (the strategy factory types them).
@@ -314,6 +312,8 @@ def parse_args(text: str, key: str) -> dict[str, str]:
     return out
 
 
+def parse_client_cuts(text: str) -> list[tuple[int, int]]:
+    """Parse ``client-cuts`` ("a,b a,b ..."): one (bottom end, top start) pair per entry, 0 < a < b.
 
     Raises ConfigError naming the key when an entry is not two integers in order.
     """
