@@ -255,3 +255,75 @@ def test_chat_command_says_what_to_install_without_gradio(monkeypatch: pytest.Mo
     monkeypatch.setitem(sys.modules, "gradio", None)  # import gradio fails as if not installed
     assert main(["chat", "--server", "127.0.0.1:1", "--model", "x", "--insecure"]) == 1
     assert "pip install 'splitfed[ui]'" in capsys.readouterr().err
+
+
+#: The texts of the page's answers, in order (a JavaScript expression).
+BOTS = "[...document.querySelectorAll('#splitfed-chat [data-testid=bot]')].map(b => b.textContent.trim())"
+#: How many error toasts the page shows (a JavaScript expression).
+TOASTS = "document.querySelectorAll('[data-testid=toast-body]').length"
+#: A plain chat template (the tiny tokenizer has none): each turn as "role: text", then the answer's start.
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def test_a_failed_answer_shows_its_error_on_its_turn_and_the_next_turn_answers(llama: Path) -> None:
+    sync_playwright = _browser_or_skip()
+    from splitfed import llm
+    from splitfed.channel.server import TrunkServer
+    from splitfed.chat import serve_page
+    from splitfed.chat.engine import ChatEngine, Connection
+    from splitfed.trunk.sessions import SessionLimits
+
+    # Prepare: a server whose sessions hold at most 80 positions (a long message's answer is refused), a page
+    # whose tokenizer has a chat template (the whole conversation makes the prompt)
+    parts = llm.load_parts(str(llama), CUTS, ("trunk",))
+    server = TrunkServer(parts.trunk.requires_grad_(False), insecure=True, model_name=str(llama), cuts=CUTS,
+                         session_limits=SessionLimits(max_length=80)).start()
+    engine = ChatEngine(str(llama), Connection(server.address, insecure=True, model=str(llama)), max_new_tokens=16)
+    engine.tokenizer.chat_template = TEMPLATE
+    # the answer to the second message alone: the failed exchange is no part of its prompt
+    want = greedy(llama, engine.tokenizer.apply_chat_template([{"role": "user", "content": "what now"}],
+                                                              tokenize=False, add_generation_prompt=True), 16)
+    page_port = _free_port()
+    site = serve_page(engine, port=page_port)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+            page = browser.new_page()
+            # Execute: a message too long for the server's sessions, then a short one
+            _ask(page, f"http://127.0.0.1:{page_port}/", "tell me " * 8)
+            page.press("#splitfed-prompt textarea", "Enter")
+            page.wait_for_function("() => document.querySelector('[data-testid=toast-body]') || " + BOTS
+                                   + ".some(b => b.includes('max_length must be between 1 and 80'))", timeout=60_000)
+            first = page.evaluate(BOTS)
+            page.evaluate(WATCH)
+            toasts = page.evaluate(TOASTS)
+            page.fill("#splitfed-prompt textarea", "what now")
+            page.press("#splitfed-prompt textarea", "Enter")
+            page.wait_for_function("([want, toasts]) => { const b = " + BOTS + "; return " + TOASTS + " > toasts || "
+                                   "b.length > 1 && (b[b.length - 1] === want || b[b.length - 1].includes('this answer "
+                                   "failed')); }", arg=[want, toasts], timeout=60_000)
+            assert page.evaluate(TOASTS) <= toasts, "the second answer failed as an error toast"
+            shown = [t for t in page.evaluate("window.shown") if t and "this answer failed" not in t]
+            bots = page.evaluate(BOTS)
+            browser.close()
+    finally:
+        site.close()
+        engine.close()
+        server.stop(grace=0)
+    # Assert: the failed turn shows why it failed; the next one streamed the answer to a prompt without it
+    assert len(first) == 1 and "this answer failed" in first[0] and "max_length" in first[0], first
+    assert len(bots) == 2 and bots[0] == first[0], bots
+    assert bots[1] == want and len(set(shown)) >= 4 and all(want.startswith(t) for t in shown), shown
+
+
+def test_the_prompt_leaves_out_failed_exchanges() -> None:
+    from splitfed.chat.page import FAILED_TITLE, completed
+
+    ok = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    failed_empty = [{"role": "user", "content": "c"},
+                    {"role": "assistant", "content": "boom", "metadata": {"title": FAILED_TITLE, "log": None}}]
+    failed_late = [{"role": "user", "content": "d"}, {"role": "assistant", "content": "par"},
+                   {"role": "assistant", "content": "boom", "metadata": {"title": FAILED_TITLE}}]
+    assert completed(ok + failed_empty + ok + failed_late) == ok + ok
+    assert completed([]) == []

@@ -6,8 +6,9 @@ decode steps batch on the trunk server). The page needs nothing from the
 internet: its fonts are the browser's own, and Gradio's analytics are off.
 """
 
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from splitfed.chat.engine import ChatEngine
@@ -16,8 +17,33 @@ from splitfed.extras import require
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
+log = logging.getLogger(__name__)
+
 #: Element ids the page's parts carry (for scripts and tests).
 PROMPT_ID, SEND_ID, CHAT_ID = "splitfed-prompt", "splitfed-send", "splitfed-chat"
+#: The title of the message that shows why an answer failed (a Gradio "thought" message, shown open).
+FAILED_TITLE = "\u26a0 this answer failed"
+
+
+def failed(message: Mapping[str, Any]) -> bool:
+    """Whether a chat message is the page's note that an answer failed."""
+    metadata = message.get("metadata") or {}
+    return isinstance(metadata, Mapping) and metadata.get("title") == FAILED_TITLE
+
+
+def completed(history: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The exchanges of ``history`` whose answer did not fail: a failed one (its user message, what its answer
+    showed, and the note that it failed) is left out of later prompts, so it neither adds an empty or cut-off
+    answer for the model to imitate nor makes the prompt grow with a message that failed."""
+    kept: list[Mapping[str, Any]] = []
+    exchange: list[Mapping[str, Any]] = []
+    for message in [*history, {"role": "user"}]:
+        if message.get("role") == "user":
+            if not any(failed(m) for m in exchange):
+                kept += exchange
+            exchange = []
+        exchange.append(message)
+    return kept
 
 
 def theme() -> Any:
@@ -58,12 +84,23 @@ def build_page(engine: ChatEngine, *, title: str = "splitfed chat") -> Any:
             turns = past + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
             yield "", turns
             try:
-                for text in engine.stream(request.session_hash or "anonymous", past, message,
+                for text in engine.stream(request.session_hash or "anonymous", completed(past), message,
                                           max_new_tokens=int(max_new_tokens), temperature=float(temp)):
                     turns[-1] = {"role": "assistant", "content": text}
                     yield "", turns
-            except SplitFedError as exc:
-                raise gr.Error(str(exc)) from None
+            except Exception as exc:  # noqa: BLE001 - shown on the turn; the page serves on
+                if isinstance(exc, SplitFedError):
+                    log.warning("an answer failed: %s", exc)
+                    why = str(exc)
+                else:
+                    log.exception("an answer failed")
+                    why = f"{type(exc).__name__}: {exc}"
+                note = {"role": "assistant", "content": why, "metadata": {"title": FAILED_TITLE}}
+                if turns[-1]["content"]:
+                    turns.append(note)  # what came before the failure stays shown
+                else:
+                    turns[-1] = note
+                yield "", turns
 
         for trigger in (box.submit, send.click):
             trigger(respond, [box, chatbot, max_new, temperature], [box, chatbot], concurrency_limit=None,
