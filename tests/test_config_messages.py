@@ -17,7 +17,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
     ({"cuts": "3-6"}, "run-config key 'cuts' = '3-6' is not valid: cuts must be two integers A,B"),
     ({"cuts": "3,4,5"}, "cuts must be two integers A,B"),
     ({"lr": "fast"}, "lr must be a number"),
-    ({"resume": "maybe"}, "resume must be true or false"),
     ({"quorum": 2.5}, "quorum must be an integer"),
     ({"num-server-round": 3}, "unknown run-config key 'num-server-round'; did you mean 'num-server-rounds'?"),
     ({"trunk-mod": "sync"}, "did you mean 'trunk-mode'?"),
@@ -25,6 +24,26 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_a_bad_value_or_key_is_named_with_what_is_expected(values: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
         RunConfig.from_mapping(values)
+
+
+@pytest.mark.parametrize(("value", "parsed"), [
+    (True, "latest"), ("true", "latest"), ("latest", "latest"), (False, ""), ("false", ""), ("", ""),
+    ("outputs/20261205-151203-run7", "outputs/20261205-151203-run7"),
+])
+def test_resume_is_latest_a_path_or_off(value: object, parsed: str) -> None:
+    assert RunConfig.from_mapping({"resume": value}).resume == parsed
+
+
+def test_a_resume_path_that_holds_no_run_names_the_runs_there_are(tmp_path) -> None:
+    from splitfed.errors import CheckpointError
+    from splitfed.rundirs import new_run_dir, resolve_resume
+
+    run = new_run_dir(tmp_path, 7)
+    (run / "history.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=f"holds no run to continue \\(runs in {tmp_path}: {run.name}\\)"):
+        resolve_resume(tmp_path, "maybe")
+    assert resolve_resume(tmp_path, "latest") == run
+    assert resolve_resume(tmp_path, run.name) == run
 
 
 def test_the_server_app_names_a_typo_in_the_apps_own_config(tmp_path) -> None:
