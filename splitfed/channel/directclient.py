@@ -3,7 +3,9 @@ Unix socket, with blocking sockets (the calling thread sleeps in the kernel unti
 
 One connection carries one call at a time; a client's threads (micro-batches, :meth:`TrunkClient.submit`) each take
 a connection of their own from a small pool. A connection the engine refuses (a ticket that ended, another user's
-socket) raises :class:`DirectRefused` before anything is sent, so the call can go over gRPC instead.
+socket) raises :class:`DirectRefused` before anything is sent, so the call can go over gRPC instead. A call the engine
+answers with a retryable status (UNAVAILABLE: its model is loading, reloading or being unloaded) is retried under
+the client's :class:`~splitfed.channel.retry.RetryPolicy` and retry budget, as gRPC retries the same call.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel.enginelink import LENGTHS, MAX_HEADER_BYTES
 from splitfed.channel.limits import SERVICE_NAME
 from splitfed.channel.replies import channel_error
+from splitfed.channel.retry import RetryBudget, RetryPolicy, retrying
 from splitfed.errors import ChannelError
 
 log = logging.getLogger(__name__)
@@ -71,13 +74,18 @@ class DirectLink:
         ticket: the ticket that admits this client (``OpenRegionReply.direct_ticket``).
         address: the trunk server's address (for error messages).
         max_body: the largest reply body accepted.
+        retry: the retry policy of the client's gRPC calls, applied to these calls too (None: no retries).
+        budget: the retry budget these calls spend (default: one of ``retry``'s own).
     """
 
-    def __init__(self, path: str, ticket: str, address: str, max_body: int) -> None:
+    def __init__(self, path: str, ticket: str, address: str, max_body: int, retry: RetryPolicy | None = None,
+                 budget: RetryBudget | None = None) -> None:
         self.path = path
         self.ticket = ticket
         self.address = address
         self.max_body = max_body
+        self.retry = retry
+        self.budget = budget if budget is not None or retry is None else RetryBudget.of(retry)
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._ids = 0
@@ -115,8 +123,17 @@ class DirectLink:
         sock.close()
 
     def call(self, name: str, request: fastwire.Parsed, timeout: float | None) -> fastwire.Parsed:
-        """One ``Forward`` or ``Backward``: its parsed reply. Raises :class:`DirectRefused` when the socket cannot
-        be used (nothing sent), :class:`~splitfed.errors.ChannelError` with the call's status otherwise."""
+        """One ``Forward`` or ``Backward``: its parsed reply, retried under the link's retry policy within
+        ``timeout`` seconds in all. Raises :class:`DirectRefused` when the socket cannot be used (nothing sent
+        by that attempt), :class:`~splitfed.errors.ChannelError` with the call's last status otherwise."""
+        if self.retry is None:
+            return self._attempt(name, request, timeout)
+        assert self.budget is not None
+        return retrying(lambda left: self._attempt(name, request, left), self.retry, self.budget,
+                        f"{name} to trunk server {self.address} over the direct-call socket", timeout)
+
+    def _attempt(self, name: str, request: fastwire.Parsed, timeout: float | None) -> fastwire.Parsed:
+        """One attempt of :meth:`call`."""
         sock = self._take()
         with self._lock:
             self._ids += 1

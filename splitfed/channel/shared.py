@@ -37,6 +37,7 @@ from splitfed.channel.regions import (
     device_uuid,
     local_events,
 )
+from splitfed.channel.retry import RetryBudget
 from splitfed.channel.slices import ClientRegion, Slice, aligned
 from splitfed.codec import EncodedTensor, WireDType, encode, torch_dtype, wire_dtype
 from splitfed.errors import ChannelError, CodecError, ConfigError, SharedMemoryUnavailableError, TensorValueError
@@ -78,6 +79,8 @@ class SharedLane:
         self.on_gpu = 0
         #: Calls sent straight to the engine's direct-call socket rather than over gRPC.
         self.direct_calls = 0
+        #: The retry budget of direct calls (gRPC keeps its own for the channel's calls), across regions.
+        self._retry_budget = RetryBudget.of(client.retry)
 
     @property
     def active(self) -> bool:
@@ -135,7 +138,8 @@ class SharedLane:
             self.region = ClientRegion(mapping, events, reply.device_uuid, memory)
             if self.direct and reply.direct_path and reply.direct_ticket:
                 self.region.direct = DirectLink(reply.direct_path, reply.direct_ticket, self.client.address,
-                                                self.client.limits.max_message_bytes)
+                                                self.client.limits.max_message_bytes, self.client.retry,
+                                                self._retry_budget)
             log.debug("tensors cross the cut through shared-memory region %s (%d bytes)", mapping.name,
                       mapping.nbytes)
             return self.region
