@@ -206,12 +206,28 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An argument parser that takes ``--log-level``, as do the parsers of its subcommands (argparse makes them of
+    the same class): ``splitfed --log-level DEBUG serve ...`` and ``splitfed serve --log-level DEBUG ...`` alike.
+
+    Only the top-level parser has a default (INFO); a subcommand's option sets the level only when given, so it
+    never undoes one given before the subcommand.
+    """
+
+    def __init__(self, *args: Any, log_level_default: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
+                          default=log_level_default or argparse.SUPPRESS,
+                          help="logging level (DEBUG shows every step, and the traceback of an error; default: "
+                               "INFO); before or after the subcommand")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``splitfed`` command."""
-    parser = argparse.ArgumentParser(prog="splitfed", description="Split learning for Flower.")
-    parser.add_argument("--log-level", default="INFO", type=str.upper,
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-                        help="logging level (DEBUG shows every step, and the traceback of an error; default: INFO)")
+    parser = CommandParser(prog="splitfed", description="Split learning for Flower.", log_level_default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a model's trunk over the split channel")

@@ -13,7 +13,7 @@ import grpc
 
 from splitfed.channel.admin import model_admin_pb2 as pb
 from splitfed.channel.admin import model_admin_pb2_grpc as pb_grpc
-from splitfed.channel.admin.service import spec_to_proto
+from splitfed.channel.admin.specs import spec_to_proto
 from splitfed.channel.hosts import host_of, is_loopback
 from splitfed.errors import ChannelError, ConfigError
 from splitfed.serving.spec import ModelSpec
