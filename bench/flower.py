@@ -16,6 +16,7 @@ from types import TracebackType
 from typing import Any
 
 from bench.processes import BenchError
+from splitfed.rundirs import HISTORY, latest_run
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -48,14 +49,17 @@ class FlowerRuns:
 
     def run(self, overrides: str, out: Path, *, supernodes: int = 4, federation: str = FEDERATION,
             app: str | Path = ".", timeout: float = 3600) -> dict[str, Any]:
-        """One run of ``app`` with run-config ``overrides`` (its outputs in ``out``); returns its history, whose
-        ``status`` says whether it completed (``failed``, with the run's output in ``error``, when it wrote none).
+        """One run of ``app`` with run-config ``overrides`` (``output-dir`` is ``out``: the run writes its own folder
+        there, ``<time>-run<id>``, and points ``out/latest`` at it); returns that run's history (its folder in
+        ``run-dir``), whose ``status`` says whether it completed (``failed``, with the run's output in ``error``,
+        when it wrote none).
         A run whose Ray missed its start-up window (it happens on a loaded machine and says nothing about splitfed)
         is retried once; one that outlives ``timeout`` seconds is killed and reported failed."""
         cmd = [str(BIN / "flwr"), "run", str(app), "local", "--stream", "--run-config",
                f"{overrides} output-dir='{out}'", "--federation-config", f"num-supernodes={supernodes} {federation}"]
-        path = out / "history.json"
+        started = time.time()
         output = ""
+        path: Path | None = None
         for attempt in range(2):
             try:
                 result = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout,
@@ -64,13 +68,14 @@ class FlowerRuns:
                 return {"status": "failed", "rounds": [], "error": f"flwr run did not end within {timeout:.0f} s; "
                         f"its output ends:\n{_text(exc.stdout)[-2000:]}{_text(exc.stderr)[-2000:]}"}
             output = result.stdout + result.stderr
-            if path.exists() or not any(f in output for f in RAY_START_FLAKES) or attempt:
+            path = _new_history(out, started)
+            if path is not None or not any(f in output for f in RAY_START_FLAKES) or attempt:
                 break
             time.sleep(5)
-        if not path.exists():
-            return {"status": "failed", "rounds": [], "error": f"flwr run wrote no history; its output ends:\n"
-                                                               f"{output[-3000:]}"}
-        return json.loads(path.read_text())
+        if path is None:
+            return {"status": "failed", "rounds": [], "error": f"flwr run wrote no history in a new run folder of "
+                                                               f"{out}; its output ends:\n{output[-3000:]}"}
+        return {**json.loads(path.read_text()), "run-dir": str(path.parent)}
 
     def close(self) -> None:
         """End the SuperLink, Ray and anything else started under this FLWR_HOME, children first."""
@@ -90,6 +95,14 @@ class FlowerRuns:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
                  ) -> None:
         self.close()
+
+
+def _new_history(out: Path, since: float) -> Path | None:
+    """The history in the run folder that ``out/latest`` points at, if it was written at ``since`` or later (by
+    this run: a fresh run's folder, or the folder a resumed run writes on in)."""
+    run = latest_run(out)
+    path = None if run is None else run / HISTORY
+    return path if path is not None and path.is_file() and path.stat().st_mtime >= since - 1 else None
 
 
 def _text(data: bytes | str | None) -> str:
