@@ -136,7 +136,9 @@ def serve_models(args: argparse.Namespace) -> int:
                              authenticate=getattr(args, "authenticate", None)).start()
     except SplitFedError as exc:
         raise SystemExit(f"splitfed serve: {exc}") from None
-    log.info("serving %s on %s", ", ".join(names), server.address)
+    failed = sorted(n for n, state in server.models().items() if state.value == "FAILED")
+    log.info("serving %s on %s%s", ", ".join(n for n in names if n not in failed), server.address,
+             f" (refused: {', '.join(failed)}; `splitfed models list` says why)" if failed else "")
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     try:
         server.wait()

@@ -31,6 +31,7 @@ from splitfed.channel.dispatch import Refused, going_away
 from splitfed.channel.limits import MODEL_KEY
 from splitfed.channel.units import ModelState, ModelUnit, ServerOptions, release_memory, unit_from_spec
 from splitfed.errors import ConfigError, ModelBusyError, ModelExistsError, ModelNotHeldError
+from splitfed.serving.devices import check_spec_devices
 from splitfed.serving.memory import Estimate, MemoryBudget, estimate
 from splitfed.serving.spec import ModelSpec
 
@@ -152,6 +153,7 @@ class ModelRegistry:
         With ``wait``, returns once it is READY (or raises what failed); else at once, LOADING.
         """
         name = spec.name
+        check_spec_devices([spec])  # before anything is claimed: a refused load leaves nothing behind
         if name in self.entries or name in self._claimed:
             state = self.entries[name].state.value if name in self.entries else "LOADING"
             raise ModelExistsError(f"this server already holds model {name!r} ({state}); unload it first, or "
@@ -175,6 +177,17 @@ class ModelRegistry:
         build.add_done_callback(self._builds.discard)
         if wait:
             await self.wait(entry)
+        return entry
+
+    async def refuse(self, spec: ModelSpec, reason: str) -> Entry:
+        """Hold ``spec`` as FAILED with ``reason``, unloaded: a model of the server's start that was refused (its
+        estimate beyond the memory budget) is listed with why while the others serve; a reload loads it once it
+        fits."""
+        entry = Entry(spec.name, ModelState.FAILED, spec, error=reason)
+        self.entries[spec.name] = entry
+        self.pending.discard(spec.name)
+        self.on_state(spec.name, ModelState.FAILED)
+        log.error("model %s refused: %s", spec.name, reason)
         return entry
 
     async def wait(self, entry: Entry) -> None:
@@ -255,7 +268,8 @@ class ModelRegistry:
                               "reload it with a spec (model, cuts, ...)")
         if spec.name != name:
             raise ConfigError(f"a reload keeps the model's name: got a spec for {spec.name!r}, reloading {name!r}")
-        await asyncio.get_running_loop().run_in_executor(self._estimator, estimate, spec)  # refused before unloading
+        check_spec_devices([spec])  # refused before unloading
+        await asyncio.get_running_loop().run_in_executor(self._estimator, estimate, spec)
         await self.unload(name, drain_timeout_s=drain_timeout_s)
         return await self.load(spec, wait=wait)
 

@@ -9,17 +9,16 @@ import grpc
 import numpy as np
 import torch
 
+from splitfed.channel.unreachable import unavailable_hint
 from splitfed.codec import EncodedTensor, TensorLimits, decode_packed
 from splitfed.compression import decompress
 from splitfed.errors import ChannelError, TensorValueError
 
 
 def channel_error(name: str, address: str, code: grpc.StatusCode, details: str | None) -> ChannelError:
-    """The error of a failed call; one that found no server says how to start one."""
-    hint = ""
-    if code == grpc.StatusCode.UNAVAILABLE:
-        hint = (f" (is a trunk server running at {address}? Start one with `splitfed serve --model ... --port ...` "
-                "or TrunkServer(...).start(), and check the host and port)")
+    """The error of a failed call; one that found no server says how to start one, one that a running server
+    refused for now (a model loading or being unloaded) says what the server said."""
+    hint = unavailable_hint(address, details) if code == grpc.StatusCode.UNAVAILABLE else ""
     return ChannelError(f"{name} to trunk server {address} failed with {code.name}: {details}{hint}", code=code.name)
 
 

@@ -53,7 +53,8 @@ from splitfed.channel.loopthread import stop_loop
 from splitfed.channel.modelhealth import health_name, report_models, report_state
 from splitfed.channel.registry import Entry, ModelRegistry
 from splitfed.channel.units import ModelState, ModelUnit, ServerOptions, build_unit
-from splitfed.errors import ConfigError
+from splitfed.errors import ConfigError, ResourceExhaustedError
+from splitfed.serving.devices import check_budget_devices, check_spec_devices
 from splitfed.serving.memory import MemoryBudget
 from splitfed.serving.spec import ModelSpec
 from splitfed.trunk.aggregation import TrunkAggregator
@@ -114,7 +115,9 @@ class TrunkServer:
             (:mod:`splitfed.channel.regions`; 0: none, every tensor travels over the socket).
         shared_memory_total_bytes: bytes of shared memory all clients of one model may map together.
         models: models to load when the server starts (each on the loader thread; :meth:`start` returns once
-            all are READY and raises if one fails).
+            all are READY and raises if one fails). One whose estimate does not fit ``max_memory`` is refused
+            alone: listed FAILED with the reason while the others serve (:meth:`start` raises only when no model
+            is left). A device this machine lacks (``cuda:N``) is a ConfigError here, before anything starts.
         admin_token: the model admin service's token (at least 16 characters; never a client's). None: the
             service refuses every call. Off loopback, only with TLS.
         max_memory: bytes per device (``cpu``, ``cuda:N``, ``*`` for any) the models may take; a load whose
@@ -179,6 +182,9 @@ class TrunkServer:
         if bulk_connections and frontends:
             raise ConfigError("bulk links and front-end processes exclude each other: set one of bulk_connections "
                               "and frontends")
+        models = list(models)
+        check_spec_devices(models)  # a GPU this machine lacks: refused before anything starts or loads
+        check_budget_devices(max_memory or {})
         self._froze = False  # whether start() froze the heap (splitfed.tuning)
         self._frontend_count = frontends
         self._frontend_tls = frontend_tls
@@ -219,7 +225,7 @@ class TrunkServer:
                                       on_ready=self._on_ready)
         if self.metrics is not None:
             self.metrics.model_of = self.registry.label
-        self._initial = list(models)
+        self._initial = models
         if trunk is not None:
             self.registry.add(build_unit(
                 model_name, trunk, self.options, optimizer=optimizer, lr=lr, momentum=momentum,
@@ -318,8 +324,15 @@ class TrunkServer:
             self._run(self._start())
             if self.metrics is not None:
                 self.metrics_port = self.metrics.serve(self._metrics_port or 0, self._metrics_host)
+            refused: list[ResourceExhaustedError] = []
             for spec in self._initial:
-                self.load(spec)
+                try:
+                    self.load(spec)
+                except ResourceExhaustedError as exc:  # beyond the memory budget: this model only, the rest serve
+                    self._run(self.registry.refuse(spec, f"refused at start-up: {exc}"))
+                    refused.append(exc)
+            if refused and not any(e.state is ModelState.READY for e in self.registry.entries.values()):
+                raise refused[0]  # nothing left to serve
         except BaseException:
             self.stop(grace=0)
             raise

@@ -15,6 +15,7 @@ from splitfed.channel.admin import model_admin_pb2 as pb
 from splitfed.channel.admin import model_admin_pb2_grpc as pb_grpc
 from splitfed.channel.admin.specs import spec_to_proto
 from splitfed.channel.hosts import host_of, is_loopback
+from splitfed.channel.unreachable import unavailable_hint
 from splitfed.errors import ChannelError, ConfigError
 from splitfed.serving.spec import ModelSpec
 
@@ -63,8 +64,9 @@ class AdminClient:
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
             details = exc.details() if hasattr(exc, "details") else str(exc)
-            raise ChannelError(f"{name} on the admin service of {self.address} failed with {code.name}: {details}",
-                               code=code.name) from None
+            hint = unavailable_hint(self.address, details, admin=True) if code == grpc.StatusCode.UNAVAILABLE else ""
+            raise ChannelError(f"{name} on the admin service of {self.address} failed with {code.name}: {details}"
+                               f"{hint}", code=code.name) from None
 
     def list(self) -> pb.ListReply:
         """Every model the server holds, with its state, cuts, trunk mode and bytes per device; and the budget."""
