@@ -40,6 +40,21 @@ def test_a_second_trunk_server_on_a_busy_port_is_refused_naming_the_port() -> No
         first.stop(grace=0)
 
 
+def test_a_second_server_with_front_ends_on_a_port_front_ends_hold_is_refused() -> None:
+    """Front-end processes bind with SO_REUSEPORT among themselves: a second server's would share the first's port
+    silently, were the port not probed first."""
+    port = _free_port()
+    first = TrunkServer(_trunk(), port=port, insecure=True, model_name="first", frontends=1).start()
+    try:
+        with pytest.raises(ConfigError, match=f"port {port} is in use"):
+            second = TrunkServer(_trunk(), port=port, insecure=True, model_name="second", frontends=1).start()
+            second.stop(grace=0)
+        with TrunkClient(first.address, insecure=True) as client:
+            assert {client.info().model for _ in range(6)} == {"first"}
+    finally:
+        first.stop(grace=0)
+
+
 def test_processes_of_one_server_share_a_port_only_when_they_ask() -> None:
     port = _free_port()
     servers = [TrunkServer(_trunk(), port=port, insecure=True, reuse_port=True).start() for _ in range(2)]
