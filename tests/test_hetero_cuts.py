@@ -276,6 +276,7 @@ def test_apps_with_client_cuts_merge_every_block_and_give_the_trunk_its_share(tm
     from apps import server_app
     from splitfed.parts import build_parts
     from strategies import build_strategy
+    from strategies import run as splitfed_run_module
 
     seen: dict[str, list] = {"replies": [], "result": []}
     runners: list = []
@@ -294,14 +295,14 @@ def test_apps_with_client_cuts_merge_every_block_and_give_the_trunk_its_share(tm
         strategy.aggregate_train = aggregate_train
         return strategy
 
-    original = server_app.ServerRunner
+    original = splitfed_run_module.ServerRunner  # splitfed_run builds the trunk server
 
     def runner(*args, **kwargs):  # type: ignore[no-untyped-def]
         runners.append(original(*args, **kwargs))
         return runners[-1]
 
     monkeypatch.setattr(server_app, "build_strategy", spied)
-    monkeypatch.setattr(server_app, "ServerRunner", runner)
+    monkeypatch.setattr(splitfed_run_module, "ServerRunner", runner)
     _, out = run_apps(tmp_path, num_nodes=2, concurrency=2, num_server_rounds=1, local_steps=5,
                       client_cuts="1,6 4,9")
     history = json.loads((out / "history.json").read_text())
