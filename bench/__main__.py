@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench import core, gen_batching, generation, split_step
+from bench import core, gen_batching, generation, split_step, strategies
 from splitfed.tuning import tune_malloc
 
 SUITES: dict[str, Callable[..., dict[str, float]]] = {
@@ -21,7 +21,11 @@ SUITES: dict[str, Callable[..., dict[str, float]]] = {
     "compression": core.compression,
     "generation": generation.generation,
     "gen_batching": gen_batching.gen_batching,
+    "strategies": strategies.strategies_suite,
 }
+#: Suites that run only when ``--only`` names them (``strategies``: 16 ``flwr run`` jobs, 15-25 minutes on 2 cores;
+#: ``python -m bench.strategies`` prints its table).
+OPT_IN = ("strategies",)
 
 #: ``--quick``: a tiny model and one repetition of everything (a smoke run: the figures mean nothing).
 QUICK_SPLIT_STEP = {"layers": 3, "hidden": 32, "heads": 2, "vocab": 64, "batch": 2, "seq": 8}
@@ -32,13 +36,15 @@ QUICK: dict[str, dict[str, object]] = {
     "compression": {"repeat": 2},
     "generation": {"new_tokens": 4, "prompt_len": 4, "repeat": 1},
     "gen_batching": {"sessions": 2, "new_tokens": 4, "repeat": 1},
+    "strategies": {"rounds": 1, "only": ("fedavg",)},
 }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--only", nargs="*", choices=sorted(SUITES), help="run only these suites")
+    parser.add_argument("--only", nargs="*", choices=sorted(SUITES),
+                        help=f"run only these suites (default: all but {', '.join(OPT_IN)})")
     parser.add_argument("--device", default="cpu", help="device for model benchmarks (cpu, cuda)")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny model and one repetition of everything: checks that every suite runs")
@@ -67,7 +73,7 @@ def main() -> int:
         "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
                    f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}",
     }
-    for name in args.only or list(SUITES):
+    for name in args.only or [n for n in SUITES if n not in OPT_IN]:
         fn = SUITES[name]
         kwargs = {"device": args.device} if "device" in fn.__code__.co_varnames else {}
         if args.quick:
@@ -79,7 +85,7 @@ def main() -> int:
         if "transports" in fn.__code__.co_varnames:
             kwargs["transports"] = tuple(args.transports)
         results.update(fn(**kwargs))
-    if "split_step" in (args.only or list(SUITES)):
+    if "split_step" in (args.only or [n for n in SUITES if n not in OPT_IN]):
         results["split_step_config"] = " ".join(f"{k}={v}" for k, v in core.SPLIT_STEP.items())
         results["split_step_wire_compression"] = args.wire_compression
     core.print_results(results, args.json)

@@ -52,6 +52,11 @@ DP_ARGS: dict[str, str] = {
     "client-fixed": "noise-multiplier=0.001 clipping-norm=1.0 num-sampled-clients=4",
     "client-adaptive": "noise-multiplier=0.001 num-sampled-clients=4 initial-clipping-norm=1.0",
 }
+#: Strategies of the examples, run only when ``--only`` names them: label -> (the ServerApp, ``module:app``, that
+#: replaces the project's in a copy of the project; run-config overrides). Compare with ``fedavg``: same job and seed.
+EXAMPLES: dict[str, tuple[str, str]] = {
+    "lr-decay": ("examples.lr_decay:app", ""),  # FedAvg with lr x 0.5 every round (examples/lr_decay.py)
+}
 #: label -> why that run cannot complete here (the table shows the reason, and its failure does not fail the bench).
 LIMITATIONS: dict[str, str] = {}
 #: What every run adds (the table's lines leave it out: it is the same for all).
@@ -69,6 +74,7 @@ class Run:
     loss: list[float] = field(default_factory=list)
     seconds: float = 0.0
     error: str = ""
+    serverapp: str = ""  # an example's ServerApp (``module:app``) in place of the project's
 
     @property
     def command(self) -> str:
@@ -105,6 +111,7 @@ def runs_to_do(only: list[str] | None = None) -> list[Run]:
     for name in DP_WRAPPERS:
         runs.append(Run(f"fedavg + {name}", f"dp-wrapper='{name}' dp-args='{DP_ARGS[name]}'"))
     if only:
+        runs += [Run(label, overrides, serverapp=app) for label, (app, overrides) in EXAMPLES.items()]
         unknown = set(only) - {r.label for r in runs}
         if unknown:
             raise ValueError(f"unknown label(s) {', '.join(sorted(unknown))}; valid: {', '.join(r.label for r in runs)}")
@@ -135,7 +142,10 @@ def table(runs: list[Run], rounds: int) -> str:
             acc, loss = f"not run here: {run.limitation}", ""
         else:
             acc, loss = f"FAILED ({run.status})", ""
-        lines.append(f"| {run.label} | `{run.overrides}` | {acc} | {loss} | {run.seconds:.0f} |")
+        config = f"`{run.overrides}`" if run.overrides else "(the run config's defaults)"
+        if run.serverapp:
+            config += f", `serverapp = \"{run.serverapp}\"`"
+        lines.append(f"| {run.label} | {config} | {acc} | {loss} | {run.seconds:.0f} |")
     return "\n".join(lines)
 
 
@@ -148,6 +158,24 @@ def machine() -> str:
             f"torch {torch.__version__}, flwr {flwr.__version__}")
 
 
+def project_with(serverapp: str, where: Path) -> Path:
+    """A copy of the project (its packages and pyproject) in ``where`` whose ServerApp is ``serverapp``, with
+    ``examples/*.py`` in the FAB: what docs/research.md tells a user to change."""
+    import shutil
+
+    from bench.flower import ROOT
+
+    for name in ("splitfed", "strategies", "apps", "examples"):
+        shutil.copytree(ROOT / name, where / name, ignore=shutil.ignore_patterns("__pycache__"))
+    text = (ROOT / "pyproject.toml").read_text()
+    old = 'serverapp = "apps.server_app:app"'
+    if old not in text or '"apps/*.py"]' not in text:
+        raise RuntimeError("pyproject.toml no longer names the ServerApp as bench.strategies expects")
+    text = text.replace(old, f'serverapp = "{serverapp}"').replace('"apps/*.py"]', '"apps/*.py", "examples/*.py"]')
+    (where / "pyproject.toml").write_text(text)
+    return where
+
+
 def run_all(runs: list[Run], rounds: int, work: Path, log: Any = sys.stdout) -> list[Run]:
     """Run each of ``runs`` (``rounds`` rounds) with ``flwr run . local`` in one private FLWR_HOME under ``work``."""
     from bench.flower import FlowerRuns
@@ -155,7 +183,9 @@ def run_all(runs: list[Run], rounds: int, work: Path, log: Any = sys.stdout) -> 
     with FlowerRuns(work / "flwr-home") as flower:
         for i, run in enumerate(runs):
             started = time.monotonic()
-            history = flower.run(f"{run.overrides} num-server-rounds={rounds} {COMMON}", work / f"run{i}")
+            app = project_with(run.serverapp, work / f"project{i}") if run.serverapp else "."
+            history = flower.run(f"{run.overrides} num-server-rounds={rounds} {COMMON}".strip(), work / f"run{i}",
+                                 app=app)
             fill(run, history, time.monotonic() - started)
             acc = " ".join(f"{a:.3f}" for a in run.accuracy)
             log.write(f"{run.label:<26} {run.status:<10} accuracy {acc}  ({run.seconds:.0f}s)\n")
