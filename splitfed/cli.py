@@ -92,7 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         replicas = ReplicaSet(server, args.replicas, _build_server, (args,), timeout_s=max(args.trunk_timeout * 2,
                                                                                              60.0)).start()
-        router = replica_router(args, replicas.addresses).start()  # one address in front of the replicas
+        router = replica_router(args, replicas.addresses, replicas.gone).start()  # one address in front of the replicas
     log.info("serving the trunk of %s on %s", args.model, server.address if router is None else
              f"{router.address} (replicas: {', '.join(replicas.addresses)})")
 

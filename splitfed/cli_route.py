@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 log = logging.getLogger("splitfed")
@@ -100,11 +100,13 @@ def _serve_until_stopped(router: Any, stop_also: Sequence[Any] = ()) -> int:
     return 0
 
 
-def replica_router(args: argparse.Namespace, addresses: Sequence[str]) -> Any:
+def replica_router(args: argparse.Namespace, addresses: Sequence[str],
+                   gone: Callable[[int], bool] | None = None) -> Any:
     """The router of ``splitfed serve --replicas N`` on ``--port``, in front of the replicas' addresses (not
     started). With TLS it serves the replicas' certificate and reaches them over TLS, trusting that certificate's
     chain (which must hold its CA, or be self-signed) and presenting it as its client certificate when they
-    require one (``--tls-client-ca``)."""
+    require one (``--tls-client-ca``). ``gone(rank)``: whether the replica set already reported that replica's
+    end (the router then notes it going down at INFO)."""
     from splitfed.channel.routing import Router
     from splitfed.channel.routing.tls import backend_tls
     from splitfed.launcher import advertised
@@ -116,4 +118,5 @@ def replica_router(args: argparse.Namespace, addresses: Sequence[str]) -> Any:
     dial = [advertised("", 0, a) for a in addresses]  # a wildcard bind is dialled on loopback
     return Router(dial, host=args.host, port=args.port, insecure=credentials is None, credentials=credentials,
                   backend_credentials=backend_credentials, backend_options=options,
-                  authenticate=getattr(args, "authenticate", None))  # the replicas check the same token again
+                  authenticate=getattr(args, "authenticate", None),  # the replicas check the same token again
+                  expected_down=gone)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -36,7 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from splitfed.errors import ConfigError
-from splitfed.trunk.replicas import ReplicaGroup, init_timeout
+from splitfed.trunk.replicas import ReplicaGroup, init_timeout, short_error
 
 __all__ = ["ReplicaSet", "config_replica", "replica_device"]
 
@@ -50,6 +51,23 @@ def replica_device(rank: int, world_size: int) -> torch.device:
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
         return torch.device("cuda", rank)
     return torch.device("cpu")
+
+
+def _exit_status(code: int) -> str:
+    """``exit code 1``, or ``killed by SIGKILL`` for a process a signal ended."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _worker_broken(rank: int) -> Callable[[BaseException], None]:
+    """What a spawned replica says when its group breaks: rank 0 reports the break, so one INFO line here."""
+    def report(exc: BaseException) -> None:
+        log.info("trunk replica %d: the replica group broke (%s); this replica stops", rank, short_error(exc))
+    return report
 
 
 def _join_group(store: Any, rank: int, world_size: int, backend: str, timeout_s: float) -> Any:
@@ -74,7 +92,7 @@ def _worker(index: int, world_size: int, port: int, backend: str, timeout_s: flo
     group: ReplicaGroup | None = None
     try:
         control = _join_group(store, rank, world_size, backend, timeout_s)
-        group = ReplicaGroup(server.runtime, control=control).start()
+        group = ReplicaGroup(server.runtime, control=control, on_broken=_worker_broken(rank)).start()
         group.wait()
     finally:
         server.stop(grace=1.0)
@@ -189,8 +207,37 @@ class ReplicaSet:
         if self.group is not None and self.group.active:
             self.group.average(timeout=self.timeout_s)
 
+    def gone(self, rank: int) -> bool:
+        """Whether replica ``rank`` no longer serves: its process ended, or the group broke (then every replica
+        but rank 0 is stopped). Rank 0, this process, is never gone."""
+        if rank == 0 or self._context is None:
+            return False
+        broken = self.group is not None and not self.group.active
+        return broken or not self._context.processes[rank - 1].is_alive()
+
+    def _ended(self, wait_s: float = 2.0) -> dict[int, int]:
+        """Replicas whose process ended, by rank: their exit codes. A killed peer's sockets close before its
+        process can be reaped, so this waits up to ``wait_s`` for one to end."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            ended = {rank: p.exitcode for rank, p in enumerate(self._context.processes, start=1)
+                     if not p.is_alive() and p.exitcode is not None}
+            if ended or time.monotonic() >= deadline:
+                return ended
+            time.sleep(0.05)
+
     def _broken(self, exc: BaseException) -> None:
-        log.error("the trunk replica group broke (%s); rank 0 serves every client from the next round", exc)
+        """The group's control loop failed: one WARNING when a replica's process ended (an expected event: the
+        collective's error is at DEBUG), the error and its traceback when every replica still runs."""
+        ended = self._ended() if self._context is not None else {}
+        if ended:
+            log.warning("trunk replica %s ended (%s): the replica group is broken and rank 0 serves every client "
+                        "from now on (restart to get the replicas back)", ", ".join(map(str, ended)),
+                        ", ".join(_exit_status(code) for code in ended.values()))
+        else:
+            log.error("the trunk replica group broke while every replica still runs (a replica hung past the "
+                      "group's timeout, or a collective failed); rank 0 serves every client from the next round",
+                      exc_info=exc)
         self._kill()
 
     def _kill(self) -> None:

@@ -93,7 +93,8 @@ class ReplicaGroup:
         runtime: this replica's trunk runtime.
         control: a gloo process group for the status ticks (None: the default group, when it is gloo).
         tick_s: how often an idle or busy replica takes part in a tick.
-        on_broken: called (from the control loop) with the error when a collective fails.
+        on_broken: called (from the control loop) with the error when a collective fails; it reports the
+            break (this group then logs the error at DEBUG only), else this group logs one WARNING.
     """
 
     def __init__(self, runtime: TrunkRuntime, *, control: Any = None, tick_s: float = 0.02,
@@ -216,8 +217,13 @@ class ReplicaGroup:
                     self._wake.wait(self.tick_s)
         except Exception as exc:  # noqa: BLE001 - any failed collective breaks the group
             self.error = exc
-            log.error("trunk replica %d: a collective failed (%s: %s); this replica leaves the group and its "
-                      "trunk steps alone from now on", self.rank, type(exc).__name__, exc, exc_info=True)
+            # A replica that dies or hangs is an expected event, not a bug here: the collective's error (gloo's
+            # "Connection reset by peer" and its stack) goes to DEBUG. With ``on_broken`` its owner says what
+            # happened in one line (which replica, what becomes of its clients); without, this one WARNING does.
+            log.debug("trunk replica %d: a collective failed", self.rank, exc_info=True)
+            if self.on_broken is None:
+                log.warning("trunk replica %d: the replica group broke (%s); this replica leaves it and its trunk "
+                            "steps alone from now on", self.rank, short_error(exc))
             self._end()
             if self.on_broken is not None:
                 self.on_broken(exc)
@@ -275,6 +281,17 @@ class ReplicaGroup:
     def reduce_gradients(self, contributions: Sequence[Contribution]) -> Grads | None:
         """The global update of a sync step (see :func:`~splitfed.trunk.replica_collectives.reduce_gradients`)."""
         return collectives.reduce_gradients(self.runtime, contributions)
+
+
+def short_error(exc: BaseException) -> str:
+    """A failed collective's error in a few words for a log line: its first sentence, without the source path
+    torch and gloo put in front (``[.../gloo/transport/tcp/pair.cc:537] Read error ...: Connection reset by
+    peer. This is typically caused by ...`` becomes ``Read error ...: Connection reset by peer``)."""
+    text = " ".join(str(exc).split())
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    first = text.split(". ", 1)[0].rstrip(".")
+    return f"{type(exc).__name__}: {first[:200]}" if first else type(exc).__name__
 
 
 def init_timeout(seconds: float) -> timedelta:

@@ -149,7 +149,7 @@ class Backend:
             log.info("trunk backend %s is up (models: %s)", self.address,
                      ", ".join(sorted(m for m in state.models if m)) or "unnamed")
         elif not live and state.live:
-            log.warning("trunk backend %s is down", self.address)
+            log.debug("trunk backend %s is down", self.address)  # the router says so, and what it does about it
         state.live = live
         if live and self.metrics_url:
             state.held_bytes = await asyncio.get_running_loop().run_in_executor(None, self._scrape)

@@ -118,6 +118,8 @@ class Router:
             it is forwarded; an :class:`~splitfed.errors.AuthError` is answered UNAUTHENTICATED by the router.
         backend_token: sent to the backends as ``authorization: Bearer`` in place of the client's (None: the
             client's passes through).
+        expected_down: ``expected_down(i)``: whether backend ``i`` going down was already reported by whoever
+            runs it (a trunk replica set reports its replicas' ends): then one INFO line, else a WARNING.
     """
 
     def __init__(self, backends: Sequence[str], *, host: str = "127.0.0.1", port: int = 0, insecure: bool = False,
@@ -126,7 +128,8 @@ class Router:
                  backend_options: Sequence[tuple[str, Any]] = (), metrics: Mapping[str, str] | None = None,
                  limits: ChannelLimits = ChannelLimits(), max_concurrent_rpcs: int = 4096,
                  probe_interval_s: float = 1.0, sticky_idle_s: float = 600.0,
-                 authenticate: Callable[[dict[str, str]], str] | None = None, backend_token: str | None = None) -> None:
+                 authenticate: Callable[[dict[str, str]], str] | None = None, backend_token: str | None = None,
+                 expected_down: Callable[[int], bool] | None = None) -> None:
         if not backends:
             raise ConfigError("a router needs at least one backend address")
         if credentials is None and not insecure:
@@ -136,6 +139,7 @@ class Router:
             raise ConfigError(f"a backend is listed twice: {list(backends)}")
         metrics = dict(metrics or {})
         self.authenticate = authenticate
+        self.expected_down = expected_down
         self._backend_auth = None if backend_token is None else ("authorization", f"Bearer {backend_token}")
         options = list(limits.grpc_options()) + list(backend_options)
         self.backends = [Backend(a, i, credentials=backend_credentials, options=options, metrics_url=metrics.get(a))
@@ -281,8 +285,9 @@ class Router:
         was = backend.state.live
         if not await backend.probe() and was:
             moved = self.table.down(backend.state)
-            log.warning("trunk backend %s is down: %d pinned client(s) go to the other backends at their next call",
-                        backend.address, moved)
+            expected = self.expected_down is not None and self.expected_down(backend.state.index)
+            log.log(logging.INFO if expected else logging.WARNING, "trunk backend %s is down: %d pinned client(s) go "
+                    "to the other backends at their next call", backend.address, moved)
             await self._publish()
         elif not was and backend.state.live:
             await self._publish()
