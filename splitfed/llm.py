@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from splitfed.custom_code import custom_code_error, needs_custom_code
 from splitfed.errors import ConfigError, ModelLoadError
 from splitfed.extras import require
 from splitfed.split import SplitModel, split_model
@@ -166,7 +167,13 @@ def load_config(name_or_path: str, **overrides: Any) -> Any:
     """The model's transformers config (``num_labels=...`` and other overrides applied)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir(name_or_path))
+    folder = model_dir(name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)  # never a model's own code, nor a prompt
+    except ValueError as exc:
+        if not needs_custom_code(exc):
+            raise
+        raise custom_code_error(name_or_path, folder) from None
     for key, value in overrides.items():
         setattr(config, key, value)
     return config
@@ -193,8 +200,10 @@ def load_tokenizer(name_or_path: str) -> Any:
                              "vocab or sentencepiece file): save it beside the weights, e.g. "
                              f"AutoTokenizer.from_pretrained(<source>).save_pretrained('{folder}')")
     try:
-        tok = AutoTokenizer.from_pretrained(folder)
+        tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except (OSError, ValueError) as exc:
+        if needs_custom_code(exc):
+            raise custom_code_error(name_or_path, folder, "tokenizer") from None
         raise ModelLoadError(f"the tokenizer in {folder} could not be loaded ({type(exc).__name__}: {exc}); save a "
                              "working tokenizer beside the weights with tokenizer.save_pretrained(folder)") from exc
     if tok.pad_token is None:

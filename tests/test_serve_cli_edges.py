@@ -176,3 +176,41 @@ def test_no_server_at_the_address_gets_the_hint_to_start_one(token_file: Path, c
     assert main(["models", "list", "--server", f"127.0.0.1:{port}", "--admin-token-file", str(token_file)]) == 1
     line = _one_line(capsys, "models")
     assert f"is a trunk server running at 127.0.0.1:{port}?" in line and "--admin-token-file" in line
+
+
+# -- a model that needs code of its own ------------------------------------------------------------
+def _custom_model(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(
+        '{"model_type": "acmelm", "num_hidden_layers": 4, "auto_map": {"AutoConfig": "configuration_acme.AcmeConfig", '
+        '"AutoModelForCausalLM": "modeling_acme.AcmeForCausalLM"}}')
+    return folder
+
+
+def test_a_local_model_with_its_own_code_is_one_line_pointing_at_its_folder(tmp_path: Path, capsys,
+                                                                             monkeypatch) -> None:
+    import builtins
+
+    prompts: list[str] = []
+    monkeypatch.setattr(builtins, "input", lambda *a: prompts.append(str(a)) or "n")
+    folder = _custom_model(tmp_path / "acme")
+    assert main(["serve", "--model", str(folder), "--cuts", "1,2", "--insecure", "--port", "0"]) == 1
+    line = _one_line(capsys, "serve")
+    assert f"the model of {folder} needs code of its own to load (configuration_acme.py, modeling_acme.py)" in line
+    assert f"the model's files: {folder.resolve()}" in line and "'acmelm'" in line
+    assert "hf.co" not in line and "a bug?" not in line and "trust_remote_code=True" not in line
+    assert prompts == []  # never asked on stdin whether to run the model's code
+
+
+def test_a_hub_model_with_its_own_code_points_at_its_hub_page(tmp_path: Path, monkeypatch) -> None:
+    import huggingface_hub
+
+    from splitfed import llm
+    from splitfed.errors import UnsupportedModelError
+
+    snapshot = _custom_model(tmp_path / "hub" / "models--acme--custom-lm" / "snapshots" / "0123abc")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **kw: str(snapshot))
+    with pytest.raises(UnsupportedModelError) as info:
+        llm.load_config("acme/custom-lm")
+    text = str(info.value)
+    assert text.endswith("the model's files: https://huggingface.co/acme/custom-lm") and "hf.co/" not in text
