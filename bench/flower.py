@@ -20,8 +20,9 @@ from splitfed.rundirs import HISTORY, latest_run
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-#: What Ray says when its raylet or GCS missed a fixed start-up window (a loaded machine, not splitfed).
-RAY_START_FLAKES = ("timed out during startup", "Timed out waiting for file")
+#: What Ray says when its raylet or GCS missed a fixed start-up window, and what ``flwr`` says when its local
+#: SuperLink missed its 15 s one (a loaded machine, not splitfed).
+RAY_START_FLAKES = ("timed out during startup", "Timed out waiting for file", "Failed to start local SuperLink")
 #: The federation of the main job: 4 SuperNodes, one CPU each.
 FEDERATION = "client-resources-num-cpus=1"
 
@@ -53,8 +54,8 @@ class FlowerRuns:
         there, ``<time>-run<id>``, and points ``out/latest`` at it); returns that run's history (its folder in
         ``run-dir``), whose ``status`` says whether it completed (``failed``, with the run's output in ``error``,
         when it wrote none).
-        A run whose Ray missed its start-up window (it happens on a loaded machine and says nothing about splitfed)
-        is retried once; one that outlives ``timeout`` seconds is killed and reported failed."""
+        A run whose Ray or local SuperLink missed its start-up window (it happens on a loaded machine and says
+        nothing about splitfed) is retried once; one that outlives ``timeout`` seconds is killed and reported failed."""
         cmd = [str(BIN / "flwr"), "run", str(app), "local", "--stream", "--run-config",
                f"{overrides} output-dir='{out}'", "--federation-config", f"num-supernodes={supernodes} {federation}"]
         started = time.time()
