@@ -106,3 +106,25 @@ def test_bench_strategies_runs_one_strategy_for_real(tmp_path) -> None:
     assert run["status"] == "completed" and len(run["accuracy"]) == 1 and 0.0 < run["accuracy"][0] <= 1.0
     assert "| fedavg | `strategy='fedavg'` |" in (tmp_path / "strategies.md").read_text()
     assert Path(tmp_path / "strategies.md").read_text() in result.stdout + "\n"
+
+
+def test_flower_runs_read_the_history_of_the_run_folder_the_run_made(tmp_path) -> None:
+    """bench.flower finds a run's history in ``<output-dir>/<time>-run<id>/`` through ``latest``; an older run's
+    history there is not taken for this run's."""
+    import os
+    import time
+
+    from bench.flower import _new_history
+    from splitfed.rundirs import new_run_dir
+
+    out = tmp_path / "outputs"
+    old = new_run_dir(out, 1)
+    (old / "history.json").write_text("{}")
+    os.utime(old / "history.json", (time.time() - 60, time.time() - 60))
+    since = time.time()
+    assert _new_history(out, since) is None  # only an earlier run's: this run wrote none
+    new = new_run_dir(out, 2)
+    assert _new_history(out, since) is None  # its folder, no history yet
+    (new / "history.json").write_text("{}")
+    assert _new_history(out, since) == new / "history.json"
+    assert _new_history(tmp_path / "nothing", since) is None
