@@ -53,7 +53,7 @@ def test_the_apps_run_with_two_trunk_replicas_and_resume_with_them(tmp_path: Pat
     # Assert: every node kept its replica, two nodes on each; the run trained and rank 0 wrote the checkpoint.
     history = json.loads((out / "history.json").read_text())
     assert history["status"] == "completed" and [r["round"] for r in history["rounds"]] == [1, 2]
-    by_node = {(m.metadata.dst_node_id, m.content["splitfed"]["trunk-address"]) for m in grid.sent}
+    by_node = {(m.metadata.dst_node_id, m.content["config"]["splitfed.trunk-address"]) for m in grid.sent}
     assert len({node for node, _ in by_node}) == len(by_node) == 4
     assert sorted(Counter(address for _, address in by_node).values()) == [2, 2]
     rounds = history["rounds"]

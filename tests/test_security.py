@@ -149,7 +149,9 @@ FAIL_FAST = RetryPolicy(max_attempts=2, initial_backoff_s=0.05)  # a refused han
 
 
 def _trunk_records(grid) -> list:
-    return [m.content["splitfed"] for m in grid.sent]
+    from splitfed.messages import splitfed_values
+
+    return [splitfed_values(m.content["config"]) for m in grid.sent]
 
 
 def test_apps_off_loopback_serve_zero_config_tls_and_reissue_it_on_resume(tmp_path: Path) -> None:
