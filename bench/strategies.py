@@ -114,7 +114,8 @@ def runs_to_do(only: list[str] | None = None) -> list[Run]:
         runs += [Run(label, overrides, serverapp=app) for label, (app, overrides) in EXAMPLES.items()]
         unknown = set(only) - {r.label for r in runs}
         if unknown:
-            raise ValueError(f"unknown label(s) {', '.join(sorted(unknown))}; valid: {', '.join(r.label for r in runs)}")
+            valid = ", ".join(r.label for r in runs)
+            raise ValueError(f"unknown label(s) {', '.join(sorted(unknown))}; valid: {valid}")
         runs = [r for r in runs if r.label in only]
     return runs
 
