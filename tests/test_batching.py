@@ -286,3 +286,44 @@ def test_a_window_closes_when_its_last_member_comes_or_the_batch_is_full_not_at_
     assert server.scheduler.stats["forward-batches"] == 2 and server.runtime.version == 1
     assert answered[0] < sent[3] and answered[1] < sent[3], "the first batch waited past the arrival that filled it"
     assert answered[3] - sent[3] < 10
+
+
+def test_a_batched_backward_that_fails_unexpectedly_answers_every_waiting_member(trunk_server, monkeypatch) -> None:
+    """An error the batched backward does not expect (not a RuntimeError of autograd) still reaches every member
+    waiting for its gradient, as INTERNAL naming the batch, instead of leaving them waiting until their deadline."""
+    from splitfed.channel.retry import RetryPolicy
+    from splitfed.errors import ChannelError
+    from splitfed.trunk.batched import Batcher
+
+    def broken_output(self, group):  # type: ignore[no-untyped-def]
+        raise ValueError("an unexpected failure")
+
+    monkeypatch.setattr(Batcher, "_output", broken_output)
+    split = split_model(tiny_model("llama").train(), cuts=(1, 3))
+    server = trunk_server(split.trunk, lr=0.1, aggregator=make_aggregator("sync", timeout=60),
+                          batch_window_ms=60_000)
+    start = threading.Barrier(4)
+    errors: dict = {}
+
+    def client(i: int) -> None:
+        with TrunkClient(server.address, insecure=True, client_id=f"f{i}", retry=RetryPolicy(timeout_s=15)) as c:
+            c.join()
+            state = CutState(torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(i)))
+            start.wait(30)
+            act = uuid.uuid4().hex
+            out, _ = c.forward(state, activation_id=act, train=True, num_examples=2)
+            try:
+                c.backward(act, torch.ones_like(out))
+            except ChannelError as exc:
+                errors[i] = exc
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(errors) == [0, 1, 2, 3], errors
+    for exc in errors.values():
+        assert exc.code == "INTERNAL" and "the batched backward of 4 clients failed" in str(exc), exc
+        assert "an unexpected failure" in str(exc)
+    assert server.scheduler.stats["forward-batches"] == 1
