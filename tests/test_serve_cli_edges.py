@@ -214,3 +214,15 @@ def test_a_hub_model_with_its_own_code_points_at_its_hub_page(tmp_path: Path, mo
         llm.load_config("acme/custom-lm")
     text = str(info.value)
     assert text.endswith("the model's files: https://huggingface.co/acme/custom-lm") and "hf.co/" not in text
+
+
+def test_tls_to_a_plaintext_server_is_told_the_handshake_failed_not_to_start_a_server(server) -> None:
+    import grpc
+
+    client = TrunkClient(server.address, credentials=grpc.ssl_channel_credentials(), retry=FAST)
+    with pytest.raises(ChannelError) as info:
+        client.info()
+    client.close()
+    text = str(info.value)
+    assert f"a server answers at {server.address}, but the TLS handshake failed" in text
+    assert "is a trunk server running" not in text

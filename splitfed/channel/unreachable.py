@@ -12,6 +12,8 @@ from __future__ import annotations
 _NO_SERVER = ("failed to connect to all addresses", "connection refused", "connect failed")
 #: gRPC's details of an address whose host name did not resolve.
 _NO_HOST = ("errors resolving", "dns resolution failed", "name resolution")
+#: gRPC's details of a server that answered, but not the TLS the client expected (plaintext, another CA).
+_TLS = ("handshake failed", "ssl_error", "certificate verify failed")
 #: gRPC's details of a connection lost during the call (the server stopped or restarted under it).
 _LOST = ("socket closed", "connection reset", "broken pipe", "goaway", "stream removed")
 
@@ -22,6 +24,9 @@ def unavailable_hint(address: str, details: str | None, *, admin: bool = False) 
     text = (details or "").lower()
     if any(s in text for s in _NO_HOST):
         return f" (the host of {address} does not resolve: check the address)"
+    if any(s in text for s in _TLS):
+        return (f" (a server answers at {address}, but the TLS handshake failed: it serves plaintext (then connect "
+                "with --insecure, on loopback only) or a certificate that the CA given (--tls-ca) does not sign)")
     if any(s in text for s in _NO_SERVER):
         start = ("`splitfed serve --model ... --port ... --admin-token-file F`" if admin else
                  "`splitfed serve --model ... --port ...` or TrunkServer(...).start()")
