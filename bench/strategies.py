@@ -72,6 +72,7 @@ class Run:
     status: str = "?"
     accuracy: list[float] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
+    lr: list[float] = field(default_factory=list)  # the clients' lr per round (``train-lr``: what they trained with)
     seconds: float = 0.0
     error: str = ""
     serverapp: str = ""  # an example's ServerApp (``module:app``) in place of the project's
@@ -121,7 +122,7 @@ def runs_to_do(only: list[str] | None = None) -> list[Run]:
 
 
 def fill(run: Run, history: dict[str, Any], seconds: float) -> Run:
-    """``run`` with the status, per-round held-out accuracy and loss of its ``history``."""
+    """``run`` with the status, per-round held-out accuracy and loss, and the clients' lr, of its ``history``."""
     run.status = str(history.get("status", "?"))
     run.seconds = seconds
     run.error = str(history.get("error", ""))[-2000:]
@@ -129,6 +130,7 @@ def fill(run: Run, history: dict[str, Any], seconds: float) -> Run:
         evaluate = record.get("evaluate", {})
         run.accuracy.append(float(evaluate.get("eval-accuracy", math.nan)))
         run.loss.append(float(evaluate.get("eval-loss", math.nan)))
+        run.lr.append(float(record.get("train", {}).get("train-lr", math.nan)))
     return run
 
 

@@ -83,11 +83,12 @@ def test_bench_strategies_covers_every_strategy_and_dp_wrapper_and_tabulates() -
     assert {r.overrides.split("'")[1] for r in runs if r.overrides.startswith("strategy=")} == set(STRATEGIES)
     assert [r.label for r in runs_to_do(["lr-decay"])] == ["lr-decay"]  # the example: only when named
     done = fill(Run("krum", "strategy='krum'"), {"status": "completed", "rounds": [
-        {"round": 2, "evaluate": {"eval-accuracy": 0.9, "eval-loss": 0.3}},
+        {"round": 2, "evaluate": {"eval-accuracy": 0.9, "eval-loss": 0.3}, "train": {"train-lr": 0.025}},
         {"round": 1, "evaluate": {"eval-accuracy": 0.5, "eval-loss": 1.0}}]}, 12.0)
     failed = fill(Run("fedyogi", "strategy='fedyogi'"), {"status": "failed", "rounds": [], "error": "boom"}, 3.0)
     text = table([done, failed], 2)
     assert "| krum | `strategy='krum'` | 0.900 | 0.300 | 12 |" in text
+    assert done.accuracy == [0.5, 0.9] and done.lr[1] == 0.025
     assert "FAILED (failed)" in text and not failed.ok and done.ok
     assert math.isnan(fill(Run("x", ""), {"status": "completed", "rounds": [{"round": 1, "evaluate": {}}]},
                            0).accuracy[0])
