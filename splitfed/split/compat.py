@@ -7,7 +7,8 @@ and in the decoder layers, later ones ``cache`` and no ``cache_position``;
 returned a tuple. As Hugging Face's own code does for its callers, each
 function's signature is read once (:func:`inspect.signature`) and the arguments
 are passed under the names it declares, so a split computes on every supported
-release exactly what that release's unsplit model computes.
+release exactly what that release's unsplit model computes. From 5.25 on,
+BERT also gives its masks the caller's position ids (:func:`masks_read_positions`).
 
 The lowest release pyproject.toml allows is 5.4: before it, GPT-2's attention
 read its ``layer_idx`` at every forward for ``scale_attn_by_inverse_layer_idx``
@@ -69,6 +70,16 @@ def call_mask(fn: Callable[..., Any], *, config: Any, hidden: torch.Tensor, atte
     if position_ids is not None or "position_ids" in declared:
         kwargs["position_ids"] = position_ids
     return fn(**kwargs)
+
+
+def masks_read_positions(model_cls: type) -> bool:
+    """Whether ``model_cls`` builds its attention masks from the position ids it is given.
+
+    BERT's ``_create_attention_masks`` declares ``position_ids`` from transformers 5.25 on (packed rows then
+    attend only within their own sequence); a split passes the caller's positions to its masks exactly then.
+    """
+    method = getattr(model_cls, "_create_attention_masks", None)
+    return method is not None and "position_ids" in _parameters(method)[0]
 
 
 def takes_cache_position(layer: torch.nn.Module) -> bool:

@@ -22,9 +22,10 @@ from transformers.masking_utils import (
     create_causal_mask,
     create_sliding_window_causal_mask,
 )
+from transformers.models.bert.modeling_bert import BertModel
 
 from splitfed.split.base import CutState, Part, PartSpec, Role, reindex_layers
-from splitfed.split.compat import cache_positions, call_layer, call_mask, takes_cache_position
+from splitfed.split.compat import cache_positions, call_layer, call_mask, masks_read_positions, takes_cache_position
 from splitfed.split.families import (
     BERT_FAMILY,
     BIDIRECTIONAL,
@@ -226,7 +227,10 @@ class _LlamaRunner(_Runner):
 
 
 class _BertRunner(_Runner):
-    uses_positions = False  # absolute positions are added inside the embeddings
+    def __init__(self) -> None:
+        # Absolute positions are added inside the embeddings; they travel to the other parts only where the
+        # installed release's BertModel also builds its masks from them (packed sequences).
+        self.uses_positions = masks_read_positions(BertModel)
 
     def embed(self, part: TransformerPart, input_ids: torch.Tensor, position_ids: torch.Tensor,
               token_type_ids: torch.Tensor | None) -> torch.Tensor:
@@ -237,10 +241,10 @@ class _BertRunner(_Runner):
         hidden = state.hidden
         if attention_kinds(part.config)[0] == BIDIRECTIONAL:
             mask = call_mask(create_bidirectional_mask, config=part.config, hidden=hidden,
-                             attention_mask=state.attention_mask, with_cache=False)
-        else:  # is_decoder: BertModel builds the causal mask (without position ids)
+                             attention_mask=state.attention_mask, position_ids=state.position_ids, with_cache=False)
+        else:  # is_decoder: the causal mask
             mask = call_mask(create_causal_mask, config=part.config, hidden=hidden,
-                             attention_mask=state.attention_mask, cache=cache)
+                             attention_mask=state.attention_mask, cache=cache, position_ids=state.position_ids)
         for layer in part.layers[blocks]:
             hidden = call_layer(layer, hidden, attention_mask=mask)
         return hidden
