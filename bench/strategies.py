@@ -147,7 +147,7 @@ def table(runs: list[Run], rounds: int) -> str:
             acc, loss = f"FAILED ({run.status})", ""
         config = f"`{run.overrides}`" if run.overrides else "(the run config's defaults)"
         if run.serverapp:
-            config += f", `serverapp = \"{run.serverapp}\"`"
+            config += f" with the ServerApp `{run.serverapp}`"
         lines.append(f"| {run.label} | {config} | {acc} | {loss} | {run.seconds:.0f} |")
     return "\n".join(lines)
 
