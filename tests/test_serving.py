@@ -409,14 +409,16 @@ def test_health_reports_each_model_as_its_own_service(two_models, monkeypatch) -
         assert check(health_name("cnn")) == check(health_name("llm")) == check(SERVICE_NAME) == status.SERVING
         two_models.load(ModelSpec("mnist-cnn", name="cnn2"), wait=False)
         assert check(health_name("cnn2")) == status.NOT_SERVING  # loading
+        two_models.unload("cnn")
+        assert check(health_name("cnn")) == status.SERVICE_UNKNOWN
+        assert check(health_name("llm")) == check(SERVICE_NAME) == status.SERVING
+        two_models.unload("llm")  # the only model left is loading: the server serves none yet
+        assert check(SERVICE_NAME) == status.NOT_SERVING
         release.set()
         deadline = time.monotonic() + 20
         while check(health_name("cnn2")) != status.SERVING and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert check(health_name("cnn2")) == status.SERVING
-        two_models.unload("cnn")
-        assert check(health_name("cnn")) == status.SERVICE_UNKNOWN
-        assert check(health_name("llm")) == status.SERVING
+        assert check(health_name("cnn2")) == check(SERVICE_NAME) == status.SERVING
 
 
 def test_metrics_carry_the_model_label(llama_dir: Path) -> None:
