@@ -4,6 +4,7 @@ its first call, naming both cuts; the README's client, run twice as a user would
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import grpc
@@ -11,7 +12,7 @@ import pytest
 import torch
 from doc_blocks import ROOT, python_blocks
 
-from splitfed.channel.client import RemoteTrunk, TrunkClient
+from splitfed.channel.client import LEAVE_TIMEOUT_S, RemoteTrunk, TrunkClient
 from splitfed.channel.server import TrunkServer
 from splitfed.errors import ChannelError, SplitError
 from splitfed.models import build_model, mnist_cnn
@@ -61,7 +62,10 @@ def test_closing_a_client_of_a_server_that_is_gone_does_not_hang() -> None:
     client = TrunkClient(server.address, insecure=True)
     client.forward(CutState(torch.randn(2, 32, 14, 14)), activation_id=uuid.uuid4().hex, train=True)
     server.stop(grace=0)
+    began = time.monotonic()
     client.close()  # the Leave fails quietly (the server would drop the member after its timeout anyway)
+    assert time.monotonic() - began < LEAVE_TIMEOUT_S + 2.0
+    assert client.member  # it did not leave: the Leave failed, and close() said nothing
 
 
 def test_the_readme_client_twice_does_not_wait_for_the_trunk_timeout() -> None:
