@@ -171,10 +171,10 @@ def _fail_evaluation(monkeypatch: pytest.MonkeyPatch, nodes: set[str]) -> None:
 
     real = client_app.client_evaluate
 
-    def flaky(cfg, state, trunk, splits):
+    def flaky(cfg, state, trunk, splits, **kwargs):
         if trunk.client.client_id in nodes:
             raise RuntimeError(f"evaluation data unreadable on {trunk.client.client_id}")
-        return real(cfg, state, trunk, splits)
+        return real(cfg, state, trunk, splits, **kwargs)
 
     monkeypatch.setattr(client_app, "client_evaluate", flaky)
 
