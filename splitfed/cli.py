@@ -36,7 +36,8 @@ def _build_server(rank: int, args: argparse.Namespace) -> Any:
     from splitfed.trunk.aggregation import make_aggregator
     from splitfed.trunk.replicas import replica_aggregator
 
-    cfg = RunConfig(model=args.model, cuts=args.cuts, seed=args.seed, lora_rank=args.lora_rank)
+    cfg = RunConfig(model=args.model, cuts=args.cuts, seed=args.seed, lora_rank=args.lora_rank,
+                    lora_alpha=args.lora_alpha, lora_targets=args.lora_targets)
     if cfg.cuts is None and is_pretrained(cfg):
         from splitfed.llm import NAMED_LLMS, load_config
 
@@ -272,7 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="trunk replicas over torch.distributed (one per GPU when there are enough, else CPU "
                             "processes) behind a router on --port; replica r also listens on --port + 1 + r")
     serve.add_argument("--seed", type=int, default=0, help="seed of a trunk built untrained (default: %(default)s)")
-    serve.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on the trunk")
+    serve.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on the trunk "
+                       "(each --model's default: models without default LoRA targets, as mnist-cnn, get none)")
+    serve.add_argument("--lora-alpha", type=float, default=0.0, help="LoRA's alpha (default: twice the rank)")
+    serve.add_argument("--lora-targets", default="", help="modules LoRA adapts, a,b (default: the architecture's "
+                       "projections); per model: --model 'NAME=SOURCE lora-targets=a,b'")
     serve.set_defaults(func=_serve)
     from splitfed.cli_models import add_models_command, add_serve_options
 

@@ -1,8 +1,9 @@
 """``splitfed serve`` with several models, and ``splitfed models list|load|unload|reload`` (the admin service's CLI).
 
 ``--model`` repeats, each ``[NAME=]SOURCE[:A,B]`` (a named model, a local folder
-or a hub id; the name clients ask for; the cuts), the other ``serve`` options
-applying to every model; ``--models-file F.toml`` gives each model a table of its
+or a hub id; the name clients ask for; the cuts) and, in the same argument, any
+models-file key as ``KEY=VALUE`` (``lora-rank=4 lora-targets=q_proj,v_proj``), the
+other ``serve`` options being every model's defaults; ``--models-file F.toml`` gives each model a table of its
 own (:mod:`splitfed.serving.spec`). ``--admin-token-file`` turns the admin service
 on; ``--max-memory`` bounds what the models may take per device.
 """
@@ -13,7 +14,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import signal
 import sys
 from typing import Any
@@ -23,8 +23,6 @@ from splitfed.errors import SplitFedError
 log = logging.getLogger("splitfed")
 
 TOKEN_ENV = "SPLITFED_ADMIN_TOKEN"
-_CUTS_SUFFIX = re.compile(r"^(?P<source>.+):(?P<a>\d+),(?P<b>\d+)$")
-_NAME_PREFIX = re.compile(r"^(?P<name>[A-Za-z0-9_.-]+)=(?P<rest>.+)$")
 
 
 # -- serve ---------------------------------------------------------------------------------------
@@ -55,22 +53,15 @@ def add_serve_options(serve: argparse.ArgumentParser) -> None:
 
 
 def spec_from_flag(text: str, args: argparse.Namespace) -> Any:
-    """The spec of one ``--model [NAME=]SOURCE[:A,B]``, with the other ``serve`` options."""
-    from splitfed.serving.spec import ModelSpec
+    """The spec of one ``--model '[NAME=]SOURCE[:A,B] [KEY=VALUE ...]'``, the other ``serve`` options its defaults
+    (:func:`splitfed.serving.spec.parse_model_flag`)."""
+    from splitfed.serving.spec import parse_model_flag
 
-    name, source, cuts = "", text, args.cuts
-    prefix = _NAME_PREFIX.match(text)
-    if prefix is not None and "/" not in prefix.group("name"):
-        name, source = prefix.group("name"), prefix.group("rest")
-    suffix = _CUTS_SUFFIX.match(source)
-    if suffix is not None:
-        source, cuts = suffix.group("source"), (int(suffix.group("a")), int(suffix.group("b")))
-    return ModelSpec(model=source, name=name, cuts=cuts, lora_rank=args.lora_rank, device=args.device,
-                     trunk_mode=args.trunk_mode, quorum=args.quorum, max_staleness=args.max_staleness,
-                     trunk_timeout=args.trunk_timeout, optimizer=args.optimizer, lr=args.lr,
-                     batch_window_ms=args.batch_window_ms, max_batch_tokens=args.max_batch_tokens,
-                     checkpointing=args.checkpointing, compile=args.compile, shared_memory_mib=args.shared_memory_mib,
-                     seed=args.seed)
+    defaults = {key: getattr(args, key, None) for key in (
+        "cuts", "lora_rank", "lora_alpha", "lora_targets", "device", "trunk_mode", "quorum", "max_staleness",
+        "trunk_timeout", "optimizer", "lr", "batch_window_ms", "max_batch_tokens", "checkpointing", "compile",
+        "shared_memory_mib", "seed")}
+    return parse_model_flag(text, {k: v for k, v in defaults.items() if v is not None})
 
 
 def read_token(args: argparse.Namespace) -> str | None:

@@ -13,6 +13,8 @@ the program it names, with that program's own parser and without starting anythi
   to its ``parse_args`` and stops there); ``python FILE``: the file exists; ``python -m pytest PATHS``: the paths
   exist; :data:`RUN_MODULES` really run.
 - ``pip install``: every extra named exists in pyproject.
+- ``openssl``: runs in the document's scratch folder (keys and certificates take a moment); what ``-out`` and
+  ``-keyout`` name is made.
 - files and folders named must exist in the repository or be made earlier in the same document (an output option
   such as ``--out``, a ``>``, ``mkdir``, a heredoc, or a command that really ran).
 """
@@ -320,6 +322,8 @@ class Checker:
             return self._python(argv)
         if program in {"pip", "pip3"}:
             return self._pip(argv)
+        if program == "openssl":
+            return self._openssl(argv)
         raise Failed(f"{shlex.join(argv)}: no check knows {program!r}; add one to tests/doc_commands.py")
 
     def _splitfed(self, argv: list[str]) -> str:
@@ -414,6 +418,23 @@ class Checker:
             sys.argv = saved_argv
             os.chdir(saved_cwd)
         self.made.update(self._norm(a) for a in argv if not a.startswith("-") and (self.scratch / a).exists())
+
+    def _openssl(self, argv: list[str]) -> str:
+        import shutil
+        import subprocess
+
+        made = [argv[i + 1] for i, token in enumerate(argv[:-1]) if token in ("-out", "-keyout")]
+        if shutil.which("openssl") is None:  # nothing to run it with here: its outputs count as made, unchecked
+            self.made.update(self._norm(path) for path in made)
+            return "checked"
+        result = subprocess.run(argv, cwd=self.scratch, capture_output=True, text=True, timeout=60)
+        if result.returncode != 0:
+            raise Failed(f"{shlex.join(argv)} exited {result.returncode}: {result.stderr.strip()[-600:]}")
+        missing = [path for path in made if not (self.scratch / path).exists()]
+        if missing:
+            raise Failed(f"{shlex.join(argv)}: made no {', '.join(missing)}")
+        self.made.update(self._norm(path) for path in made)
+        return "ran"
 
     def _pip(self, argv: list[str]) -> str:
         known = extras()

@@ -71,11 +71,61 @@ def default_cuts(model: str) -> tuple[int, int]:
     return 1, layers - 1
 
 
+def architecture(model: str) -> str:
+    """The architecture family of ``model`` as its split parts name it (``sequential``, ``gpt2``, ``llama``, ...),
+    from its config alone."""
+    from splitfed.models import NAMED
+
+    if model == "tiny-gpt2":
+        return "gpt2"
+    if model in NAMED:
+        return "sequential"  # the named models built from code are nn.Sequential (mnist-cnn)
+    from splitfed.llm import load_config
+
+    return str(getattr(load_config(model), "model_type", "") or "")
+
+
+def lora_settings(spec: ModelSpec) -> tuple[int, float, str]:
+    """The LoRA rank, alpha and targets (comma-separated) ``spec``'s trunk gets. On a model without default LoRA
+    targets (an ``nn.Sequential`` model, an architecture :data:`splitfed.lora.TARGETS` does not know) and with no
+    ``lora_targets``: none when the LoRA is the server's default (``lora_optional``), else a
+    :class:`~splitfed.errors.ConfigError` saying which targets there are to set."""
+    from splitfed.lora import TARGETS
+
+    targets = ",".join(spec.lora_targets)
+    if spec.lora_rank and not targets:
+        arch = architecture(spec.model)
+        if arch not in TARGETS:
+            if spec.lora_optional:
+                log.debug("model %s is served without LoRA: %s (%s) has no default LoRA targets", spec.name,
+                          spec.model, arch or "unknown architecture")
+                return 0, 0.0, ""
+            raise ConfigError(f"model {spec.name!r} asks for LoRA (lora-rank {spec.lora_rank}) but {spec.model} "
+                              f"({arch or 'its architecture'}) has no default LoRA targets: set lora-targets to the "
+                              f"modules to adapt{_target_hint(spec.model, spec.cuts)}, or lora-rank = 0")
+    return spec.lora_rank, spec.lora_alpha, targets
+
+
+def _target_hint(model: str, cuts: tuple[int, int] | None) -> str:
+    """The layers LoRA can adapt in a named ``nn.Sequential`` model (their indices), as a hint."""
+    from splitfed.lora import LORA_LAYER_TYPES
+    from splitfed.models import NAMED, build_model
+
+    if model not in NAMED or model == "tiny-gpt2":
+        return " (the names of its Linear, Conv or Embedding modules)"
+    layers = [f"{i} ({type(m).__name__})" for i, m in enumerate(build_model(model))
+              if type(m).__name__ in LORA_LAYER_TYPES]
+    a, b = cuts or NAMED[model].default_cuts
+    return (f" (the indices of its layers: {', '.join(layers)}; with cuts {a},{b} the trunk holds layers {a} to "
+            f"{b - 1}, e.g. lora-targets = \"{a}\")")
+
+
 def run_config(spec: ModelSpec) -> RunConfig:
     """The run settings that :func:`splitfed.parts.build_parts` reads for ``spec``."""
     check_source(spec.model)
+    rank, alpha, targets = lora_settings(spec)
     return RunConfig(model=spec.model, cuts=spec.cuts or default_cuts(spec.model), seed=spec.seed,
-                     lora_rank=spec.lora_rank)
+                     lora_rank=rank, lora_alpha=alpha, lora_targets=targets)
 
 
 def build_trunk(spec: ModelSpec) -> tuple[nn.Module, tuple[int, int]]:
@@ -121,6 +171,9 @@ def build_model(spec: ModelSpec) -> BuiltModel:
                                  timeout=spec.trunk_timeout)
     runtime = make_runtime(trunk, optimizer=spec.optimizer, lr=spec.lr, aggregator=aggregator,
                            checkpointing=spec.checkpointing, compile=spec.compile)
-    log.info("built model %s (%s, blocks %d..%d on %s, %s)", spec.name, spec.model, cuts[0], cuts[1] - 1,
-             spec.device, aggregator.describe())
+    rank, _, targets = lora_settings(spec)
+    lora = (f"LoRA rank {rank} on {targets or 'the default targets'}" if rank else
+            "no LoRA (no default LoRA targets; give it lora-targets for LoRA)" if spec.lora_rank else "no LoRA")
+    log.info("built model %s (%s, blocks %d..%d on %s, %s, %s)", spec.name, spec.model, cuts[0], cuts[1] - 1,
+             spec.device, aggregator.describe(), lora)
     return BuiltModel(spec, runtime, cuts)

@@ -14,12 +14,20 @@ id), its cuts, LoRA rank, device, trunk mode and the other settings of
     model = "/models/smollm2"
     cuts = [3, 27]
     lora-rank = 8
+    lora-targets = ["q_proj", "v_proj"]
     device = "cuda:0"
+
+On the command line (``splitfed serve --model``) a model is ``[NAME=]SOURCE[:A,B]``, followed in the same
+argument by any of these keys as ``KEY=VALUE`` (:func:`parse_model_flag`); the other ``serve`` options are every
+``--model``'s defaults. LoRA from those defaults (``--lora-rank``) goes only to models LoRA has targets in by
+default (:attr:`ModelSpec.lora_optional`); a model that asks for LoRA itself and has none is refused, saying to
+set ``lora-targets``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -70,6 +78,21 @@ def normalize_device(device: str) -> str:
     raise ConfigError(f"device must be cpu, cuda or cuda:N, got {device!r}")
 
 
+def parse_targets(value: Any, name: str = "") -> tuple[str, ...]:
+    """LoRA targets from ``"a,b"`` or a list (of module names, or of an ``nn.Sequential`` model's layer indices)."""
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, (str, int))
+                                                   for t in items):
+        raise ConfigError(f"lora-targets of model {name!r} must be \"a,b\" or a list of module names or layer "
+                          f"indices, got {value!r}")
+    targets = tuple(str(t).strip() for t in items if str(t).strip())
+    if any(not t.isprintable() or any(c.isspace() for c in t) for t in targets):
+        raise ConfigError(f"lora-targets of model {name!r} must be module names or layer indices, got {value!r}")
+    return targets
+
+
 def looks_like_path(source: str) -> bool:
     """Whether ``source`` names a local folder (absolute, ``./``, ``../`` or ``~``) rather than a hub id."""
     return source.startswith(("/", "./", "../", "~")) or source in (".", "..")
@@ -85,6 +108,12 @@ class ModelSpec:
         cuts: the trunk holds blocks ``[a, b)`` (None: the named model's default; a folder or hub id
             without a default gets ``1, n-1``).
         lora_rank: train LoRA adapters of this rank on the trunk (0: full fine-tuning).
+        lora_alpha: LoRA's alpha (0: twice the rank).
+        lora_targets: the modules LoRA adapts (``"q_proj,v_proj"``, a list; an ``nn.Sequential`` model's layer
+            indices); empty: the architecture's projections.
+        lora_optional: the LoRA settings are the server's defaults rather than this model's own: a model with no
+            default LoRA targets (``mnist-cnn``'s ``nn.Sequential``, and ``lora_targets`` empty) is served
+            without LoRA instead of refused.
         device: ``cpu`` or ``cuda:N``.
         trunk_mode, quorum, max_staleness, trunk_timeout: the trunk's aggregation (see ``docs/research.md``).
         optimizer, lr: the trunk's optimizer.
@@ -100,6 +129,9 @@ class ModelSpec:
     name: str = ""
     cuts: tuple[int, int] | None = None
     lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: tuple[str, ...] = ()
+    lora_optional: bool = False
     device: str = "cpu"
     trunk_mode: str = "sync"
     quorum: int = 1
@@ -116,7 +148,7 @@ class ModelSpec:
     frozen: bool = False
 
     def __post_init__(self) -> None:
-        for switch in ("checkpointing", "compile", "frozen"):
+        for switch in ("checkpointing", "compile", "frozen", "lora_optional"):
             if not isinstance(getattr(self, switch), bool):
                 raise ConfigError(f"{switch} of model {self.name or self.model!r} must be true or false, got "
                                   f"{getattr(self, switch)!r}")
@@ -124,6 +156,10 @@ class ModelSpec:
             raise ConfigError("model is empty: give a named model, a local folder or a hub id")
         object.__setattr__(self, "name", check_name(self.name or self.model))
         object.__setattr__(self, "cuts", parse_cuts(self.cuts))
+        object.__setattr__(self, "lora_targets", parse_targets(self.lora_targets, self.name))
+        if not (isinstance(self.lora_alpha, (int, float)) and self.lora_alpha >= 0):
+            raise ConfigError(f"lora-alpha of model {self.name!r} must be a number >= 0 (0: twice the rank), got "
+                              f"{self.lora_alpha!r}")
         object.__setattr__(self, "device", normalize_device(self.device))
         if self.trunk_mode not in TRUNK_MODES:
             raise ConfigError(f"trunk-mode of model {self.name!r} must be one of {', '.join(TRUNK_MODES)}, got "
@@ -164,6 +200,7 @@ class ModelSpec:
         """The spec as a TOML-able table (kebab-case keys)."""
         out = {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)}
         out["cuts"] = list(self.cuts) if self.cuts is not None else []
+        out["lora-targets"] = list(self.lora_targets)
         return out
 
 
@@ -192,3 +229,65 @@ def read_models_file(path: str | Path) -> list[ModelSpec]:
     if len(set(names)) != len(names):
         raise ConfigError(f"models file {path} names a model twice: {sorted(n for n in names if names.count(n) > 1)}")
     return specs
+
+
+_NAME_PREFIX = re.compile(r"^(?P<name>[A-Za-z0-9_.-]+)=(?P<rest>.+)$")
+_CUTS_SUFFIX = re.compile(r"^(?P<source>.+):(?P<a>\d+),(?P<b>\d+)$")
+_OPTIONS = re.compile(r"^(?P<head>.*?)(?P<options>(?:\s+[a-z][a-z0-9-]*=\S*)*)\s*$", re.DOTALL)
+#: The keys that give a model LoRA of its own.
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_targets")
+
+
+def _typed(key: str, value: str, flag: str) -> Any:
+    """A ``KEY=VALUE`` of a ``--model`` flag as the field's type (that of its default)."""
+    default = {f.name: f.default for f in dataclasses.fields(ModelSpec)}[key]
+    try:
+        if isinstance(default, bool):
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1", "yes")
+        if isinstance(default, int):
+            return int(value)
+        if isinstance(default, float):
+            return float(value)
+    except ValueError:
+        raise ConfigError(f"--model {flag!r}: {key.replace('_', '-')}={value} is not a valid "
+                          f"{type(default).__name__}") from None
+    return value
+
+
+def parse_model_flag(text: str, defaults: Mapping[str, Any] | None = None) -> ModelSpec:
+    """The spec of one ``splitfed serve --model '[NAME=]SOURCE[:A,B] [KEY=VALUE ...]'``.
+
+    ``KEY`` is any key of a models-file table (``lora-rank=4 lora-alpha=8 lora-targets=q_proj,v_proj``,
+    ``trunk-mode=async``, ...). ``defaults`` (field names: the other ``serve`` options) fill the keys the flag does
+    not set. LoRA from ``defaults`` is optional for the model (:attr:`ModelSpec.lora_optional`) unless the flag sets
+    a LoRA key of its own.
+    """
+    fields = {f.name for f in dataclasses.fields(ModelSpec)}
+    match = _OPTIONS.match(text.strip())
+    head, options = (match.group("head"), match.group("options").split()) if match else (text, [])
+    own: dict[str, Any] = {}
+    for option in options:
+        key, _, value = option.partition("=")
+        attr = key.replace("-", "_")
+        if attr not in fields or attr in ("model", "name"):
+            known = ", ".join(sorted(f.replace("_", "-") for f in fields - {"model", "name"}))
+            raise ConfigError(f"--model {text!r}: unknown key {key!r}; known keys: {known}")
+        if attr in own:
+            raise ConfigError(f"--model {text!r}: {key} is given twice")
+        own[attr] = _typed(attr, value, text)
+    name, source = "", head
+    prefix = _NAME_PREFIX.match(head)
+    if prefix is not None and "/" not in prefix.group("name"):
+        name, source = prefix.group("name"), prefix.group("rest")
+    suffix = _CUTS_SUFFIX.match(source)
+    if suffix is not None:
+        if "cuts" in own:
+            raise ConfigError(f"--model {text!r}: cuts are given twice (:A,B and cuts=)")
+        source, own["cuts"] = suffix.group("source"), (int(suffix.group("a")), int(suffix.group("b")))
+    kwargs = {k: v for k, v in (defaults or {}).items() if k in fields and k not in ("model", "name")}
+    kwargs.update(own)
+    if kwargs.get("lora_rank") and not any(k in own for k in LORA_KEYS) and "lora_optional" not in own:
+        kwargs["lora_optional"] = True  # the server's default LoRA: for the models it fits
+    return ModelSpec(model=source, name=name, **kwargs)
