@@ -17,6 +17,7 @@ from pki import Pki, make_pki
 from splitfed.channel.client import RetryPolicy, TrunkClient
 from splitfed.config import NODE_KEYS, RunConfig
 from splitfed.errors import ChannelError, ConfigError, RoundFailedError
+from splitfed.rundirs import latest_run
 from splitfed.split import CutState
 
 FAIL_FAST = RetryPolicy(max_attempts=2, initial_backoff_s=0.05)  # a refused handshake is not transient
@@ -55,9 +56,11 @@ def test_a_node_without_a_certificate_fails_naming_the_keys_to_set(tmp_path: Pat
     with pytest.raises(RoundFailedError, match="tls-client-cert and tls-client-key") as info:
         run_apps(tmp_path, num_nodes=2, concurrency=2, num_server_rounds=1, local_steps=2, **_server_keys(pki))
     assert "--node-config" in str(info.value) and "ConfigError" in str(info.value)
-    history = _history(tmp_path / "outputs")
+    run_dir = latest_run(tmp_path / "outputs")  # the failed run's own folder
+    assert run_dir is not None
+    history = _history(run_dir)
     assert history["status"] == "failed" and history["rounds"][0]["failures"]["train"] == 2
-    assert not (tmp_path / "outputs" / "model").exists()
+    assert not (run_dir / "model").exists()
 
 
 def test_a_node_whose_certificate_another_ca_signed_is_refused(tmp_path: Path, pki: Pki) -> None:

@@ -193,7 +193,8 @@ def test_models_file_and_model_flags_parse_to_specs(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         read_models_file(tmp_path / "none.toml")
     args = build_parser().parse_args(["serve", "--model", "x", "--cuts", "2,4", "--lora-rank", "4"])
-    assert spec_from_flag("chat=/m/llama:3,27", args) == ModelSpec("/m/llama", name="chat", cuts=(3, 27), lora_rank=4)
+    assert spec_from_flag("chat=/m/llama:3,27", args) == ModelSpec("/m/llama", name="chat", cuts=(3, 27), lora_rank=4,
+                                                                  lora_optional=True)  # the server's default LoRA
     assert spec_from_flag("HuggingFaceTB/SmolLM2-135M", args).name == "HuggingFaceTB/SmolLM2-135M"
     assert spec_from_flag("mnist-cnn", args).cuts == (2, 4)  # --cuts for the models without their own
     with pytest.raises(ConfigError, match="printable characters without spaces"):
