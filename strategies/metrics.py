@@ -33,3 +33,23 @@ def aggregate_split_metrics(records: list[RecordDict], weighted_by_key: str) -> 
             weight = sum(w for _, w in values) or 1.0
             out[key] = sum(v * w for v, w in values) / weight
     return MetricRecord(out)
+
+
+#: Client metrics that go to history.json (and the DEBUG log) but not into the record Flower logs and returns
+#: each round: the trunk's counters and the run's bookkeeping. What stays is what a user reads (loss, accuracy,
+#: perplexity, examples, seconds, bytes, privacy spent, failures) and any key of a researcher's own.
+DETAILS = frozenset({
+    "train-steps", "train-step-seconds", "train-trunk-version", "train-trunk-applied", "train-trunk-downweighted",
+    "train-trunk-rejected-stale", "train-trunk-rejected-guard", "train-state-bytes", "train-lr",
+    "train-dp-noise-multiplier", "train_loss",  # train_loss: the copy of train-loss that Flower's QFedAvg reads
+})
+#: Counters shown only when they count something.
+WHEN_NONZERO = ("bytes-shared", "failures")
+
+
+def user_facing(metrics: MetricRecord | None) -> MetricRecord | None:
+    """``metrics`` without :data:`DETAILS`, and without :data:`WHEN_NONZERO` counters that are zero."""
+    if metrics is None:
+        return None
+    return MetricRecord({k: v for k, v in metrics.items() if k not in DETAILS
+                         and not (k.endswith(WHEN_NONZERO) and not isinstance(v, list) and float(v) == 0.0)})

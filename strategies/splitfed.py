@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable
-from logging import INFO, WARNING
+from logging import DEBUG, INFO, WARNING
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.supercore import log
@@ -35,6 +35,7 @@ from splitfed.messages import CLIENT_CLIPPING, CLIENT_KEY, PRIVACY_RECORD, PRIVA
 from splitfed.server import ServerRunner
 from strategies.cuts import complete_replies, load_trunk
 from strategies.factory import client_clipping, describe_strategy
+from strategies.metrics import user_facing
 from strategies.replies import RoundReplies, merge_records
 from strategies.state import load_strategy_state, strategy_state
 from strategies.trunk_copies import TrunkCopies, build_trunk_strategy
@@ -221,8 +222,9 @@ class SplitFed(Strategy):
         # What a user reads each round stays in the record Flower logs; the trunk's counters go to the history.
         self._trunk_counters = {k: float(v) for k, v in copies.items()}
         metrics = MetricRecord({**(dict(metrics) if metrics is not None else {}), "train-failures": outcome.failed})
-        self._last_train = metrics
-        return arrays, metrics
+        self._last_train = metrics  # all of it goes to the history
+        log(DEBUG, "round %s: train metrics %s", run_round, dict(metrics))
+        return arrays, user_facing(metrics)
 
     def _keep_privacy_state(self, reply: Message) -> None:
         if PRIVACY_RECORD not in reply.content.config_records:
@@ -263,7 +265,7 @@ class SplitFed(Strategy):
         if metrics is not None:
             metrics = MetricRecord({**dict(metrics), "eval-failures": outcome.failed})
         self._last_eval = metrics
-        return metrics
+        return user_facing(metrics)
 
     def summary(self) -> None:
         """Log the inner strategy's settings and the trunk's."""

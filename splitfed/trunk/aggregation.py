@@ -147,7 +147,7 @@ class TrunkAggregator:
         """Add a client to the step group (or mark it alive); returns the group size."""
         with self._lock:
             if client_id not in self._members:
-                log.info("client %s joined the trunk step group (%d members)", client_id, len(self._members) + 1)
+                log.debug("client %s joined the trunk step group (%d members)", client_id, len(self._members) + 1)
             self._members[client_id] = self.clock()
             return len(self._members)
 
@@ -155,7 +155,7 @@ class TrunkAggregator:
         """Remove a client from the step group; a bucket it held up may complete now."""
         with self._lock:
             if self._members.pop(client_id, None) is not None:
-                log.info("client %s left the trunk step group (%d members)", client_id, len(self._members))
+                log.debug("client %s left the trunk step group (%d members)", client_id, len(self._members))
                 self._maybe_close()
             return len(self._members)
 
