@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -16,6 +17,9 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 # Each trunk server's start would collect (0.2 s here) and freeze the whole test session's heap
 # (splitfed.tuning.freeze_heap); tests/test_heap.py turns it on where it is what is tested.
 os.environ.setdefault("SPLITFED_FREEZE_HEAP", "0")
+# Every test meets the model cache as a first-time user does: empty at the session's start (a conversion, e.g.
+# SmolLM2's GGUF, runs once per session and is reused by the tests after it), never the user's ~/.cache/splitfed.
+os.environ.setdefault("SPLITFED_CACHE", tempfile.mkdtemp(prefix="splitfed-cache-"))
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 VOCAB = 97
