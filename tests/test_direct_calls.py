@@ -18,7 +18,8 @@ from splitfed.auth import TokenIssuer
 from splitfed.channel import fastwire, shared
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel.client import TrunkClient
-from splitfed.channel.directclient import DirectLink, _recv_frame, _send_frame
+from splitfed.channel.directclient import DirectLink
+from splitfed.channel.framing import FrameLimits, recv_frame, send_frame
 from splitfed.channel.limits import SERVICE_NAME
 from splitfed.codec import WireDType, encode
 from splitfed.errors import ChannelError
@@ -82,6 +83,14 @@ def test_a_refused_socket_sends_the_call_over_grpc(trunk_server) -> None:
         _steps(client, 1)
         assert client.shared.region.direct is None and client.shared.direct_calls == 1  # only the first went direct
     assert server.direct.listener.stats["refused"] == 1
+
+
+def _send_frame(sock: socket.socket, header: dict, body: bytes = b"") -> None:
+    send_frame(sock, header, [body])
+
+
+def _recv_frame(sock: socket.socket, max_body: int) -> tuple[dict, memoryview]:
+    return recv_frame(sock, FrameLimits(max_body))
 
 
 def _raw(path: str, ticket: str) -> socket.socket:

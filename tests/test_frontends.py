@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitfed.channel import regionio, shared
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel.client import TrunkClient
-from splitfed.channel.enginelink import read_frame, write_frame
+from splitfed.channel.framing import FrameLimits, pieces, read_frame, write_frame
 from splitfed.channel.limits import CLIENT_ID_KEY, SERVICE_NAME
 from splitfed.channel.regions import SharedRegion
 from splitfed.channel.split_channel_pb2_grpc import SplitChannelStub
@@ -122,7 +122,7 @@ def test_only_a_process_with_the_links_secret_is_served(trunk_server) -> None:
             await write_frame(writer, {"secret": secret})
             await write_frame(writer, {"id": 1, "method": f"/{SERVICE_NAME}/Info", "md": [], "peer": "x"},
                               [pb.InfoRequest().SerializeToString()])
-            header, _ = await asyncio.wait_for(read_frame(reader, 1 << 20), 30)
+            header, _ = await asyncio.wait_for(read_frame(reader, FrameLimits(1 << 20)), 30)
         except Exception as exc:  # noqa: BLE001 - the link closed on it
             header = {"closed": repr(exc)}
         writer.close()
@@ -144,21 +144,14 @@ def test_a_trunk_server_refuses_front_ends_with_tls_but_no_pem(trunk_server) -> 
 
 
 class _Frames:
-    """What the engine writes back to a front-end (a stand-in for its stream writer)."""
+    """What the engine writes back to a front-end (a stand-in for its connection)."""
 
     def __init__(self) -> None:
         self.data = bytearray()
-        self.transport = self
 
-    def writelines(self, pieces: list[bytes]) -> None:
-        for piece in pieces:
+    async def write(self, header: dict, parts: list[bytes] = ()) -> None:
+        for piece in pieces(header, parts):
             self.data += piece
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    async def drain(self) -> None:
-        pass
 
 
 def test_the_engine_answers_a_handed_over_call_at_its_deadline_and_a_cancel_at_once() -> None:
@@ -175,14 +168,14 @@ def test_the_engine_answers_a_handed_over_call_at_its_deadline_and_a_cancel_at_o
         listener, frames = EngineListener("unused", "secret", Dispatch(), 1 << 20), _Frames()
         loop = asyncio.get_running_loop()
         began = loop.time()
-        task = asyncio.ensure_future(listener._serve(3, header, b"", frames, asyncio.Lock()))
+        task = asyncio.ensure_future(listener._serve(3, header, b"", frames))
         if cancel_after is not None:
             await asyncio.sleep(cancel_after)
             task.cancel()
         await task
         reader = asyncio.StreamReader()
         reader.feed_data(bytes(frames.data))
-        reply, body = await read_frame(reader, 1 << 20)
+        reply, body = await read_frame(reader, FrameLimits(1 << 20))
         return {**reply, "body": body}, loop.time() - began
 
     async def scenario() -> None:

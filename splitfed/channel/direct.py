@@ -9,7 +9,7 @@ waits for (docs/performance.md, "Which part holds the step").
 So with each region the engine offers a Unix socket of its own and a ticket (``OpenRegionReply.direct_path`` and
 ``direct_ticket``). A client that can reach the socket (same host, same user: it lies in a directory only the
 server's user may enter) proves itself with the ticket, then sends its Forward and Backward calls there in the
-engine link's frames (:mod:`splitfed.channel.enginelink`): the same bytes a gRPC call would carry, run by the same
+engine link's frames (:mod:`splitfed.channel.enginelink`, :mod:`splitfed.channel.framing`): the same bytes a gRPC call would carry, run by the same
 handlers and interceptors. What a connection may do is fixed by its ticket, not by what it sends:
 
 * its calls run with the metadata of the ``OpenRegion`` call that issued the ticket (client id, token, model), so
@@ -37,7 +37,8 @@ from typing import Any
 import grpc
 
 from splitfed.channel.enginecall import EngineDispatch
-from splitfed.channel.enginelink import EngineListener, write_frame
+from splitfed.channel.enginelink import EngineListener
+from splitfed.channel.frameconn import FrameConnection
 from splitfed.channel.limits import RETRY_KEYS, SERVICE_NAME
 
 log = logging.getLogger(__name__)
@@ -77,8 +78,8 @@ class DirectListener(EngineListener):
         self.stats["connections"] += 1
         return binding
 
-    async def welcome(self, writer: asyncio.StreamWriter) -> None:
-        await write_frame(writer, {"admitted": True})
+    async def welcome(self, conn: FrameConnection) -> None:
+        await conn.write({"admitted": True})
 
     def bind(self, header: dict[str, Any], admitted: Binding) -> dict[str, Any] | None:
         method = header.get("method")

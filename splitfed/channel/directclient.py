@@ -10,7 +10,6 @@ the client's :class:`~splitfed.channel.retry.RetryPolicy` and retry budget, as g
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import threading
@@ -20,7 +19,7 @@ import grpc
 
 from splitfed.channel import fastwire
 from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.enginelink import LENGTHS, MAX_HEADER_BYTES
+from splitfed.channel.framing import HELLO_LIMITS, FrameLimits, int_field, recv_frame, send_frame, tune
 from splitfed.channel.limits import SERVICE_NAME
 from splitfed.channel.replies import channel_error
 from splitfed.channel.retry import RetryBudget, RetryPolicy, retrying
@@ -37,33 +36,6 @@ _GRACE_S = 5.0
 
 class DirectRefused(ConnectionError):
     """The engine's direct-call socket cannot be used (unreachable, or it refused the ticket); nothing was sent."""
-
-
-def _send_frame(sock: socket.socket, header: dict[str, Any], body: bytes = b"") -> None:
-    head = json.dumps(header, separators=(",", ":")).encode()
-    sock.sendall(b"".join((LENGTHS.pack(len(head), len(body)), head, body)))
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("the trunk server's engine closed the direct-call connection")
-        got += k
-    return buf
-
-
-def _recv_frame(sock: socket.socket, max_body: int) -> tuple[dict[str, Any], bytes]:
-    head_len, body_len = LENGTHS.unpack(_recv_exactly(sock, LENGTHS.size))
-    if head_len > MAX_HEADER_BYTES or body_len > max_body:
-        raise ConnectionError(f"a direct-call reply of {head_len} + {body_len} bytes is above this client's limits")
-    frame = _recv_exactly(sock, head_len + body_len)
-    header = json.loads(bytes(frame[:head_len]))
-    if not isinstance(header, dict):
-        raise ConnectionError("a direct-call reply's header is not an object")
-    return header, bytes(frame[head_len:])
 
 
 class DirectLink:
@@ -84,6 +56,7 @@ class DirectLink:
         self.ticket = ticket
         self.address = address
         self.max_body = max_body
+        self._limits = FrameLimits(max_body)
         self.retry = retry
         self.budget = budget if budget is not None or retry is None else RetryBudget.of(retry)
         self._idle: list[socket.socket] = []
@@ -98,8 +71,9 @@ class DirectLink:
         try:
             sock.settimeout(ADMIT_TIMEOUT_S)
             sock.connect(self.path)
-            _send_frame(sock, {"ticket": self.ticket})
-            welcome, _ = _recv_frame(sock, 0)
+            tune(sock)
+            send_frame(sock, {"ticket": self.ticket})
+            welcome, _ = recv_frame(sock, HELLO_LIMITS)
             if welcome.get("admitted") is not True:
                 raise ConnectionError(f"unexpected welcome {welcome!r}")
         except (OSError, ValueError) as exc:
@@ -140,10 +114,10 @@ class DirectLink:
             call_id = self._ids
         try:
             sock.settimeout(None if timeout is None else timeout + _GRACE_S)
-            _send_frame(sock, {"id": call_id, "method": f"/{SERVICE_NAME}/{name}", "timeout": timeout},
-                         fastwire.serialize(request.header, request.tensors))
-            reply, body = _recv_frame(sock, self.max_body)
-            if reply.get("id") != call_id:
+            send_frame(sock, {"id": call_id, "method": f"/{SERVICE_NAME}/{name}", "timeout": timeout},
+                       [fastwire.serialize(request.header, request.tensors)])
+            reply, body = recv_frame(sock, self._limits)
+            if int_field(reply, "id") != call_id:
                 raise ConnectionError(f"a direct-call reply for call {reply.get('id')!r} came to call {call_id}")
         except socket.timeout:
             sock.close()  # the engine cancels a closed connection's calls

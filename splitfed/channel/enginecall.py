@@ -12,18 +12,9 @@ from typing import Any
 
 import grpc
 
+from splitfed.channel.framing import sizes_field, split_body
+
 log = logging.getLogger(__name__)
-
-
-def split_parts(body: bytes, sizes: Sequence[int]) -> list[bytes]:
-    """A streamed call's messages out of its frame's body."""
-    if sum(sizes) != len(body) or any(s < 0 for s in sizes):
-        raise ValueError("message sizes do not add up to the frame's body")
-    view, out, at = memoryview(body), [], 0
-    for size in sizes:
-        out.append(bytes(view[at: at + size]))
-        at += size
-    return out
 
 
 class EngineCall:
@@ -133,7 +124,7 @@ class EngineDispatch:
         try:
             if streamed:
                 messages = [handler.request_deserializer(m) if handler.request_deserializer else m
-                            for m in split_parts(body, header.get("parts", []))]
+                            for m in split_body(body, sizes_field(header, len(body)))]
 
                 async def requests() -> AsyncIterator[Any]:
                     for m in messages:

@@ -7,10 +7,11 @@ admin service, health; :mod:`splitfed.channel.enginecall`), and hands the reply'
 per-call work runs in the front-ends, on cores of their own; the engine's event loop only reads frames and runs the
 handlers. :mod:`splitfed.channel.direct` listens the same way for clients' direct calls.
 
-A frame is a JSON header and a body of bytes: ``!II`` (header bytes, body bytes), the header, the body. A call's
-header carries its id, method, metadata, peer and deadline; a streamed call's body holds all its messages, their
-sizes in the header. Nothing is unpickled. The socket lies in a directory only the server's user can enter, and
-a front-end proves itself with a random secret before its first call.
+The link carries frames (:mod:`splitfed.channel.framing`, read by :mod:`splitfed.channel.frameconn`), which
+check every size and header once for all three socket links. A call's header carries its id, method, metadata,
+peer and deadline; a streamed call's body holds all its messages, their sizes in the header; ``{"cancel": id}``
+cancels a call in flight. Nothing is unpickled. The socket lies in a directory only the server's user can enter,
+and a front-end proves itself with a random secret in its first frame (its hello) before its first call.
 """
 
 from __future__ import annotations
@@ -18,65 +19,30 @@ from __future__ import annotations
 import asyncio
 import hmac
 import itertools
-import json
 import logging
-import struct
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
 
 from splitfed.channel.dispatch import own_task
-from splitfed.channel.enginecall import EngineDispatch, split_parts
+from splitfed.channel.enginecall import EngineDispatch
+from splitfed.channel.frameconn import FrameConnection, open_unix, serve_unix
+from splitfed.channel.framing import (
+    HELLO_LIMITS,
+    HELLO_TIMEOUT_S,
+    FrameError,
+    FrameLimits,
+    LinkClosed,
+    int_field,
+    sizes_field,
+    split_body,
+)
 
 log = logging.getLogger(__name__)
 
-#: A frame's first bytes: the header's and the body's lengths.
-LENGTHS = struct.Struct("!II")
-#: The largest header a side accepts (metadata is small; a larger one is a broken or hostile peer).
-MAX_HEADER_BYTES = 1 << 20
-#: A writer waits for the socket to take its bytes only once this many are buffered (a frame's write does not).
-_DRAIN_ABOVE = 1 << 20
-#: A frame whose body is at most this many bytes is read with its header in one piece.
-_READ_WHOLE_BELOW = 64 << 10
-
-#: Seconds a connection has to send its first frame (the secret or ticket that admits it).
-HELLO_TIMEOUT_S = 10.0
 #: Methods whose requests and replies are streams.
 STREAMED = frozenset({"ForwardStream", "BackwardStream"})
-
-
-class LinkClosed(ConnectionError):
-    """The other end of the link went away."""
-
-
-async def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any], parts: Sequence[bytes] = ()) -> None:
-    """Send one frame (``parts`` concatenated as its body)."""
-    head = json.dumps(header, separators=(",", ":")).encode()
-    # One write for the frame: one system call (a ``sendmsg`` of its pieces on Python 3.12+) rather than one a piece.
-    writer.writelines([LENGTHS.pack(len(head), sum(len(p) for p in parts)), head, *parts])
-    if writer.transport.get_write_buffer_size() > _DRAIN_ABOVE:
-        await writer.drain()
-
-
-async def read_frame(reader: asyncio.StreamReader, max_body: int) -> tuple[dict[str, Any], bytes]:
-    """Receive one frame; raises :class:`LinkClosed` at the end of the stream."""
-    try:
-        sizes = await reader.readexactly(LENGTHS.size)
-        head_len, body_len = LENGTHS.unpack(sizes)
-        if head_len > MAX_HEADER_BYTES or body_len > max_body:
-            raise LinkClosed(f"frame of {head_len} + {body_len} bytes is above the link's limits")
-        if body_len <= _READ_WHOLE_BELOW:  # a small frame in one read (the slice's copy costs less than a turn)
-            frame = await reader.readexactly(head_len + body_len)
-            header, body = json.loads(frame[:head_len]), frame[head_len:]
-        else:
-            header = json.loads(await reader.readexactly(head_len))
-            body = await reader.readexactly(body_len)
-    except (asyncio.IncompleteReadError, ConnectionError) as exc:
-        raise LinkClosed(str(exc)) from None
-    if not isinstance(header, dict):
-        raise LinkClosed("frame header is not an object")
-    return header, body
 
 
 # -- the engine's side ------------------------------------------------------------------------------------------
@@ -106,7 +72,7 @@ class EngineListener:
 
     async def start(self) -> None:
         """Listen (on the running event loop)."""
-        self._server = await asyncio.start_unix_server(self._connection, path=self.path)
+        self._server = await serve_unix(self.path, FrameLimits(self.max_body), self._connection, first=HELLO_LIMITS)
 
     async def stop(self) -> None:
         """Stop listening and cancel the calls in flight."""
@@ -130,7 +96,7 @@ class EngineListener:
         self.stats["front-ends"] += 1
         return True
 
-    async def welcome(self, writer: asyncio.StreamWriter) -> None:
+    async def welcome(self, conn: FrameConnection) -> None:
         """Tell an admitted connection so, before its first call (a front-end is told nothing)."""
 
     def bind(self, header: dict[str, Any], admitted: Any) -> dict[str, Any] | None:
@@ -138,44 +104,43 @@ class EngineListener:
         answer with instead, or None. A front-end's calls run as it hands them over."""
         return None
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _connection(self, conn: FrameConnection) -> None:
         calls: dict[int, asyncio.Task[Any]] = {}
         me = asyncio.current_task()
         if me is not None:
             self._tasks.add(me)  # stop() ends the connection too
         try:
-            admitted = self.admit((await _within(read_frame(reader, 0), HELLO_TIMEOUT_S))[0])
+            admitted = self.admit((await _within(conn.read(), HELLO_TIMEOUT_S))[0])
             if admitted is None:
                 return
-            await self.welcome(writer)
-            lock = asyncio.Lock()
+            await self.welcome(conn)
             while True:
-                header, body = await read_frame(reader, self.max_body)
+                header, body = await conn.read()
                 if header.get("cancel") is not None:
-                    task = calls.get(int(header["cancel"]))
+                    task = calls.get(int_field(header, "cancel"))
                     if task is not None:
                         task.cancel()
                     continue
-                call_id = int(header.get("id", -1))
+                call_id = int_field(header, "id")
                 refusal = self.bind(header, admitted)
                 # Started eagerly where asyncio can: the call runs up to its first wait within this turn of the
                 # loop, not in the next one (one turn less per call).
-                task = own_task(self._serve(call_id, header, body, writer, lock, refusal))
+                task = own_task(self._serve(call_id, header, body, conn, refusal))
                 calls[call_id] = task
                 self._tasks.add(task)
                 task.add_done_callback(lambda t, i=call_id: (calls.pop(i, None), self._tasks.discard(t)))
-        except (LinkClosed, ValueError, TypeError, asyncio.TimeoutError) as exc:  # a malformed frame or id; no hello
-            if not isinstance(exc, LinkClosed):
+        except (LinkClosed, asyncio.TimeoutError) as exc:  # a malformed frame or id, or no hello in time
+            if isinstance(exc, FrameError) or not isinstance(exc, LinkClosed):
                 log.warning("engine link closed: %s", exc or "no first frame in time")
         finally:
             if self.cancel_on_close:
                 for task in list(calls.values()):
                     task.cancel()
-            writer.close()
+            conn.close()
             self._tasks.discard(me)  # type: ignore[arg-type]
 
-    async def _serve(self, call_id: int, header: dict[str, Any], body: bytes, writer: asyncio.StreamWriter,
-                     lock: asyncio.Lock, refusal: dict[str, Any] | None = None) -> None:
+    async def _serve(self, call_id: int, header: dict[str, Any], body: bytes, conn: FrameConnection,
+                     refusal: dict[str, Any] | None = None) -> None:
         self.stats["calls"] += 1
         deadline = header.get("timeout")
         try:
@@ -190,11 +155,10 @@ class EngineListener:
             reply, parts = {"code": grpc.StatusCode.CANCELLED.name, "details": "cancelled by the client"}, []
         reply["id"] = call_id
         reply["parts"] = [len(p) for p in parts]
-        async with lock:
-            try:
-                await write_frame(writer, reply, parts)
-            except ConnectionError:
-                pass
+        try:
+            await conn.write(reply, parts)  # one frame in one write: replies of concurrent calls never interleave
+        except ConnectionError:
+            pass
 
 
 # -- the front-end's side ---------------------------------------------------------------------------------------
@@ -205,29 +169,30 @@ class EngineLink:
         self.path = path
         self.secret = secret
         self.max_body = max_body
-        self._writer: asyncio.StreamWriter | None = None
+        self._conn: FrameConnection | None = None
         self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
         self._ids = itertools.count()
-        self._lock = asyncio.Lock()
         self._reader_task: asyncio.Task[None] | None = None
         self.closed = asyncio.Event()
 
     async def connect(self) -> None:
         """Connect and prove this front-end with the secret."""
-        reader, self._writer = await asyncio.open_unix_connection(self.path)
-        await write_frame(self._writer, {"secret": self.secret})
-        self._reader_task = asyncio.ensure_future(self._read(reader))
+        self._conn = await open_unix(self.path, FrameLimits(self.max_body))
+        await self._conn.write({"secret": self.secret})
+        self._reader_task = asyncio.ensure_future(self._read(self._conn))
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
+    async def _read(self, conn: FrameConnection) -> None:
         try:
             while True:
-                header, body = await read_frame(reader, self.max_body)
-                future = self._pending.pop(int(header.get("id", -1)), None)
+                header, body = await conn.read()
+                future = self._pending.pop(int_field(header, "id"), None)
                 if future is not None and not future.done():
                     future.set_result((header, body))
-        except LinkClosed:
-            pass
+        except LinkClosed as exc:
+            if isinstance(exc, FrameError):
+                log.warning("the engine link closed: %s", exc)
         finally:
+            conn.close()
             self.closed.set()
             for future in self._pending.values():
                 if not future.done():
@@ -237,7 +202,8 @@ class EngineLink:
     async def call(self, method: str, metadata: Sequence[tuple[str, str]], peer: str, messages: Sequence[bytes],
                    timeout: float | None) -> tuple[dict[str, Any], list[bytes]]:
         """Hand one call over: its reply's header and messages. Raises :class:`LinkClosed`."""
-        if self._writer is None or self.closed.is_set():
+        conn = self._conn
+        if conn is None or self.closed.is_set():
             raise LinkClosed("the trunk server's engine is not reachable")
         call_id = next(self._ids)
         future: asyncio.Future[tuple[dict[str, Any], bytes]] = asyncio.get_running_loop().create_future()
@@ -245,20 +211,24 @@ class EngineLink:
         header: dict[str, Any] = {"id": call_id, "method": method, "md": [list(kv) for kv in metadata],
                                   "peer": peer, "timeout": timeout, "parts": [len(m) for m in messages]}
         try:
-            async with self._lock:
-                await write_frame(self._writer, header, messages)
+            await conn.write(header, messages)
             reply, body = await future
         except asyncio.CancelledError:
             self._pending.pop(call_id, None)
             if not self.closed.is_set():
-                async with self._lock:
-                    await write_frame(self._writer, {"cancel": call_id})
+                try:
+                    await conn.write({"cancel": call_id})
+                except LinkClosed:
+                    pass
             raise
-        return reply, split_parts(body, reply.get("parts", []))
+        except LinkClosed:
+            self._pending.pop(call_id, None)
+            raise
+        return reply, split_body(body, sizes_field(reply, len(body)))
 
     async def close(self) -> None:
         """Close the link."""
-        if self._writer is not None:
-            self._writer.close()
+        if self._conn is not None:
+            self._conn.close()
         if self._reader_task is not None:
             self._reader_task.cancel()

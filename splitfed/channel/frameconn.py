@@ -45,10 +45,13 @@ class FrameConnection(asyncio.BufferedProtocol):
     Args:
         limits: the largest frame this end accepts (change it with :attr:`limits` once a hello admitted the peer).
         on_open: called with the connection once it is made (a server's handler starts there).
+        first: the limits of the first frame only (a hello: no peer sends a large frame before it is admitted).
     """
 
-    def __init__(self, limits: FrameLimits, on_open: Callable[[FrameConnection], None] | None = None) -> None:
-        self.limits = limits
+    def __init__(self, limits: FrameLimits, on_open: Callable[[FrameConnection], None] | None = None, *,
+                 first: FrameLimits | None = None) -> None:
+        self.limits = first or limits
+        self._then = limits if first is not None else None
         self._on_open = on_open
         self.transport: asyncio.Transport | None = None
         self._scratch = bytearray(SCRATCH_BYTES)
@@ -140,6 +143,8 @@ class FrameConnection(asyncio.BufferedProtocol):
             self._start = self._end = 0
 
     def _deliver(self, frame: Frame) -> None:
+        if self._then is not None:  # the hello came: the link's own limits from now on
+            self.limits, self._then = self._then, None
         self._frames.append(frame)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -206,9 +211,10 @@ class FrameConnection(asyncio.BufferedProtocol):
             self.transport.close()
 
 
-async def serve_unix(path: str, limits: FrameLimits,
-                     handle: Callable[[FrameConnection], Awaitable[None]]) -> asyncio.AbstractServer:
-    """Listen on the Unix socket ``path``; each connection is handed to ``handle`` (as a task of its own)."""
+async def serve_unix(path: str, limits: FrameLimits, handle: Callable[[FrameConnection], Awaitable[None]], *,
+                     first: FrameLimits | None = None) -> asyncio.AbstractServer:
+    """Listen on the Unix socket ``path``; each connection is handed to ``handle`` (as a task of its own), its
+    first frame held to ``first`` (a hello's limits) and the others to ``limits``."""
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[None]] = set()
 
@@ -216,7 +222,7 @@ async def serve_unix(path: str, limits: FrameLimits,
         task = loop.create_task(handle(conn))
         tasks.add(task)  # held until done (the loop keeps only a weak reference)
         task.add_done_callback(tasks.discard)
-    return await loop.create_unix_server(lambda: FrameConnection(limits, opened), path=path)
+    return await loop.create_unix_server(lambda: FrameConnection(limits, opened, first=first), path=path)
 
 
 async def open_unix(path: str, limits: FrameLimits) -> FrameConnection:
