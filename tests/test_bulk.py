@@ -17,8 +17,9 @@ from conftest import batch_for, tiny_model
 from splitfed.channel import bulk
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel import split_channel_pb2_grpc as pb_grpc
-from splitfed.channel.bulk import HANDSHAKE, MAGIC, SEGMENT, BulkLink, stripes
+from splitfed.channel.bulk import BulkLink, hello, segment, stripes
 from splitfed.channel.client import RemoteTrunk, TrunkClient
+from splitfed.channel.framing import HELLO_LIMITS, pieces, recv_frame, send_frame
 from splitfed.channel.limits import CLIENT_ID_KEY, ChannelLimits
 from splitfed.channel.wire import encode_state, frames
 from splitfed.errors import BulkLinkError, ConfigError
@@ -123,7 +124,7 @@ def _closed(sock: socket.socket) -> bool:
 
 
 def _raw_segment(sock: socket.socket, transfer: int, total: int, offset: int, length: int) -> None:
-    sock.sendall(SEGMENT.pack(transfer, total, offset, length) + bytes(length))
+    send_frame(sock, segment(transfer, total, offset), [bytes(length)])
 
 
 @pytest.mark.parametrize("case", ["off-stripe", "twice", "too-large", "total-changes", "over-pending"])
@@ -293,12 +294,16 @@ def _refused(port: int, payload: bytes) -> bool:
         return _closed(sock)
 
 
+def _frame(header: dict) -> bytes:
+    return b"".join(pieces(header))
+
+
 def _attach(port: int, ticket: bytes, indices: range | list[int]) -> list[socket.socket]:
     socks = []
     for index in indices:
         sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        sock.sendall(HANDSHAKE.pack(MAGIC, ticket, index))
-        assert sock.recv(1) == bulk.ACK
+        send_frame(sock, hello(ticket, index))
+        assert recv_frame(sock, HELLO_LIMITS)[0] == bulk.ADMITTED
         socks.append(sock)
     return socks
 
@@ -317,14 +322,17 @@ def test_handshakes_without_a_valid_ticket_are_refused(trunk_server) -> None:
     port = server.bulk.port
     offer = _offer(server.address, "alice")
     assert offer.port == port and offer.connections == 2 and len(offer.ticket) == bulk.TICKET_BYTES
-    assert _refused(port, b"GET / HTTP/1.1\r\n\r\n" + bytes(HANDSHAKE.size))  # not a bulk connection
-    assert _refused(port, HANDSHAKE.pack(MAGIC, bytes(bulk.TICKET_BYTES), 0))  # unknown ticket
-    assert _refused(port, HANDSHAKE.pack(MAGIC, offer.ticket, 2))  # index past the link's connections
+    assert _refused(port, b"GET / HTTP/1.1\r\n\r\n" + bytes(64))  # not a bulk connection
+    assert _refused(port, _frame({**hello(offer.ticket, 0), "protocol": "splitfed-bulk/1"}))  # another version
+    assert _refused(port, _frame({**hello(offer.ticket, 0), "ticket": "zz" * bulk.TICKET_BYTES}))  # not hex
+    assert _refused(port, _frame({**hello(offer.ticket, 0), "index": "0"}))  # an index that is not a number
+    assert _refused(port, _frame(hello(bytes(bulk.TICKET_BYTES), 0)))  # unknown ticket
+    assert _refused(port, _frame(hello(offer.ticket, 2)))  # index past the link's connections
     socks = _attach(port, offer.ticket, [0])
-    assert _refused(port, HANDSHAKE.pack(MAGIC, offer.ticket, 0))  # an index already attached
+    assert _refused(port, _frame(hello(offer.ticket, 0)))  # an index already attached
     socks += _attach(port, offer.ticket, [1])
     assert server.bulk.links == 1
-    assert _refused(port, HANDSHAKE.pack(MAGIC, offer.ticket, 1))  # a used ticket
+    assert _refused(port, _frame(hello(offer.ticket, 1)))  # a used ticket
     for sock in socks:
         sock.close()
     _serves(server)

@@ -19,7 +19,8 @@ from test_bulk import LIMITS, STEPS, _closed, _max_diff, side_by_side, small_str
 
 from splitfed.channel import split_channel_pb2 as pb
 from splitfed.channel import split_channel_pb2_grpc as pb_grpc
-from splitfed.channel.bulk import HANDSHAKE, MAGIC
+from splitfed.channel.bulk import hello
+from splitfed.channel.framing import send_frame
 from splitfed.channel.bulktls import BulkTLS, server_context
 from splitfed.channel.client import RemoteTrunk, TrunkClient
 from splitfed.channel.limits import CLIENT_ID_KEY, ChannelLimits
@@ -105,7 +106,7 @@ def test_a_plaintext_connection_to_a_tls_links_port_is_refused(trunk_server, pki
         offer = pb_grpc.SplitChannelStub(channel).OpenBulk(pb.OpenBulkRequest(connections=1), timeout=10,
                                                            metadata=[(CLIENT_ID_KEY, "alice")])
     with socket.create_connection(("127.0.0.1", offer.port), timeout=10) as sock:
-        sock.sendall(HANDSHAKE.pack(MAGIC, offer.ticket, 0))  # a valid ticket, in the clear
+        send_frame(sock, hello(offer.ticket, 0))  # a valid ticket, in the clear
         assert _closed(sock)
     (pending,) = server.bulk._offers.values()
     assert pending.socks == [None, None]  # nothing attached; a TLS link of 1 connection has one each way

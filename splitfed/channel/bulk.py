@@ -8,13 +8,16 @@ and the header's tensor bytes go over the link's connections at once, one stripe
 into the memory they live in (pinned memory on a GPU's side: no copy of their own). The reply comes back the same
 way under the same transfer number.
 
-The wire format of a connection, after its handshake (see :mod:`splitfed.channel.bulkhub`): segments, each a
-32-byte header (transfer, total bytes of the transfer, offset, length; unsigned 64-bit little-endian) and then
-``length`` bytes. A transfer of ``total`` bytes is cut into the stripes :func:`stripes` gives; connection ``i``
-carries stripe ``i`` and nothing else. A receiver refuses (and closes the link on) a segment that is not exactly
-its connection's stripe, a stripe sent twice, a transfer larger than it accepts, more bytes pending than it holds,
-or a total that disagrees with the transfer's other stripes: no byte of a transfer is ever left unwritten, so no
-buffer is handed over holding what a pooled buffer held before.
+A connection carries frames (:mod:`splitfed.channel.framing`, the stream protocol of every socket link): first
+its hello (:func:`hello`: the protocol, the ticket and the connection's index; see
+:mod:`splitfed.channel.bulkhub`), answered by :data:`ADMITTED`, then segments, each a frame whose header names the
+transfer, its total bytes and the segment's offset (:func:`segment`) and whose body is the segment's bytes, read
+straight into the transfer's buffer. A transfer of ``total`` bytes is cut into the stripes :func:`stripes` gives;
+connection ``i`` carries stripe ``i`` and nothing else. Sizes and headers are checked by the framing; beyond them
+a receiver refuses (and closes the link on) a segment that is not exactly its connection's stripe, a stripe sent
+twice, a transfer larger than it accepts, more bytes pending than it holds, or a total that disagrees with the
+transfer's other stripes: no byte of a transfer is ever left unwritten, so no buffer is handed over holding what a
+pooled buffer held before.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import concurrent.futures
 import itertools
 import logging
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +33,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from splitfed.channel.framing import (
+    HELLO_LIMITS,
+    FrameLimits,
+    int_field,
+    recv_frame,
+    recv_head,
+    recv_into,
+    send_frame,
+    tune,
+)
 from splitfed.errors import BulkLinkError
 
 if TYPE_CHECKING:
@@ -38,21 +50,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Sent first on every connection of a link, with the ticket and the connection's index.
-MAGIC = b"SFBULK01"
+#: What a connection's hello names first: a bulk link's connection, this version of it.
+PROTOCOL = "splitfed-bulk/2"
 TICKET_BYTES = 32
-HANDSHAKE = struct.Struct(f"<{len(MAGIC)}s{TICKET_BYTES}sI")
 #: The server's answer once a connection is attached.
-ACK = b"\x01"
-SEGMENT = struct.Struct("<QQQQ")  # transfer, total, offset, length
+ADMITTED = {"admitted": True}
+#: The largest header of a segment frame.
+SEGMENT_HEADER_BYTES = 256
 #: A transfer is cut into at most one stripe per connection, each at least this large.
 MIN_STRIPE_BYTES = 256 << 10
 #: Above this many bytes a client with a bulk link streams its calls over it, whatever its unary threshold.
 BULK_MIN_BYTES = 256 << 10
 #: A transfer nobody took within this long is dropped (its sender's call has failed or moved on).
 TRANSFER_TTL_S = 120.0
-#: Socket buffers asked for on each connection.
-SOCKET_BUFFER_BYTES = 4 << 20
 
 
 def stripes(total: int, connections: int) -> list[tuple[int, int]]:
@@ -65,28 +75,14 @@ def stripes(total: int, connections: int) -> list[tuple[int, int]]:
     return [(start, min(size, total - start)) for start in range(0, total, size)]
 
 
-def tune(sock: socket.socket) -> None:
-    """No Nagle delay and large buffers: a link carries large bursts."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
-        except OSError:  # a kernel that caps buffers keeps its own size
-            pass
+def hello(ticket: bytes, index: int) -> dict[str, object]:
+    """The first frame of a link's connection ``index``: the protocol and the link's ticket."""
+    return {"protocol": PROTOCOL, "ticket": ticket.hex(), "index": index}
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` from ``sock``; False when the peer closed before the first byte, raises
-    :class:`BulkLinkError` when it closed in the middle."""
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            if got == 0:
-                return False
-            raise BulkLinkError(f"connection closed after {got} of {len(view)} bytes")
-        got += n
-    return True
+def segment(transfer: int, total: int, offset: int) -> dict[str, int]:
+    """The header of a segment frame: bytes ``offset..`` (the frame's body) of ``transfer``, ``total`` in all."""
+    return {"transfer": transfer, "total": total, "offset": offset}
 
 
 def _settle(future: concurrent.futures.Future[Any], result: Any = None, error: BaseException | None = None) -> None:
@@ -190,16 +186,14 @@ class BulkLink:
                 if lo < hi:
                     pieces.append(view[lo - start:hi - start])
                 start += len(view)
-            futures.append(self._senders[index].submit(self._write, index, SEGMENT.pack(transfer, total, offset,
-                                                                                          length), pieces))
+            futures.append(self._senders[index].submit(self._write, index, segment(transfer, total, offset),
+                                                       pieces))
         return futures
 
-    def _write(self, index: int, head: bytes, pieces: list[memoryview]) -> None:
+    def _write(self, index: int, header: dict[str, int], pieces: list[memoryview]) -> None:
         sock = self.out_socks[index]
         try:
-            sock.sendall(head)
-            for piece in pieces:
-                sock.sendall(piece)
+            send_frame(sock, header, pieces)
         except OSError as exc:
             self.close(f"sending on connection {index} failed: {exc}")
             raise BulkLinkError(f"bulk link {self.name}: sending failed ({exc})") from None
@@ -244,10 +238,12 @@ class BulkLink:
                                                         f"{TRANSFER_TTL_S:.0f}s"))
 
     def _read(self, index: int) -> None:
-        sock, head = self.socks[index], bytearray(SEGMENT.size)
+        sock, limits = self.socks[index], FrameLimits(max_body=self.max_bytes, max_header=SEGMENT_HEADER_BYTES)
         try:
-            while recv_exact(sock, memoryview(head)):
-                transfer, total, offset, length = SEGMENT.unpack(head)
+            while (got := recv_head(sock, limits)) is not None:
+                header, length = got
+                transfer, total = int_field(header, "transfer"), int_field(header, "total")
+                offset = int_field(header, "offset")
                 expected = stripes(total, len(self.socks))
                 if index >= len(expected) or expected[index] != (offset, length):
                     raise BulkLinkError(f"connection {index} sent bytes {offset}..{offset + length} of transfer "
@@ -258,8 +254,7 @@ class BulkLink:
                     if entry.seen & (1 << index):
                         raise BulkLinkError(f"connection {index} sent its stripe of transfer {transfer} twice")
                     entry.seen |= 1 << index
-                if not recv_exact(sock, memoryview(entry.buf)[offset:offset + length]):
-                    raise BulkLinkError(f"connection {index} closed before its stripe of transfer {transfer}")
+                recv_into(sock, memoryview(entry.buf)[offset:offset + length])
                 with self._lock:
                     self.bytes_received += length
                     entry.parts -= 1
@@ -342,10 +337,9 @@ def connect(host: str, port: int, ticket: bytes, connections: int, *, timeout: f
             if tls is not None:
                 sock = tls.context.wrap_socket(sock, server_hostname=tls.server_name or host.strip("[]"))
                 socks[-1] = sock
-            sock.sendall(HANDSHAKE.pack(MAGIC, ticket, index))
+            send_frame(sock, hello(ticket, index))
         for index, sock in enumerate(socks):
-            ack = bytearray(len(ACK))
-            if not recv_exact(sock, memoryview(ack)) or bytes(ack) != ACK:
+            if recv_frame(sock, HELLO_LIMITS)[0] != ADMITTED:
                 raise BulkLinkError(f"the server refused bulk connection {index}")
             sock.settimeout(None)
     except (OSError, BulkLinkError) as exc:
@@ -355,4 +349,5 @@ def connect(host: str, port: int, ticket: bytes, connections: int, *, timeout: f
     return socks
 
 
-__all__ = ["ACK", "BULK_MIN_BYTES", "HANDSHAKE", "MAGIC", "BulkLink", "BulkLinkError", "connect", "stripes"]
+__all__ = ["ADMITTED", "BULK_MIN_BYTES", "PROTOCOL", "BulkLink", "BulkLinkError", "connect", "hello", "segment",
+           "stripes"]

@@ -1,9 +1,10 @@
 """The trunk server's bulk links: one listening port, tickets handed out by ``OpenBulk``, links by client.
 
 A client asks for a link over its (authenticated) gRPC channel; :meth:`BulkHub.offer` answers with a link name,
-a one-time ticket and the port. The client then opens the link's connections and sends, on each, the magic
-bytes, the ticket and the connection's index; the hub attaches each connection to the ticket's link (answering
-one byte) and starts the link once all are there. A link belongs to the identity that asked for it: a streamed
+a one-time ticket and the port. The client then opens the link's connections and sends, on each, a hello frame
+(:func:`splitfed.channel.bulk.hello`: the protocol, the ticket and the connection's index); the hub attaches each
+connection to the ticket's link (answering :data:`~splitfed.channel.bulk.ADMITTED`) and starts the link once all
+are there. A link belongs to the identity that asked for it: a streamed
 call of any other identity that names it is refused. A ticket not used within :data:`TICKET_TTL_S` lapses;
 handshakes that do not complete within :data:`HANDSHAKE_TIMEOUT_S` are dropped; a link whose connection closes is
 forgotten. Links are offered on plaintext servers only: their bytes are not encrypted, so a server with TLS
@@ -27,16 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from splitfed.channel.bulk import (
-    ACK,
-    HANDSHAKE,
-    MAGIC,
-    TICKET_BYTES,
-    BulkLink,
-    recv_exact,
-    tune,
-)
+from splitfed.channel.bulk import ADMITTED, PROTOCOL, TICKET_BYTES, BulkLink
 from splitfed.channel.bulktls import split_directions
+from splitfed.channel.framing import HELLO_LIMITS, FrameError, int_field, recv_head, send_frame, str_field, tune
 from splitfed.errors import BulkLinkError, ConfigError, PermissionDeniedError, ResourceExhaustedError
 
 log = logging.getLogger(__name__)
@@ -220,13 +214,19 @@ class BulkHub:
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
             if self.tls is not None:  # TLS first: the ticket travels encrypted
                 sock = self.tls.wrap_socket(sock, server_side=True)
-            head = bytearray(HANDSHAKE.size)
-            if not recv_exact(sock, memoryview(head)):
-                raise BulkLinkError("closed before its handshake")
-            magic, ticket, index = HANDSHAKE.unpack(head)
-            if magic != MAGIC:
-                raise BulkLinkError("not a bulk connection (wrong magic bytes)")
-            self._attach(hashlib.sha256(ticket).digest(), index, sock)
+            got = recv_head(sock, HELLO_LIMITS)
+            if got is None:
+                raise BulkLinkError("closed before its hello")
+            hello = got[0]
+            if hello.get("protocol") != PROTOCOL:
+                raise BulkLinkError(f"not a bulk connection of this version (protocol "
+                                    f"{str(hello.get('protocol'))[:40]!r}, not {PROTOCOL!r})")
+            ticket = str_field(hello, "ticket", max_len=2 * TICKET_BYTES)
+            try:
+                digest = hashlib.sha256(bytes.fromhex(ticket)).digest()
+            except ValueError:
+                raise FrameError("a bulk hello's ticket is not hexadecimal") from None
+            self._attach(digest, int_field(hello, "index", hi=2 * MAX_CONNECTIONS), sock)
         except (OSError, BulkLinkError) as exc:
             log.warning("bulk connection refused: %s", exc)
             sock.close()
@@ -246,7 +246,7 @@ class BulkHub:
         sock.settimeout(None)
         tune(sock)
         if not complete:
-            sock.sendall(ACK)
+            send_frame(sock, ADMITTED)
             return
         socks = [s for s in offer.socks if s is not None]
         ins, outs = split_directions(socks, self.tls is not None, server=True)
@@ -258,7 +258,8 @@ class BulkHub:
                 return
             self._links[offer.name] = (offer.owner, link)
         link.start()
-        sock.sendall(ACK)  # the last answer the client awaits: the link is known by then, its calls may name it
+        # The last answer the client awaits: the link is known by then, its calls may name it.
+        send_frame(sock, ADMITTED)
         log.debug("bulk link %s of %s open with %d connections", offer.name, offer.owner, len(socks))
 
     def _closed_link(self, link: BulkLink, why: str) -> None:
