@@ -144,6 +144,9 @@ def _spec_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default="", help="what clients ask for (default: the model)")
     parser.add_argument("--cuts", help="cut points A,B: the trunk holds blocks A..B-1")
     parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--lora-alpha", type=float, default=0.0, help="LoRA's alpha (default: twice the rank)")
+    parser.add_argument("--lora-targets", default="",
+                        help="the modules LoRA adapts, comma-separated (default: the architecture's)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--trunk-mode", default="sync", choices=["sync", "async", "quorum"])
     parser.add_argument("--quorum", type=int, default=1)
@@ -231,7 +234,8 @@ def run_models(args: argparse.Namespace) -> int:
                 return 0
             if args.verb == "load":
                 spec = ModelSpec(model=args.model, name=args.name, cuts=parse_cuts(args.cuts),
-                                 lora_rank=args.lora_rank, device=args.device, trunk_mode=args.trunk_mode,
+                                 lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                                 lora_targets=args.lora_targets, device=args.device, trunk_mode=args.trunk_mode,
                                  quorum=args.quorum, max_staleness=args.max_staleness, trunk_timeout=args.trunk_timeout,
                                  optimizer=args.optimizer, lr=args.lr, batch_window_ms=args.batch_window_ms,
                                  max_batch_tokens=args.max_batch_tokens, checkpointing=args.checkpointing,

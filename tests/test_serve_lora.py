@@ -114,3 +114,21 @@ def test_per_model_lora_keys_in_a_models_file(tmp_path: Path) -> None:
         ModelSpec("mnist-cnn", lora_targets=[True])
     with pytest.raises(ConfigError, match="colour"):
         parse_model_flag("mnist-cnn colour=red")
+
+
+def test_models_load_carries_lora_rank_alpha_and_targets_to_the_server(llama_dir: Path, tmp_path: Path) -> None:
+    from splitfed.cli import main
+
+    token = tmp_path / "admin.token"
+    token.write_text("a" * 32)
+    server = TrunkServer(models=[ModelSpec("mnist-cnn", name="digits", cuts=(3, 6))], insecure=True, port=0,
+                         admin_token="a" * 32).start()
+    try:
+        assert main(["models", "load", str(llama_dir), "--name", "chat", "--cuts", "1,3", "--lora-rank", "4",
+                     "--lora-alpha", "2", "--lora-targets", "o_proj,v_proj", "--server", server.address,
+                     "--admin-token-file", str(token)]) == 0
+        chat = server.unit("chat").runtime.trunk
+        assert adapters(chat) == {f"layers.{i}.self_attn.{m}": (4, 0.5) for i in (0, 1) for m in ("o_proj", "v_proj")}
+        assert all("lora_" in n for n in trainable(chat))
+    finally:
+        server.stop(grace=0)

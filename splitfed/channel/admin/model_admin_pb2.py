@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(splitfed/channel/admin/model_admin.proto\x12\x11splitfed.admin.v1\"\xfa\x03\n\tModelSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04\x63uts\x18\x03 \x03(\x05\x12\x11\n\tlora_rank\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\ntrunk_mode\x18\x06 \x01(\t\x12\x13\n\x06quorum\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12\x1a\n\rmax_staleness\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0ftrunk_timeout_s\x18\t \x01(\x01H\x02\x88\x01\x01\x12\x11\n\toptimizer\x18\n \x01(\t\x12\x0f\n\x02lr\x18\x0b \x01(\x01H\x03\x88\x01\x01\x12\x1c\n\x0f\x62\x61tch_window_ms\x18\x0c \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10max_batch_tokens\x18\r \x01(\x03H\x05\x88\x01\x01\x12\x15\n\rcheckpointing\x18\x0e \x01(\x08\x12\x1e\n\x11shared_memory_mib\x18\x0f \x01(\x03H\x06\x88\x01\x01\x12\x0c\n\x04seed\x18\x10 \x01(\x03\x12\x0e\n\x06\x66rozen\x18\x11 \x01(\x08\x12\x0f\n\x07\x63ompile\x18\x12 \x01(\x08\x42\t\n\x07_quorumB\x10\n\x0e_max_stalenessB\x12\n\x10_trunk_timeout_sB\x05\n\x03_lrB\x12\n\x10_batch_window_msB\x13\n\x11_max_batch_tokensB\x14\n\x12_shared_memory_mib\",\n\x0b\x44\x65viceBytes\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"\xa4\x02\n\x0bModelStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12,\n\x05state\x18\x02 \x01(\x0e\x32\x1d.splitfed.admin.v1.ModelState\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0c\n\x04\x63uts\x18\x04 \x03(\x05\x12\x12\n\ntrunk_mode\x18\x05 \x01(\t\x12\x11\n\tlora_rank\x18\x06 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12-\n\x05\x62ytes\x18\x08 \x03(\x0b\x32\x1e.splitfed.admin.v1.DeviceBytes\x12\x17\n\x0f\x65stimated_bytes\x18\t \x01(\x03\x12\x15\n\rtrunk_version\x18\n \x01(\x03\x12\x17\n\x0f\x63\x61lls_in_flight\x18\x0b \x01(\x05\x12\r\n\x05\x65rror\x18\x0c \x01(\t\"\r\n\x0bListRequest\"\xa4\x01\n\tListReply\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.splitfed.admin.v1.ModelStatus\x12\x38\n\x06\x62udget\x18\x02 \x03(\x0b\x32(.splitfed.admin.v1.ListReply.BudgetEntry\x1a-\n\x0b\x42udgetEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"G\n\x0bLoadRequest\x12*\n\x04spec\x18\x01 \x01(\x0b\x32\x1c.splitfed.admin.v1.ModelSpec\x12\x0c\n\x04wait\x18\x02 \x01(\x08\":\n\tLoadReply\x12-\n\x05model\x18\x01 \x01(\x0b\x32\x1e.splitfed.admin.v1.ModelStatus\"O\n\rUnloadRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1c\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_drain_timeout_s\"<\n\x0bUnloadReply\x12-\n\x05model\x18\x01 \x01(\x0b\x32\x1e.splitfed.admin.v1.ModelStatus\"\x89\x01\n\rReloadRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x04spec\x18\x02 \x01(\x0b\x32\x1c.splitfed.admin.v1.ModelSpec\x12\x0c\n\x04wait\x18\x03 \x01(\x08\x12\x1c\n\x0f\x64rain_timeout_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_drain_timeout_s\"<\n\x0bReloadReply\x12-\n\x05model\x18\x01 \x01(\x0b\x32\x1e.splitfed.admin.v1.ModelStatus*\\\n\nModelState\x12\x1b\n\x17MODEL_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07LOADING\x10\x01\x12\t\n\x05READY\x10\x02\x12\r\n\tUNLOADING\x10\x03\x12\n\n\x06\x46\x41ILED\x10\x04\x32\xb0\x02\n\nModelAdmin\x12\x44\n\x04List\x12\x1e.splitfed.admin.v1.ListRequest\x1a\x1c.splitfed.admin.v1.ListReply\x12\x44\n\x04Load\x12\x1e.splitfed.admin.v1.LoadRequest\x1a\x1c.splitfed.admin.v1.LoadReply\x12J\n\x06Unload\x12 .splitfed.admin.v1.UnloadRequest\x1a\x1e.splitfed.admin.v1.UnloadReply\x12J\n\x06Reload\x12 .splitfed.admin.v1.ReloadRequest\x1a\x1e.splitfed.admin.v1.ReloadReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(splitfed/channel/admin/model_admin.proto\x12\x11splitfed.admin.v1\"\xa4\x04\n\tModelSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04\x63uts\x18\x03 \x03(\x05\x12\x11\n\tlora_rank\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\ntrunk_mode\x18\x06 \x01(\t\x12\x13\n\x06quorum\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12\x1a\n\rmax_staleness\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0ftrunk_timeout_s\x18\t \x01(\x01H\x02\x88\x01\x01\x12\x11\n\toptimizer\x18\n \x01(\t\x12\x0f\n\x02lr\x18\x0b \x01(\x01H\x03\x88\x01\x01\x12\x1c\n\x0f\x62\x61tch_window_ms\x18\x0c \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10max_batch_tokens\x18\r \x01(\x03H\x05\x88\x01\x01\x12\x15\n\rcheckpointing\x18\x0e \x01(\x08\x12\x1e\n\x11shared_memory_mib\x18\x0f \x01(\x03H\x06\x88\x01\x01\x12\x0c\n\x04seed\x18\x10 \x01(\x03\x12\x0e\n\x06\x66rozen\x18\x11 \x01(\x08\x12\x0f\n\x07\x63ompile\x18\x12 \x01(\x08\x12\x12\n\nlora_alpha\x18\x13 \x01(\x01\x12\x14\n\x0clora_targets\x18\x14 \x03(\tB\t\n\x07_quorumB\x10\n\x0e_max_stalenessB\x12\n\x10_trunk_timeout_sB\x05\n\x03_lrB\x12\n\x10_batch_window_msB\x13\n\x11_max_batch_tokensB\x14\n\x12_shared_memory_mib\",\n\x0b\x44\x65viceBytes\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"\xa4\x02\n\x0bModelStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12,\n\x05state\x18\x02 \x01(\x0e\x32\x1d.splitfed.admin.v1.ModelState\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0c\n\x04\x63uts\x18\x04 \x03(\x05\x12\x12\n\ntrunk_mode\x18\x05 \x01(\t\x12\x11\n\tlora_rank\x18\x06 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12-\n\x05\x62ytes\x18\x08 \x03(\x0b\x32\x1e.splitfed.admin.v1.DeviceBytes\x12\x17\n\x0f\x65stimated_bytes\x18\t \x01(\x03\x12\x15\n\rtrunk_version\x18\n \x01(\x03\x12\x17\n\x0f\x63\x61lls_in_flight\x18\x0b \x01(\x05\x12\r\n\x05\x65rror\x18\x0c \x01(\t\"\r\n\x0bListRequest\"\xa4\x01\n\tListReply\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.splitfed.admin.v1.ModelStatus\x12\x38\n\x06\x62udget\x18\x02 \x03(\x0b\x32(.splitfed.admin.v1.ListReply.BudgetEntry\x1a-\n\x0b\x42udgetEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"G\n\x0bLoadRequest\x12*\n\x04spec\x18\x01 \x01(\x0b\x32\x1c.splitfed.admin.v1.ModelSpec\x12\x0c\n\x04wait\x18\x02 \x01(\x08\":\n\tLoadReply\x12-\n\x05model\x18\x01 \x01(\x0b\x32\x1e.splitfed.admin.v1.ModelStatus\"O\n\rUnloadRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1c\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_drain_timeout_s\"<\n\x0bUnloadReply\x12-\n\x05model\x18\x01 \x01(\x0b\x32\x1e.splitfed.admin.v1.ModelStatus\"\x89\x01\n\rReloadRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x04spec\x18\x02 \x01(\x0b\x32\x1c.splitfed.admin.v1.ModelSpec\x12\x0c\n\x04wait\x18\x03 \x01(\x08\x12\x1c\n\x0f\x64rain_timeout_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_drain_timeout_s\"<\n\x0bReloadReply\x12-\n\x05model\x18\x01 \x01(\x0b\x32\x1e.splitfed.admin.v1.ModelStatus*\\\n\nModelState\x12\x1b\n\x17MODEL_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07LOADING\x10\x01\x12\t\n\x05READY\x10\x02\x12\r\n\tUNLOADING\x10\x03\x12\n\n\x06\x46\x41ILED\x10\x04\x32\xb0\x02\n\nModelAdmin\x12\x44\n\x04List\x12\x1e.splitfed.admin.v1.ListRequest\x1a\x1c.splitfed.admin.v1.ListReply\x12\x44\n\x04Load\x12\x1e.splitfed.admin.v1.LoadRequest\x1a\x1c.splitfed.admin.v1.LoadReply\x12J\n\x06Unload\x12 .splitfed.admin.v1.UnloadRequest\x1a\x1e.splitfed.admin.v1.UnloadReply\x12J\n\x06Reload\x12 .splitfed.admin.v1.ReloadRequest\x1a\x1e.splitfed.admin.v1.ReloadReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,32 +33,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LISTREPLY_BUDGETENTRY']._loaded_options = None
   _globals['_LISTREPLY_BUDGETENTRY']._serialized_options = b'8\001'
-  _globals['_MODELSTATE']._serialized_start=1573
-  _globals['_MODELSTATE']._serialized_end=1665
+  _globals['_MODELSTATE']._serialized_start=1615
+  _globals['_MODELSTATE']._serialized_end=1707
   _globals['_MODELSPEC']._serialized_start=64
-  _globals['_MODELSPEC']._serialized_end=570
-  _globals['_DEVICEBYTES']._serialized_start=572
-  _globals['_DEVICEBYTES']._serialized_end=616
-  _globals['_MODELSTATUS']._serialized_start=619
-  _globals['_MODELSTATUS']._serialized_end=911
-  _globals['_LISTREQUEST']._serialized_start=913
-  _globals['_LISTREQUEST']._serialized_end=926
-  _globals['_LISTREPLY']._serialized_start=929
-  _globals['_LISTREPLY']._serialized_end=1093
-  _globals['_LISTREPLY_BUDGETENTRY']._serialized_start=1048
-  _globals['_LISTREPLY_BUDGETENTRY']._serialized_end=1093
-  _globals['_LOADREQUEST']._serialized_start=1095
-  _globals['_LOADREQUEST']._serialized_end=1166
-  _globals['_LOADREPLY']._serialized_start=1168
-  _globals['_LOADREPLY']._serialized_end=1226
-  _globals['_UNLOADREQUEST']._serialized_start=1228
-  _globals['_UNLOADREQUEST']._serialized_end=1307
-  _globals['_UNLOADREPLY']._serialized_start=1309
-  _globals['_UNLOADREPLY']._serialized_end=1369
-  _globals['_RELOADREQUEST']._serialized_start=1372
-  _globals['_RELOADREQUEST']._serialized_end=1509
-  _globals['_RELOADREPLY']._serialized_start=1511
-  _globals['_RELOADREPLY']._serialized_end=1571
-  _globals['_MODELADMIN']._serialized_start=1668
-  _globals['_MODELADMIN']._serialized_end=1972
+  _globals['_MODELSPEC']._serialized_end=612
+  _globals['_DEVICEBYTES']._serialized_start=614
+  _globals['_DEVICEBYTES']._serialized_end=658
+  _globals['_MODELSTATUS']._serialized_start=661
+  _globals['_MODELSTATUS']._serialized_end=953
+  _globals['_LISTREQUEST']._serialized_start=955
+  _globals['_LISTREQUEST']._serialized_end=968
+  _globals['_LISTREPLY']._serialized_start=971
+  _globals['_LISTREPLY']._serialized_end=1135
+  _globals['_LISTREPLY_BUDGETENTRY']._serialized_start=1090
+  _globals['_LISTREPLY_BUDGETENTRY']._serialized_end=1135
+  _globals['_LOADREQUEST']._serialized_start=1137
+  _globals['_LOADREQUEST']._serialized_end=1208
+  _globals['_LOADREPLY']._serialized_start=1210
+  _globals['_LOADREPLY']._serialized_end=1268
+  _globals['_UNLOADREQUEST']._serialized_start=1270
+  _globals['_UNLOADREQUEST']._serialized_end=1349
+  _globals['_UNLOADREPLY']._serialized_start=1351
+  _globals['_UNLOADREPLY']._serialized_end=1411
+  _globals['_RELOADREQUEST']._serialized_start=1414
+  _globals['_RELOADREQUEST']._serialized_end=1551
+  _globals['_RELOADREPLY']._serialized_start=1553
+  _globals['_RELOADREPLY']._serialized_end=1613
+  _globals['_MODELADMIN']._serialized_start=1710
+  _globals['_MODELADMIN']._serialized_end=2014
 # @@protoc_insertion_point(module_scope)

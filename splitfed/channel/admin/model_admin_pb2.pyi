@@ -21,7 +21,7 @@ UNLOADING: ModelState
 FAILED: ModelState
 
 class ModelSpec(_message.Message):
-    __slots__ = ("name", "model", "cuts", "lora_rank", "device", "trunk_mode", "quorum", "max_staleness", "trunk_timeout_s", "optimizer", "lr", "batch_window_ms", "max_batch_tokens", "checkpointing", "shared_memory_mib", "seed", "frozen", "compile")
+    __slots__ = ("name", "model", "cuts", "lora_rank", "device", "trunk_mode", "quorum", "max_staleness", "trunk_timeout_s", "optimizer", "lr", "batch_window_ms", "max_batch_tokens", "checkpointing", "shared_memory_mib", "seed", "frozen", "compile", "lora_alpha", "lora_targets")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CUTS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,8 @@ class ModelSpec(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     FROZEN_FIELD_NUMBER: _ClassVar[int]
     COMPILE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    LORA_TARGETS_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: str
     cuts: _containers.RepeatedScalarFieldContainer[int]
@@ -58,7 +60,9 @@ class ModelSpec(_message.Message):
     seed: int
     frozen: bool
     compile: bool
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., cuts: _Optional[_Iterable[int]] = ..., lora_rank: _Optional[int] = ..., device: _Optional[str] = ..., trunk_mode: _Optional[str] = ..., quorum: _Optional[int] = ..., max_staleness: _Optional[int] = ..., trunk_timeout_s: _Optional[float] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., batch_window_ms: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ..., checkpointing: _Optional[bool] = ..., shared_memory_mib: _Optional[int] = ..., seed: _Optional[int] = ..., frozen: _Optional[bool] = ..., compile: _Optional[bool] = ...) -> None: ...
+    lora_alpha: float
+    lora_targets: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., cuts: _Optional[_Iterable[int]] = ..., lora_rank: _Optional[int] = ..., device: _Optional[str] = ..., trunk_mode: _Optional[str] = ..., quorum: _Optional[int] = ..., max_staleness: _Optional[int] = ..., trunk_timeout_s: _Optional[float] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., batch_window_ms: _Optional[float] = ..., max_batch_tokens: _Optional[int] = ..., checkpointing: _Optional[bool] = ..., shared_memory_mib: _Optional[int] = ..., seed: _Optional[int] = ..., frozen: _Optional[bool] = ..., compile: _Optional[bool] = ..., lora_alpha: _Optional[float] = ..., lora_targets: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DeviceBytes(_message.Message):
     __slots__ = ("device", "bytes")

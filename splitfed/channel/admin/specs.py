@@ -16,6 +16,7 @@ from splitfed.serving.spec import ModelSpec
 def spec_from_proto(msg: pb.ModelSpec) -> ModelSpec:
     """A :class:`ModelSpec` from the wire (unset fields take the defaults of ``splitfed serve``)."""
     kwargs: dict[str, Any] = {"model": msg.model, "name": msg.name, "lora_rank": msg.lora_rank,
+                              "lora_alpha": msg.lora_alpha, "lora_targets": tuple(msg.lora_targets),
                               "checkpointing": msg.checkpointing, "seed": msg.seed, "frozen": msg.frozen,
                               "compile": msg.compile}
     if msg.cuts:
@@ -36,6 +37,7 @@ def spec_from_proto(msg: pb.ModelSpec) -> ModelSpec:
 def spec_to_proto(spec: ModelSpec) -> pb.ModelSpec:
     """The wire form of ``spec`` (every field set)."""
     return pb.ModelSpec(name=spec.name, model=spec.model, cuts=list(spec.cuts or ()), lora_rank=spec.lora_rank,
+                        lora_alpha=spec.lora_alpha, lora_targets=list(spec.lora_targets),
                         device=spec.device, trunk_mode=spec.trunk_mode, quorum=spec.quorum,
                         max_staleness=spec.max_staleness, trunk_timeout_s=spec.trunk_timeout,
                         optimizer=spec.optimizer, lr=spec.lr, batch_window_ms=spec.batch_window_ms,
