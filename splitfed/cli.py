@@ -61,7 +61,7 @@ def _build_server(rank: int, args: argparse.Namespace) -> Any:
     if args.replicas > 1:
         from splitfed.launcher import replica_device
 
-        trunk = trunk.to(replica_device(rank, args.replicas))
+        trunk = trunk.to(replica_device(rank, args.replicas, args.device))
     aggregator = (replica_aggregator if args.replicas > 1 else make_aggregator)(
         args.trunk_mode, quorum=args.quorum, max_staleness=args.max_staleness, timeout=args.trunk_timeout)
     port = args.port + rank + (1 if args.replicas > 1 else 0) if args.port else 0
@@ -85,6 +85,10 @@ def _serve(args: argparse.Namespace) -> int:
 
         return serve_models(args)  # one or several models on one port (and the admin service)
     args.model = args.model[0]
+    from splitfed.launcher import replica_device
+
+    for rank in range(args.replicas):  # every replica's device, before anything loads
+        replica_device(rank, args.replicas, args.device)
     server = _build_server(0, args).start()
     replicas = router = None
     if args.replicas > 1:

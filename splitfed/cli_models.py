@@ -30,7 +30,10 @@ def add_serve_options(serve: argparse.ArgumentParser) -> None:
     """The ``serve`` options for several models, the admin service and the memory budget."""
     serve.add_argument("--models-file", help="TOML file with one [models.NAME] table per model (model, cuts, "
                                              "lora-rank, device, trunk-mode, ...); see docs/serving.md")
-    serve.add_argument("--device", default="cpu", help="device of every --model (cpu, cuda, cuda:N)")
+    serve.add_argument("--device", default=None,
+                       help="device of every --model (cpu, cuda, cuda:N; default: cpu); with --replicas N: cpu, or "
+                            "cuda for replica r on cuda:r (default: a GPU per replica when there are enough, else "
+                            "cpu)")
     serve.add_argument("--admin-token-file", help="file holding the admin service's token (16+ characters, never "
                                                   f"a client's); also ${TOKEN_ENV}. Without one the service is off")
     serve.add_argument("--admin-token", help="the admin token itself (visible in the process list: prefer "

@@ -46,11 +46,28 @@ log = logging.getLogger(__name__)
 _ADDRESS = "splitfed/replica-address/{}"
 
 
-def replica_device(rank: int, world_size: int) -> torch.device:
-    """``cuda:rank`` when this machine has a GPU per replica, else the CPU."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+def replica_device(rank: int, world_size: int, device: str | None = None) -> torch.device:
+    """Where replica ``rank`` of ``world_size`` computes.
+
+    ``device``: None picks ``cuda:rank`` when this machine has a GPU per replica, else the CPU; ``"cpu"`` puts
+    every replica on the CPU; ``"cuda"`` puts replica r on ``cuda:r`` and needs a GPU per replica.
+
+    Raises:
+        ConfigError: ``"cuda"`` without a GPU per replica, or any other device (one GPU cannot hold the replicas:
+            each takes a GPU of its own).
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device is None:
+        return torch.device("cuda", rank) if gpus >= world_size else torch.device("cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    if device == "cuda":
+        if gpus < world_size:
+            raise ConfigError(f"--device cuda with {world_size} replicas needs {world_size} GPUs (replica r on "
+                              f"cuda:r); this machine has {gpus}: use --device cpu, or fewer --replicas")
         return torch.device("cuda", rank)
-    return torch.device("cpu")
+    raise ConfigError(f"with --replicas {world_size}, --device is cpu or cuda (replica r computes on cuda:r), not "
+                      f"{device!r}; leave it out for a GPU per replica when there are enough, else the CPU")
 
 
 def _exit_status(code: int) -> str:
