@@ -6,6 +6,9 @@ instead: small frames are read many at a time into one scratch buffer and cut ou
 does not fit the scratch buffer has its body read by the kernel straight into a buffer of its own (one copy in
 all, the kernel's). Frames and checks are those of :mod:`splitfed.channel.framing`: a frame above the limits or
 with a malformed header closes the connection, and the reader gets :class:`~splitfed.channel.framing.FrameError`.
+A large body's buffer is allocated when its header arrives, so the limits bound what one peer makes this end hold;
+a connection's first frame (its hello) is held to limits of its own (``first``: no body), so nothing is allocated
+for a peer that has not proved itself.
 
 One task reads a connection (:meth:`FrameConnection.read`); any number may write whole frames
 (:meth:`FrameConnection.write` writes a frame in one call, so frames never interleave).
@@ -190,10 +193,10 @@ class FrameConnection(asyncio.BufferedProtocol):
 
     async def write(self, header: dict[str, Any], parts: Parts = ()) -> None:
         """Send one frame (``parts`` concatenated as its body); raises :class:`LinkClosed` when the connection is
-        gone."""
+        gone (the :class:`FrameError` that closed it, if one did)."""
         transport = self.transport
         if transport is None or transport.is_closing():
-            raise LinkClosed("the link is closed")
+            raise self._error or LinkClosed("the link is closed")
         out = pieces(header, parts)
         if sum(len(p) for p in out) <= _JOIN_BELOW:
             transport.write(b"".join(out))
