@@ -391,8 +391,9 @@ class Checker:
             return "checked"
         module, rest = args[1], args[2:]
         if module == "pytest":
-            for path in rest:
-                if not path.startswith("-"):
+            valued = {"-m", "-k", "-p", "-o", "-c", "--timeout", "--rootdir"}  # options whose value follows them
+            for before, path in zip(["", *rest], rest):
+                if not path.startswith("-") and before not in valued:
                     assert (ROOT / path.split("::")[0]).exists(), f"{shlex.join(argv)}: {path} does not exist"
             return "checked"
         if module == "venv" and rest:  # makes the environment a later ". .venv/bin/activate" reads
