@@ -23,7 +23,7 @@ def _free_port() -> int:
 
 
 def _tiny_bert(folder: Path) -> None:
-    """A tiny BERT classifier with a WordPiece tokenizer over the README's words (stands in for minilm-l6)."""
+    """A tiny BERT classifier with a WordPiece tokenizer over docs/python_api.md's words (stands in for minilm-l6)."""
     import re
 
     import torch
@@ -31,14 +31,14 @@ def _tiny_bert(folder: Path) -> None:
     from transformers import BertForSequenceClassification, BertTokenizerFast
 
     torch.manual_seed(0)
-    readme = (ROOT / "README.md").read_text()
-    words = sorted({w.lower() for w in re.findall(r"[A-Za-z]+", readme)})
+    text = (ROOT / "docs" / "python_api.md").read_text()
+    words = sorted({w.lower() for w in re.findall(r"[A-Za-z]+", text)})
     folder.mkdir()
     (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", "?"] + words))
     BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
     config = tiny_config("bert")
     config.vocab_size = len(words) + 7
-    config.num_labels = 2  # as the README loads it
+    config.num_labels = 2  # as docs/python_api.md loads it
     BertForSequenceClassification(config).save_pretrained(folder)
 
 
@@ -59,14 +59,14 @@ _trunk_host = _Server(_split(_build("tiny-gpt2", vocab_size=512), (2, 4)).trunk,
 TRUNK_ADDRESS = _trunk_host.address  # stands in for trunk-host:50051
 """
 SETUP: dict[str, tuple[Callable[[Path], None] | None, str, list[tuple[str, str]]]] = {
-    "README.md": (lambda d: (_tiny_bert(d / "tiny-bert"), _tiny_llama(d / "tiny-llama")), "", [
-        ('"minilm-l6"', '"tiny-bert"'), ('"HuggingFaceTB/SmolLM2-135M"', '"tiny-llama"')]),
+    "README.md": (lambda d: _tiny_llama(d / "tiny-llama"), "", [('"HuggingFaceTB/SmolLM2-135M"', '"tiny-llama"')]),
+    "docs/python_api.md": (lambda d: _tiny_bert(d / "tiny-bert"), "", [('"minilm-l6"', '"tiny-bert"')]),
     "docs/serving.md": (lambda d: _tiny_llama(d / "tiny-llama"), "", [
         ('"HuggingFaceTB/SmolLM2-135M"', '"tiny-llama"')]),
     "docs/generation.md": (lambda d: _tiny_llama(d / "tiny-llama"), "", [
         ('"smollm2-135m"', '"tiny-llama"'), ("(3, 27)", "(1, 3)"), ("+ 64", "+ 8"),
         ("max_new_tokens=64", "max_new_tokens=8")]),
-    "docs/performance.md": (None, TRUNK_HOST, [('"trunk-host:50051"', "TRUNK_ADDRESS")]),
+    "docs/micro_batches.md": (None, TRUNK_HOST, [('"trunk-host:50051"', "TRUNK_ADDRESS")]),
     "docs/privacy.md": (None, "", [("steps=30", "steps=3"), ('"image"), 30)', '"image"), 3)')]),
 }
 
