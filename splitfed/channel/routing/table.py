@@ -9,10 +9,12 @@ A pin ends when the client leaves the step group (``Leave``) holding no session
 or region, after ``sticky_idle_s`` without a call (when it holds none), or when
 its backend goes down; the client's next call is then placed anew.
 
-A new pin goes to the live backend holding the model with the lowest load: the
-calls it has in flight through the router plus the clients pinned to it, then
-the bytes the trunk holds between requests (saved forwards, KV caches) where its
-metrics report them, then the backend's position in the list.
+A new pin goes to the live backend holding the model with the fewest clients
+pinned to it (a pin lasts a round or a session: it is the load that stays), then
+the fewest calls in flight through the router (the load of the moment, which
+only breaks ties: clients arriving together are spread evenly whatever their
+calls' timing), then the bytes the trunk holds between requests (saved forwards,
+KV caches) where its metrics report them, then the backend's position in the list.
 
 Concurrency: a :class:`RouteTable` is used from one thread only (the router's
 event loop), so it takes no lock.
@@ -43,11 +45,6 @@ class BackendState:
     pinned: int = 0
     #: Bytes its trunk holds between requests, from its metrics (None: not known).
     held_bytes: int | None = None
-
-    @property
-    def load(self) -> int:
-        """Calls in flight plus clients pinned."""
-        return self.in_flight + self.pinned
 
     def holds(self, model: str) -> bool:
         """Whether it serves ``model`` (any backend serves a call that names no model)."""
@@ -94,7 +91,7 @@ class RouteTable:
         candidates = self.holders(model)
         if not candidates:
             return None
-        best = min(candidates, key=lambda b: (b.load, b.held_bytes or 0, b.index))
+        best = min(candidates, key=lambda b: (b.pinned, b.in_flight, b.held_bytes or 0, b.index))
         self._pins[key] = Pin(best, now)
         best.pinned += 1
         return best
