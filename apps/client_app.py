@@ -24,12 +24,12 @@ from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 from flwr.clientapp.typing import ClientAppCallable, Mod
 
-from splitfed.client import client_evaluate, client_train, connect_trunk
+from splitfed.client.round import client_evaluate, client_train, connect_trunk
 from splitfed.config import RunConfig
 from splitfed.errors import ClientFailedError
-from splitfed.hetero import client_config
+from splitfed.models.hetero import client_config
 from splitfed.logs import setup_logging
-from splitfed.messages import (
+from splitfed.run.messages import (
     CLIENT_CLIPPING,
     CLIENT_KEY,
     CUT_END,
@@ -132,7 +132,7 @@ def train(msg: Message, context: Context) -> Message:
     """One round of local split training; replies with the updated client parts, metrics and accountants.
 
     What the strategy sent (``lr``, ``local-steps``, ``local-epochs``, ``proximal-mu``, your keys) is passed to
-    :func:`~splitfed.client.client_train` as ``round_config``."""
+    :func:`~splitfed.client.round.client_train` as ``round_config``."""
     cfg, state, trunk, splits, partition_id = _setup(msg, context)
     config = _config(msg)
     client_key = str(partition_id)

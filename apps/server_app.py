@@ -10,7 +10,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
 from splitfed.config import RunConfig
-from splitfed.trunk.aggregation import TrunkAggregator
+from splitfed.trunk.aggregation.modes import TrunkAggregator
 from strategies import build_strategy
 from strategies.run import output_root as output_dir
 from strategies.run import splitfed_run

@@ -18,8 +18,8 @@ from bench import core
 def measure(checkpointing: bool, batch: int, seq: int, repeat: int, device: str) -> tuple[int, float]:
     """(bytes the trunk holds per saved forward, median seconds of forward + backward)."""
     from splitfed.split import CutState, split_model
-    from splitfed.trunk.aggregation import make_aggregator
-    from splitfed.trunk.runtime import TrunkRuntime
+    from splitfed.trunk.aggregation.modes import make_aggregator
+    from splitfed.trunk.compute.runtime import TrunkRuntime
 
     trunk = split_model(core._gpt2().to(device), core._cuts()).trunk
     rt = TrunkRuntime(trunk, torch.optim.SGD(trunk.parameters(), lr=1e-4), aggregator=make_aggregator("async"),

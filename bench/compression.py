@@ -72,7 +72,7 @@ def main() -> int:
     results: dict[str, dict] = {}
     job = ""
     if args.job == "llm":
-        from splitfed.llm import model_dir
+        from splitfed.models.llm import model_dir
 
         model_dir("smollm2-135m")  # convert the GGUF once, before the clients race for it
         job = LLM_JOB + " "

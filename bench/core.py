@@ -97,7 +97,7 @@ def set_split_step(config: str, option: str = "--config") -> None:
 def _gpt2(seed: int = 0) -> torch.nn.Module:
     from transformers import GPT2LMHeadModel
 
-    from splitfed.models import tiny_gpt2_config
+    from splitfed.models.catalog import tiny_gpt2_config
 
     torch.manual_seed(seed)
     c = SPLIT_STEP
@@ -126,7 +126,7 @@ def _serve_echo_and_identity(port_queue: Any, stop: Any) -> None:
 
     import grpc
 
-    from splitfed.channel.server import ChannelLimits, TrunkServer
+    from splitfed.channel.server.trunkserver import ChannelLimits, TrunkServer
     from splitfed.split.sequential import split_sequential
     from splitfed.tuning import tune_malloc
 
@@ -162,8 +162,8 @@ async def _start_configured_echo(limits: Any) -> tuple[Any, int]:
     import grpc
     from grpc_health.v1 import health
 
-    from splitfed.channel.limits import SERVICE_NAME
-    from splitfed.channel.listeners import start_grpc_server
+    from splitfed.channel.wire.limits import SERVICE_NAME
+    from splitfed.channel.server.listeners import start_grpc_server
 
     async def echo(request: bytes, context: Any) -> bytes:
         return request
@@ -198,8 +198,8 @@ def channel_vs_grpc(sizes: tuple[int, ...] = (4 << 10, 1 << 20, 16 << 20), repea
     """
     import grpc
 
-    from splitfed.channel.client import TrunkClient
-    from splitfed.channel.server import ChannelLimits
+    from splitfed.channel.client.trunk import TrunkClient
+    from splitfed.channel.server.trunkserver import ChannelLimits
     from splitfed.split import CutState
 
     limits = ChannelLimits(**CHANNEL_LIMITS)
@@ -265,9 +265,9 @@ def _repeated_float_message() -> type:
 
 def codec_speedup(size_mib: int = 4, repeat: int = 5) -> dict[str, float]:
     """Round trip through protobuf ``repeated float`` / round trip through splitfed's codec."""
-    from splitfed.channel import fastwire
-    from splitfed.channel import split_channel_pb2 as pb
-    from splitfed.codec import decode, encode
+    from splitfed.channel.wire import fastwire
+    from splitfed.channel.wire import split_channel_pb2 as pb
+    from splitfed.codec.tensors import decode, encode
 
     floats = _repeated_float_message()
     t = torch.randn(size_mib * MiB // 4)
@@ -296,8 +296,8 @@ def compression(repeat: int = 6, device: str = "cpu") -> dict[str, float]:
     (data, scales, indices).
     """
     from bench.split_step import _trunk_server
-    from splitfed.channel.client import RemoteTrunk
-    from splitfed.compression import WireCompression
+    from splitfed.channel.client.trunk import RemoteTrunk
+    from splitfed.codec.compression import WireCompression
     from splitfed.split import SplitModel, split_model
 
     settings = dict(SPLIT_STEP)

@@ -102,7 +102,7 @@ def process_groups(server: Any, clients: Iterable[Any]) -> dict[str, list[int]]:
     return {"engine": [os.getpid()], "front-ends": frontends, "others": others}
 
 
-#: The engine's own threads by role, as :class:`CpuUse` counts them (their names in :mod:`splitfed.channel.server`
+#: The engine's own threads by role, as :class:`CpuUse` counts them (their names in :mod:`splitfed.channel.server.trunkserver`
 #: and :mod:`splitfed.trunk.scheduler`): the event loop that takes the calls in and answers them, and the device
 #: threads that run the trunks' work.
 ENGINE_THREADS = {"engine-loop": ("splitfed-trunk-grpc",), "engine-device": ("splitfed-trunk-device",)}

@@ -16,7 +16,7 @@ from types import TracebackType
 from typing import Any
 
 from bench.processes import BenchError
-from splitfed.rundirs import HISTORY, latest_run
+from splitfed.run.rundirs import HISTORY, latest_run
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

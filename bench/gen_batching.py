@@ -54,7 +54,7 @@ def _build(name: str, device: str) -> Any:
     """The split model (the same weights in every process: seeded initialisation)."""
     from transformers import GPT2LMHeadModel
 
-    from splitfed.models import tiny_gpt2_config
+    from splitfed.models.catalog import tiny_gpt2_config
     from splitfed.split import split_model
 
     layers, hidden, heads, vocab, cuts = MODELS[name]
@@ -65,7 +65,7 @@ def _build(name: str, device: str) -> Any:
 
 def _replay(channel: Any, hidden: torch.Tensor, steps: list[torch.Tensor]) -> None:
     """One session of precomputed hidden states: a prefill, then one-position steps; no bottom, top or sampling."""
-    from splitfed.generation import RemoteSession
+    from splitfed.client.generation import RemoteSession
     from splitfed.split import CutState
 
     with RemoteSession(channel, max_length=hidden.shape[1] + len(steps)) as session:
@@ -78,8 +78,8 @@ def _client(rank: int, name: str, device: str, prompt_len: int, new_tokens: int,
             barrier: Any) -> None:
     """One client process: for each (server address, replay) it is sent, generate once (after the barrier), or
     replay one-position steps when ``replay``, and report."""
-    from splitfed.channel.client import TrunkClient
-    from splitfed.generation import generate
+    from splitfed.channel.client.trunk import TrunkClient
+    from splitfed.client.generation import generate
 
     torch.set_num_threads(1)
     parts = _build(name, device)
@@ -126,7 +126,7 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
         model: ``tiny`` or ``gpt2-small`` (default: tiny on CPU, gpt2-small on CUDA).
         replay: also time clients that replay one-position steps (``gen_replay_*``).
     """
-    from splitfed.channel.server import TrunkServer
+    from splitfed.channel.server.trunkserver import TrunkServer
 
     name = model or ("gpt2-small" if device.startswith("cuda") else "tiny")
     ctx = mp.get_context("spawn")
@@ -194,9 +194,9 @@ def batched_decode_trunk(sessions: int = 8, steps: int = 64, prompt_len: int = 1
     :meth:`SessionManager.step` per session; runs alternate, medians compared.
     """
     from splitfed.split import CutState
-    from splitfed.trunk.decoding import SessionStep
-    from splitfed.trunk.runtime import TrunkRuntime
-    from splitfed.trunk.sessions import SessionManager
+    from splitfed.trunk.inference.decoding import SessionStep
+    from splitfed.trunk.compute.runtime import TrunkRuntime
+    from splitfed.trunk.inference.sessions import SessionManager
 
     name = model or ("gpt2-small" if device.startswith("cuda") else "tiny")
     trunk = _build(name, device).trunk

@@ -40,10 +40,10 @@ def tiny_llama(seed: int = 0) -> torch.nn.Module:
 
 
 def load_model(name: str | None) -> torch.nn.Module:
-    """The benchmark's model: the tiny Llama, a named LLM (``splitfed.llm``), a local folder or a hub id."""
+    """The benchmark's model: the tiny Llama, a named LLM (``splitfed.models.llm``), a local folder or a hub id."""
     if not name:
         return tiny_llama()
-    from splitfed.llm import load_model as load_llm
+    from splitfed.models.llm import load_model as load_llm
 
     return load_llm(name).eval()
 
@@ -73,16 +73,16 @@ def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = 
         repeat: interleaved timed runs of each side (medians are reported).
         device: where the model runs (cpu, cuda).
     """
-    from splitfed.channel.client import TrunkClient
-    from splitfed.channel.server import TrunkServer
-    from splitfed.generation import generate
+    from splitfed.channel.client.trunk import TrunkClient
+    from splitfed.channel.server.trunkserver import TrunkServer
+    from splitfed.client.generation import generate
     from splitfed.split import num_blocks, split_model
 
     ref = load_model(model).to(device)
     split = copy.deepcopy(ref)  # splitting re-indexes the layers; the reference keeps its own
     n = num_blocks(split)
     if cuts is None and model:
-        from splitfed.llm import NAMED_LLMS
+        from splitfed.models.llm import NAMED_LLMS
 
         cuts = NAMED_LLMS[model].default_cuts if model in NAMED_LLMS else None
     cuts = cuts or (max(n // 3, 1), max(2 * n // 3, 2))

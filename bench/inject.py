@@ -95,7 +95,7 @@ def _slowed(fn: Callable[..., Any], seconds: float) -> Callable[..., Any]:
 
 def serve_frontend(config: Any, ready: Any) -> None:
     """A front-end process's entry point with its delay (started instead of ``frontend.serve``, by reference)."""
-    from splitfed.channel import frontend
+    from splitfed.channel.engine import frontend
 
     seconds = _delays().get("frontend", 0.0)
     if seconds:
@@ -106,8 +106,8 @@ def serve_frontend(config: Any, ready: Any) -> None:
 @contextlib.contextmanager
 def delayed(delays_us: dict[str, float]) -> Iterator[None]:
     """Within: the parts in ``delays_us`` slowed (this process's engine; the front-ends and clients it spawns)."""
-    from splitfed.channel import frontend
-    from splitfed.channel.servicer import SplitChannelServicer
+    from splitfed.channel.engine import frontend
+    from splitfed.channel.server.servicer import SplitChannelServicer
     from splitfed.trunk.scheduler import TrunkScheduler
 
     seconds = {part: us * 1e-6 for part, us in delays_us.items()}

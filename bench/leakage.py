@@ -115,10 +115,10 @@ def _client_optimizer(model: SplitModel, setting: Setting) -> torch.optim.Optimi
 def train_setting(parts: Any, setting: Setting, data: Any, kind: str, steps: int, batch_size: int,
                   seed: int) -> dict[str, float]:
     """Train bottom+top on ``data`` against a trunk server on loopback, with ``setting``'s privacy."""
-    from splitfed.channel.client import RemoteTrunk
-    from splitfed.channel.server import TrunkServer
+    from splitfed.channel.client.trunk import RemoteTrunk
+    from splitfed.channel.server.trunkserver import TrunkServer
     from splitfed.errors import ChannelError, TensorValueError
-    from splitfed.training import train
+    from splitfed.client.training import train
 
     server = TrunkServer(parts.trunk, insecure=True, optimizer=setting.optimizer, lr=setting.lr, momentum=0.9).start()
     trunk = RemoteTrunk(f"127.0.0.1:{server.port}", insecure=True)
@@ -146,7 +146,7 @@ def train_setting(parts: Any, setting: Setting, data: Any, kind: str, steps: int
 def accuracy(model: SplitModel, data: Any, kind: str, privacy: PrivacyConfig, batch: int = 256) -> float:
     """Held-out accuracy (next-token accuracy for the LM) with the setting's evaluation noise on."""
     from splitfed.privacy import install_eval_noise
-    from splitfed.training import evaluate
+    from splitfed.client.training import evaluate
 
     def batches() -> Iterator[Any]:
         for start in range(0, len(data), batch):
@@ -300,7 +300,7 @@ def _first(ds: Any, start: int, stop: int) -> dict[str, Any]:
 
 def run_mnist(task: Task, seed: int = 0) -> list[dict[str, Any]]:
     """Train and attack every setting on the MNIST CNN."""
-    from splitfed.models import mnist_cnn
+    from splitfed.models.catalog import mnist_cnn
 
     data = mnist()
     private, public, test = data["train"].select(range(2000)), data["train"].select(range(2000, 4000)), data["test"]
@@ -332,7 +332,7 @@ def run_lm(task: Task, seed: int = 0) -> list[dict[str, Any]]:
     """Train and attack every setting on tiny GPT-2 with byte tokens."""
     from transformers import GPT2LMHeadModel
 
-    from splitfed.models import tiny_gpt2_config
+    from splitfed.models.catalog import tiny_gpt2_config
 
     tok = ByteTokenizer()
     data = text_windows(tok.encode, 64, tok.eos_token_id)

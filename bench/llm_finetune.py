@@ -26,8 +26,8 @@ from bench.flower import flwr_run
 def pretrained_perplexity(model_name: str, seq_len: int, batch_size: int) -> float:
     """Held-out perplexity of the unsplit pretrained model on the pydoc test windows."""
     from splitfed.data import batches
-    from splitfed.llm import load_model
-    from splitfed.runner import _text_data
+    from splitfed.models.llm import load_model
+    from splitfed.workload import _text_data
 
     model = load_model(model_name).eval()
     test = _text_data(model_name, seq_len)["test"]
@@ -59,7 +59,7 @@ def main() -> int:
     parser = build_parser()
     args = parser.parse_args()
 
-    from splitfed.llm import NAMED_LLMS, load_parts, model_dir, parts_nbytes
+    from splitfed.models.llm import NAMED_LLMS, load_parts, model_dir, parts_nbytes
 
     if args.cuts:
         a, b = (int(x) for x in args.cuts.split(","))

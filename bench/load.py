@@ -26,9 +26,9 @@ from bench.processes import check_alive, end_children, get_from
 
 
 def _serve(port_queue: Any, stop: Any, mode: str) -> None:
-    from splitfed.channel.server import TrunkServer
+    from splitfed.channel.server.trunkserver import TrunkServer
     from splitfed.split import split_model
-    from splitfed.trunk.aggregation import make_aggregator
+    from splitfed.trunk.aggregation.modes import make_aggregator
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -56,7 +56,7 @@ def run(clients: int = 32, steps: int = 500, mode: str = "async") -> dict[str, f
     Raises:
         BenchError: the server process died (at start or during the run) or never said its port.
     """
-    from splitfed.channel.client import RetryPolicy, TrunkClient
+    from splitfed.channel.client.trunk import RetryPolicy, TrunkClient
     from splitfed.split import CutState
 
     ctx = mp.get_context("spawn")

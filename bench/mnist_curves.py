@@ -27,7 +27,7 @@ def centralized(rounds: int, steps_per_round: int, batch_size: int, lr: float, m
                 seed: int = 42) -> list[float]:
     """Held-out accuracy per round of the unsplit CNN trained on all training images."""
     from splitfed.data import batches, mnist
-    from splitfed.models import build_model
+    from splitfed.models.catalog import build_model
 
     data = mnist()
     model = build_model("mnist-cnn", seed=seed)

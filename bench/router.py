@@ -33,7 +33,7 @@ def _serve(kind: str, target: str, ready: Any, stop: Any) -> None:
     if kind == "trunk":
         from torch import nn
 
-        from splitfed.channel.server import TrunkServer
+        from splitfed.channel.server.trunkserver import TrunkServer
 
         server: Any = TrunkServer(nn.Identity(), insecure=True, shared_memory_bytes=0).start()
     else:
@@ -55,7 +55,7 @@ def _state(nbytes: int) -> Any:
 
 def latency_ms(direct: str, routed: str, nbytes: int, reps: int) -> tuple[float, float]:
     """Median milliseconds of one evaluation forward of ``nbytes``, directly and through the router."""
-    from splitfed.channel.client import TrunkClient
+    from splitfed.channel.client.trunk import TrunkClient
 
     clients = [TrunkClient(a, insecure=True, shared_memory="off") for a in (direct, routed)]
     state = _state(nbytes)
@@ -76,7 +76,7 @@ def latency_ms(direct: str, routed: str, nbytes: int, reps: int) -> tuple[float,
 
 def calls_per_s(address: str, nbytes: int, clients: int, seconds: float) -> float:
     """Forwards per second that ``clients`` threads (a client each) complete against ``address``."""
-    from splitfed.channel.client import TrunkClient
+    from splitfed.channel.client.trunk import TrunkClient
 
     state = _state(nbytes)
     conns = [TrunkClient(address, insecure=True, shared_memory="off", client_id=f"bench-{i}") for i in range(clients)]

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from splitfed.channel.admin.client import AdminClient, status_dict
-from splitfed.channel.client import TrunkClient
+from splitfed.channel.client.trunk import TrunkClient
 from splitfed.errors import ChannelError
 from splitfed.serving.memory import estimate
 from splitfed.serving.spec import ModelSpec
@@ -100,7 +100,7 @@ def main() -> int:
     spec = ModelSpec(args.model, name="loaded", cuts=tuple(int(c) for c in args.cuts.split(",")),
                      lora_rank=args.lora_rank, optimizer="adamw")
     started = time.perf_counter()
-    from splitfed.llm import NAMED_LLMS, model_dir
+    from splitfed.models.llm import NAMED_LLMS, model_dir
 
     if args.model in NAMED_LLMS:
         model_dir(args.model)  # a GGUF file is converted once; the measured load reads the safetensors

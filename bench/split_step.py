@@ -26,9 +26,9 @@ TRANSPORTS = ("auto", "socket", "bulk", "tls", "bulk-tls")
 
 def _trunk_server(device: str, settings: dict[str, int], tls: tuple[bytes, bytes] | None = None) -> Any:
     """A trunk server of the split step's model (``tls``: serve TLS with this certificate and key, PEM)."""
-    from splitfed.channel.server import TrunkServer
+    from splitfed.channel.server.trunkserver import TrunkServer
     from splitfed.split import split_model
-    from splitfed.trunk.runtime import TrunkRuntime
+    from splitfed.trunk.compute.runtime import TrunkRuntime
 
     SPLIT_STEP.update(settings)
     trunk = split_model(_gpt2().to(device), _cuts()).trunk
@@ -36,8 +36,8 @@ def _trunk_server(device: str, settings: dict[str, int], tls: tuple[bytes, bytes
                            autocast_dtype=torch.bfloat16 if settings["bf16"] else None)
     if tls is None:
         return TrunkServer(runtime, insecure=True, bulk_connections=BULK_CONNECTIONS).start()
-    from splitfed.channel.bulktls import server_context
-    from splitfed.channel.security import server_credentials_from_pem
+    from splitfed.channel.security.bulktls import server_context
+    from splitfed.channel.security.credentials import server_credentials_from_pem
 
     cert, key = tls
     return TrunkServer(runtime, credentials=server_credentials_from_pem(cert, key),
@@ -54,8 +54,8 @@ def _serve_trunk(settings: dict[str, int], port_queue: Any, stop: Any, threads: 
 
 
 def _wire(name: str) -> Any:
-    """The :class:`~splitfed.compression.WireCompression` a bench's ``--wire-compression`` names."""
-    from splitfed.compression import WireCompression
+    """The :class:`~splitfed.codec.compression.WireCompression` a bench's ``--wire-compression`` names."""
+    from splitfed.codec.compression import WireCompression
 
     return WireCompression.of("int8", grad="topk", topk_ratio=0.01) if name == "topk" else WireCompression.of(name)
 
@@ -64,8 +64,8 @@ def _client_tls(transport: str, ca_pem: bytes | None) -> dict[str, Any]:
     """A split-step client's transport security: plaintext, or TLS pinned to the run's CA (with a TLS link)."""
     if not transport.endswith("tls"):
         return {"insecure": True}
-    from splitfed.channel.bulktls import BulkTLS
-    from splitfed.channel.security import pinned_channel_credentials
+    from splitfed.channel.security.bulktls import BulkTLS
+    from splitfed.channel.security.credentials import pinned_channel_credentials
 
     assert ca_pem is not None
     return {"credentials": pinned_channel_credentials(ca_pem),
@@ -90,7 +90,7 @@ def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple
     trunk's) and ``unsplit_step_host_syncs`` count the host's reads of the device in one step
     (:mod:`bench.host_syncs`).
     """
-    from splitfed.channel.client import RemoteTrunk
+    from splitfed.channel.client.trunk import RemoteTrunk
     from splitfed.split import SplitModel, split_model
 
     cuts, settings = _cuts(), dict(SPLIT_STEP)
@@ -98,7 +98,7 @@ def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple
     ctx = mp.get_context("spawn")
     tls = ca_pem = None
     if any(t.endswith("tls") for t in transports):
-        from splitfed.channel.autotls import issue
+        from splitfed.channel.security.autotls import issue
 
         issued = issue(["127.0.0.1"])
         tls, ca_pem = (issued.cert_pem, issued.server_key_pem), issued.ca_pem

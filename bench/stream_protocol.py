@@ -6,7 +6,7 @@ variant, the median round trip in microseconds over ``--reps`` calls (after a wa
 block by block so that load from elsewhere falls on all alike:
 
 * ``streams-asyncio-ipc``: asyncio's streams at both ends (the front-end-to-engine link before
-  :mod:`splitfed.channel.frameconn`), ``frames-asyncio-ipc``: :class:`~splitfed.channel.frameconn.FrameConnection`
+  :mod:`splitfed.channel.wire.frameconn`), ``frames-asyncio-ipc``: :class:`~splitfed.channel.wire.frameconn.FrameConnection`
   at both ends (the link now);
 * ``streams-blocking-ipc``: a blocking socket against an asyncio-streams server (the direct calls before),
   ``frames-blocking-ipc``: against a ``FrameConnection`` server (the direct calls now);
@@ -32,7 +32,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from splitfed.channel import frameconn, framing
+from splitfed.channel.wire import frameconn
+from splitfed.channel.wire import framing
 
 VARIANTS = ("streams-asyncio-ipc", "frames-asyncio-ipc", "streams-blocking-ipc", "frames-blocking-ipc", "frames-blocking-tcp", "zmq-asyncio-ipc", "zmq-blocking-ipc",
             "zmq-blocking-tcp")

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from splitfed.channel.autotls import issue, san_hosts
-from splitfed.channel.client import TrunkClient
-from splitfed.channel.server import TrunkServer
-from splitfed.channel.transport import (
+from splitfed.channel.security.autotls import issue, san_hosts
+from splitfed.channel.client.trunk import TrunkClient
+from splitfed.channel.server.trunkserver import TrunkServer
+from splitfed.channel.security.policy import (
     ServerTransport,
     TransportMode,
     client_credentials,

@@ -12,7 +12,7 @@ transport beneath it. This bench times, for one payload size, an echo round trip
   (4 TCP connections);
 * ``transport_tcp_ms`` / ``transport_tcp_conns4_ms``: a raw TCP socket (``sendall`` of the bytes, ``recv_into``
   a buffer allocated once), on 1 connection and on 4 at once;
-* ``transport_bulk_link4_ms``: splitfed's bulk link (:mod:`splitfed.channel.bulk`) of 4 connections, the
+* ``transport_bulk_link4_ms``: splitfed's bulk link (:mod:`splitfed.channel.transports.bulk.links`) of 4 connections, the
   payload striped over them each way, read into a buffer of the receiver's own (what a streamed call's bytes take
   with ``bulk_connections = 4``);
 * ``transport_grpc_stream_vs_tcp``: the streamed gRPC echo over the single TCP connection's;
@@ -106,7 +106,7 @@ def _serve_tcp(port_queue: Any, max_bytes: int) -> None:
 def _serve_bulk(port_queue: Any, nbytes: int, connections: int) -> None:
     """A bulk link echo: ``connections`` connections (each first sends its index, one byte) make one link; transfer
     i comes back as transfer i."""
-    from splitfed.channel.bulk import BulkLink, tune
+    from splitfed.channel.transports.bulk.links import BulkLink, tune
 
     listener = socket.create_server(("127.0.0.1", 0))
     port_queue.put(listener.getsockname()[1])
@@ -128,7 +128,7 @@ def _serve_bulk(port_queue: Any, nbytes: int, connections: int) -> None:
 
 
 def _bulk_client(port: int, nbytes: int, connections: int) -> Any:
-    from splitfed.channel.bulk import BulkLink, tune
+    from splitfed.channel.transports.bulk.links import BulkLink, tune
 
     socks = []
     for index in range(connections):

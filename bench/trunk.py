@@ -16,7 +16,7 @@ its median sync step (on a GPU also the engine's reads of the GPU a step, ``time
 threads and front-end processes) to the others; the output says how many cores each side used (``client_cores``,
 ``server_cores``).
 
-``--replicas 2`` adds trunk replicas over torch.distributed (:mod:`splitfed.launcher`): for each ``--clients``
+``--replicas 2`` adds trunk replicas over torch.distributed (:mod:`splitfed.run.launcher`): for each ``--clients``
 count, one trunk one-at-a-time, one trunk batched, and ``--replicas`` trunks batched (one per GPU with ``--device
 cuda``, NCCL; CPU processes with gloo otherwise), clients spread round robin over the replicas:
 ``replica_scaling_2gpu`` (2 GPUs / 1 GPU, batched, 32 clients). ``--engines 2`` does the same with independent
@@ -102,7 +102,7 @@ def throughput(clients: int, window_ms: float, steps: int = 5, warmup: int = 2, 
     replica_set = None
     addresses = [server.address]
     if replicas > 1:
-        from splitfed.launcher import ReplicaSet
+        from splitfed.run.launcher import ReplicaSet
 
         replica_set = ReplicaSet(server, replicas, _replica, (device, window_ms, replicas, dict(core.SPLIT_STEP),
                                                                   dict(SERVER)),
@@ -311,10 +311,10 @@ def main() -> int:
     parser.add_argument("--socket", action="store_true", help="clients send over the socket, not shared memory")
     parser.add_argument("--no-direct", action="store_true",
                         help="the server offers no direct calls: region-carried calls go over gRPC (and the "
-                             "front-ends), as before splitfed.channel.direct")
+                             "front-ends), as before splitfed.channel.transports.direct.server")
     parser.add_argument("--bring-early", action="store_true",
                         help="the server brings a step's tensors to the device as they come, a chunk at a time "
-                             "(splitfed.trunk.early)")
+                             "(splitfed.trunk.device.early)")
     parser.add_argument("--switch-interval", type=float, default=0.0, metavar="SECONDS",
                         help="the engine's interpreter switch interval (sys.setswitchinterval; default: Python's "
                              "5 ms): how long its event loop may keep the device thread waiting for the lock")

@@ -35,7 +35,7 @@ def run_client(address: str, i: int, settings: dict[str, int], steps: int, warmu
     Without ``start`` and ``go`` (a trunk on another host: no event crosses the hosts), it waits instead until the
     trunk's step group has ``group`` members, and leaves the group when it fails, so that the server sees it."""
     from bench.inject import client_delay, spin
-    from splitfed.channel.client import TrunkClient
+    from splitfed.channel.client.trunk import TrunkClient
     from splitfed.split import CutState
     from splitfed.tuning import freeze_heap
 

@@ -175,7 +175,7 @@ def connect(address: str, clients: int, *, steps: int = 5, warmup: int = 2, clie
 def _leave_all(address: str, clients: int) -> None:
     """Take every client of a failed run out of the trunk's step group (a killed process cannot leave), so that
     the server side sees the run end and fails rather than wait for them."""
-    from splitfed.channel.client import RetryPolicy, TrunkClient
+    from splitfed.channel.client.trunk import RetryPolicy, TrunkClient
     from splitfed.errors import SplitFedError
 
     for i in range(clients):

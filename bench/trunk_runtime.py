@@ -35,9 +35,9 @@ log = logging.getLogger("bench.trunk_runtime")
 
 def _runtime(device: str, compile_blocks: bool = False) -> Any:
     from splitfed.split import split_model
-    from splitfed.trunk.aggregation import make_aggregator
-    from splitfed.trunk.runtime import TrunkRuntime
-    from splitfed.trunk.store import StoreLimits
+    from splitfed.trunk.aggregation.modes import make_aggregator
+    from splitfed.trunk.compute.runtime import TrunkRuntime
+    from splitfed.trunk.compute.store import StoreLimits
 
     trunk = split_model(core._gpt2().to(device), core._cuts()).trunk
     runtime = TrunkRuntime(trunk, torch.optim.SGD(trunk.parameters(), lr=1e-4), aggregator=make_aggregator(
@@ -62,13 +62,13 @@ def run(device: str = "cpu", clients: int = 8, steps: int = 5, warmup: int = 2, 
     """Examples per second of the runtime's sync steps over ``clients`` clients' rows.
 
     As in a server: each activation and gradient waits in pinned host memory (a client's region) as an
-    :class:`~splitfed.trunk.deviceio.Arrival` until the runtime brings its batch, in the wire's dtype (bf16 with
+    :class:`~splitfed.trunk.device.transfers.Arrival` until the runtime brings its batch, in the wire's dtype (bf16 with
     ``bf16=1``), and each output and input gradient goes back into pinned host memory by the copy engine
-    (a :class:`~splitfed.trunk.deviceio.ReplySink`). ``compile_blocks``: each trunk block ``torch.compile``'d.
+    (a :class:`~splitfed.trunk.device.transfers.ReplySink`). ``compile_blocks``: each trunk block ``torch.compile``'d.
     """
     from splitfed.split import CutState
-    from splitfed.trunk.deviceio import ReplySink
-    from splitfed.trunk.requests import ForwardRequest
+    from splitfed.trunk.device.transfers import ReplySink
+    from splitfed.trunk.compute.requests import ForwardRequest
 
     c = core.SPLIT_STEP
     rt = _runtime(device, compile_blocks)

@@ -1,5 +1,5 @@
 """The trunk server of :mod:`bench.trunk`: the GPT-2 trunk of :data:`bench.core.SPLIT_STEP`, its runtime and its
-server, as the command line sets them (:data:`SERVER`), in this process, as a replica's (:mod:`splitfed.launcher`),
+server, as the command line sets them (:data:`SERVER`), in this process, as a replica's (:mod:`splitfed.run.launcher`),
 or as one of several independent engines on one device (:class:`Engines`)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from bench.trunk_clients import BenchError
 #: batched trunk call may hold), ``frontends`` (``--frontends``, front-end processes taking its calls in) and
 #: ``mode`` (``--mode``, the trunk's aggregation mode: sync, async or quorum), ``compile`` (``--compile``, the
 #: trunk's blocks compiled with torch.compile) and ``direct_calls`` (off with ``--no-direct``: region-carried calls
-#: go over gRPC, :mod:`splitfed.channel.direct`); ``bring_early`` (``--bring-early``, :mod:`splitfed.trunk.early`);
+#: go over gRPC, :mod:`splitfed.channel.transports.direct.server`); ``bring_early`` (``--bring-early``, :mod:`splitfed.trunk.device.early`);
 #: ``switch_interval`` (``--switch-interval``, seconds; 0: Python's): how long a thread of the engine's process may
 #: hold the interpreter lock while another waits for it (``sys.setswitchinterval``), set where the server starts.
 SERVER: dict[str, Any] = {"max_batch_tokens": 1 << 22, "frontends": 0, "mode": "sync", "compile": False,
@@ -32,8 +32,8 @@ MODES = ("sync", "async", "quorum")
 
 
 def _aggregator(replicas: int, clients: int) -> Any:
-    from splitfed.trunk.aggregation import make_aggregator
-    from splitfed.trunk.replicas import replica_aggregator
+    from splitfed.trunk.aggregation.modes import make_aggregator
+    from splitfed.trunk.replicas.group import replica_aggregator
 
     mode = SERVER["mode"]
     if mode == "sync":
@@ -45,10 +45,10 @@ def _aggregator(replicas: int, clients: int) -> Any:
 
 def _server(device: str, window_ms: float, replicas: int = 1, clients: int = 1, *, host: str = "127.0.0.1",
             port: int = 0) -> Any:
-    from splitfed.channel.server import TrunkServer
+    from splitfed.channel.server.trunkserver import TrunkServer
     from splitfed.split import split_model
-    from splitfed.trunk.runtime import TrunkRuntime
-    from splitfed.trunk.store import StoreLimits
+    from splitfed.trunk.compute.runtime import TrunkRuntime
+    from splitfed.trunk.compute.store import StoreLimits
 
     if SERVER["switch_interval"] > 0:
         sys.setswitchinterval(SERVER["switch_interval"])
@@ -97,7 +97,7 @@ class Engines:
     """``count - 1`` more trunk servers beside this process's, each an engine of its own (its own process, event
     loop, device thread and interpreter lock) on the same ``device``, with the same trunk and settings, and no
     gradient exchange between them: each steps over its own clients. What several engine processes per GPU
-    could give at most, before the collectives that replicas add (:mod:`splitfed.trunk.replicas`)."""
+    could give at most, before the collectives that replicas add (:mod:`splitfed.trunk.replicas.group`)."""
 
     def __init__(self, count: int, device: str, window_ms: float, clients: int) -> None:
         ctx = mp.get_context("spawn")

@@ -77,12 +77,12 @@ def build_model(name: str) -> torch.nn.Module:
     """The benchmark's model ``name``, seeded, in training mode."""
     torch.manual_seed(0)
     if name == "mnist-cnn":
-        from splitfed.models import mnist_cnn
+        from splitfed.models.catalog import mnist_cnn
 
         return mnist_cnn().train()
     from transformers import GPT2LMHeadModel
 
-    from splitfed.models import tiny_gpt2_config
+    from splitfed.models.catalog import tiny_gpt2_config
 
     return GPT2LMHeadModel(tiny_gpt2_config(8192, layers=6, hidden=256, heads=4, positions=128)).train()
 
@@ -111,9 +111,9 @@ def _sink(port: int) -> None:
 
 def serve(model: str) -> int:
     """Serve the model's trunk on the server namespace's address until SIGTERM."""
-    from splitfed.channel.server import TrunkServer
+    from splitfed.channel.server.trunkserver import TrunkServer
     from splitfed.split import split_model
-    from splitfed.trunk.aggregation import make_aggregator
+    from splitfed.trunk.aggregation.modes import make_aggregator
 
     trunk = split_model(build_model(model), CUTS[model]).trunk
     # One client process steps its settings' clients in turn, each forward then backward: async mode steps
@@ -158,8 +158,8 @@ def client(model: str, compressions: Sequence[str], dev: str, rate_bps: float | 
            quick: bool, micro_batches: Sequence[int] = (1,)) -> dict[str, Any]:
     """Time split steps against the trunk server, the settings (compression x micro-batches) interleaved step by
     step."""
-    from splitfed.channel.client import RemoteTrunk
-    from splitfed.compression import WireCompression
+    from splitfed.channel.client.trunk import RemoteTrunk
+    from splitfed.codec.compression import WireCompression
     from splitfed.split import SplitModel, split_model
 
     x, y = make_batch(model, quick)

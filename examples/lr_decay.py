@@ -1,7 +1,7 @@
 """A custom Flower strategy that changes what the clients do: FedAvg with a learning rate that decays every round.
 
 Each round's train message carries ``lr = lr0 * decay ** (round - 1)`` in its ConfigRecord; the project's
-ClientApp trains that round with that lr (``splitfed.client.round_settings``), so the clients' steps shrink
+ClientApp trains that round with that lr (``splitfed.client.round.round_settings``), so the clients' steps shrink
 round by round while the run config keeps one ``lr``.
 
 ``python examples/lr_decay.py`` prints the lr each of 5 rounds sends. To run it in a Flower run, point the

@@ -17,7 +17,7 @@ from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAdam, Result
 
-from splitfed.client import client_evaluate
+from splitfed.client.round import client_evaluate
 from splitfed.workload import load_splits
 from strategies.metrics import aggregate_split_metrics
 from strategies.run import splitfed_run

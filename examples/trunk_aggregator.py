@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from splitfed.models import mnist_cnn  # noqa: E402
+from splitfed.models.catalog import mnist_cnn  # noqa: E402
 from splitfed.split import CutState, split_model  # noqa: E402
-from splitfed.trunk.aggregation import Contribution, Grads, SyncAggregator  # noqa: E402
-from splitfed.trunk.runtime import TrunkRuntime  # noqa: E402
+from splitfed.trunk.aggregation.modes import Contribution, Grads, SyncAggregator  # noqa: E402
+from splitfed.trunk.compute.runtime import TrunkRuntime  # noqa: E402
 
 
 class MedianSync(SyncAggregator):

@@ -13,7 +13,7 @@ from pathlib import Path
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTOS = ("splitfed/channel/split_channel.proto", "splitfed/channel/admin/model_admin.proto")
+PROTOS = ("splitfed/channel/wire/split_channel.proto", "splitfed/channel/admin/model_admin.proto")
 
 
 def generate(out_dir: Path) -> None:

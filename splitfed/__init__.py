@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CutState", "ModelSpec", "SplitFedError", "SplitModel", "__version__", "connect", "serve", "split_model"]
 
-# Imported on first use (PEP 562): `import splitfed.cli` and the admin commands (`splitfed models list`) stay free
+# Imported on first use (PEP 562): `import splitfed.cli.main` and the admin commands (`splitfed models list`) stay free
 # of torch and transformers, whose import takes seconds.
 _LAZY = {"ModelSpec": "splitfed.serving.spec", "connect": "splitfed.serving.api", "serve": "splitfed.serving.api",
          "CutState": "splitfed.split", "SplitModel": "splitfed.split", "split_model": "splitfed.split"}

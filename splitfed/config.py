@@ -130,7 +130,7 @@ class RunConfig:
     output_dir: str = "outputs"
     tensorboard_dir: str = ""  # TensorBoard event files of every round's metrics; relative: inside output-dir
     # Continue a run (after a crash): "" / false: a new run folder; "latest" / true: the run output-dir's `latest`
-    # names; else a path to a run folder (relative: inside output-dir). See splitfed.rundirs.
+    # names; else a path to a run folder (relative: inside output-dir). See splitfed.run.rundirs.
     resume: str = ""
     metrics_port: int = -1  # Prometheus endpoint of the trunk server; -1: off, 0: free port
     log_level: str = "INFO"
@@ -249,7 +249,7 @@ class RunConfig:
             raise ConfigError(f"trunk-port must be in 0..65535, got {self.trunk_port}")
         if not 0 <= self.bulk_port <= 65535:
             raise ConfigError(f"bulk-port must be in 0..65535, got {self.bulk_port}")
-        from splitfed.channel.transport import choose_mode  # lazy: keeps config import-light
+        from splitfed.channel.security.policy import choose_mode  # lazy: keeps config import-light
 
         # ConfigError for plaintext off loopback by omission, or half a TLS key pair.
         choose_mode(self.trunk_bind, advertise=self.trunk_advertise, insecure=self.trunk_insecure,

@@ -94,7 +94,7 @@ class ChannelError(SplitFedError):
 
 
 class BulkLinkError(SplitFedError):
-    """A bulk link (:mod:`splitfed.channel.bulk`) broke, or its peer broke its protocol: the link is closed, and
+    """A bulk link (:mod:`splitfed.channel.transports.bulk.links`) broke, or its peer broke its protocol: the link is closed, and
     the call that used it can be retried over gRPC alone."""
 
 

@@ -15,14 +15,14 @@ from splitfed.data import (
     partition,
     text_windows,
 )
-from splitfed.models import NAMED
+from splitfed.models.catalog import NAMED
 
 
 def tokenizer_for(cfg: RunConfig) -> Any:
     """The tokenizer of a language model run (bytes for tiny-gpt2)."""
     if cfg.model == "tiny-gpt2":
         return ByteTokenizer()
-    from splitfed.llm import load_tokenizer
+    from splitfed.models.llm import load_tokenizer
 
     return load_tokenizer(cfg.model)
 
@@ -32,7 +32,7 @@ def data_kind(cfg: RunConfig) -> str:
     info = NAMED.get(cfg.model)
     if info is not None:
         return "image" if info.data == "mnist" else "text"
-    from splitfed.llm import load_config, task_of_config
+    from splitfed.models.llm import load_config, task_of_config
 
     return "text-classification" if task_of_config(load_config(cfg.model)) == "classification" else "text"
 

@@ -3,7 +3,7 @@
 Before the inner strategy aggregates a round, each client's reply is completed
 with the trunk's copy of the blocks the trunk ran for it (its ``splitfed-cut``
 record says which), so the strategy sees whole models and merges every block
-by the rule of :mod:`splitfed.cutmerge`. After it, the trunk loads its blocks
+by the rule of :mod:`splitfed.split.cutmerge`. After it, the trunk loads its blocks
 from the aggregate, so every holder starts the next round from the same version.
 """
 
@@ -13,11 +13,11 @@ from collections.abc import Iterable
 
 from flwr.app import ArrayRecord, Message
 
-from splitfed.cutmerge import complete_state
+from splitfed.split.cutmerge import complete_state
 from splitfed.errors import ConfigError
-from splitfed.hetero import load_trunk_blocks, trunk_blocks
-from splitfed.messages import CUT_END, CUT_RECORD, CUT_START
-from splitfed.trunk.runtime import TrunkRuntime
+from splitfed.models.hetero import load_trunk_blocks, trunk_blocks
+from splitfed.run.messages import CUT_END, CUT_RECORD, CUT_START
+from splitfed.trunk.compute.runtime import TrunkRuntime
 
 
 def reply_cut(reply: Message) -> tuple[int, int]:

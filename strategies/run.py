@@ -8,9 +8,9 @@
             result = sf.wrap(FedAdam(eta=0.01)).start(grid=grid, initial_arrays=sf.initial_arrays,
                                                       num_rounds=sf.num_rounds, evaluate_fn=my_evaluate)
 
-Entering makes the run's own folder (:mod:`splitfed.rundirs`: ``<output-dir>/<time>-run<id>``, or the
+Entering makes the run's own folder (:mod:`splitfed.run.rundirs`: ``<output-dir>/<time>-run<id>``, or the
 run ``resume`` names); :meth:`SplitFedRun.wrap` builds the trunk server (a
-:class:`~splitfed.server.ServerRunner`, started) and wraps the strategy in :class:`SplitFed`; Flower's
+:class:`~splitfed.run.server.ServerRunner`, started) and wraps the strategy in :class:`SplitFed`; Flower's
 ``start`` runs the rounds and returns Flower's ``Result``. Leaving exports the model and writes the
 history (``status = "completed"``); an exception on the way writes the history of the rounds that finished
 with ``status = "failed"`` and the error, and is raised again. The trunk server stops either way.
@@ -31,9 +31,9 @@ from flwr.serverapp.strategy import Strategy
 from splitfed.config import RunConfig
 from splitfed.errors import ConfigError
 from splitfed.logs import setup_logging
-from splitfed.rundirs import new_run_dir, point_latest, resolve_resume
-from splitfed.server import ServerRunner
-from splitfed.trunk.aggregation import TrunkAggregator
+from splitfed.run.rundirs import new_run_dir, point_latest, resolve_resume
+from splitfed.run.server import ServerRunner
+from splitfed.trunk.aggregation.modes import TrunkAggregator
 from strategies.splitfed import SplitFed
 
 log = logging.getLogger("splitfed")

@@ -31,8 +31,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from splitfed.errors import ConfigError, RoundFailedError
-from splitfed.messages import CLIENT_CLIPPING, CLIENT_KEY, PRIVACY_RECORD, PRIVACY_STATES, with_prefix
-from splitfed.server import ServerRunner
+from splitfed.run.messages import CLIENT_CLIPPING, CLIENT_KEY, PRIVACY_RECORD, PRIVACY_STATES, with_prefix
+from splitfed.run.server import ServerRunner
 from strategies.cuts import complete_replies, load_trunk
 from strategies.factory import client_clipping, describe_strategy
 from strategies.metrics import user_facing
@@ -110,7 +110,7 @@ class SplitFed(Strategy):
     def _with_trunk(self, messages: Iterable[Message], server_round: int) -> list[Message]:
         """The inner strategy's messages with SplitFed's per-node values added to their one ConfigRecord.
 
-        The values go under ``splitfed.``-prefixed keys (:mod:`splitfed.messages`) into the ConfigRecord the
+        The values go under ``splitfed.``-prefixed keys (:mod:`splitfed.run.messages`) into the ConfigRecord the
         strategy sent (``"config"``; one is made when it sent none), so the message holds one ArrayRecord and
         one ConfigRecord, as Flower's own do and as Flower's mods (``fixedclipping_mod``...) require.
         """

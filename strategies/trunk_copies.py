@@ -1,6 +1,6 @@
 """SplitFed V1's end of round: a Flower strategy merges the per-client trunk copies into the next global trunk.
 
-The trunk's per-client copies (:mod:`splitfed.trunk.percopy`) are handed to the
+The trunk's per-client copies (:mod:`splitfed.trunk.aggregation.percopy`) are handed to the
 strategy as if each were a client's train reply: one ArrayRecord with the copy's
 trainable weights and a MetricRecord with ``num-examples`` (the examples that
 copy trained on). So FedAvg gives the example-weighted mean, FedMedian the
@@ -28,7 +28,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from splitfed.config import RunConfig
-from splitfed.trunk.percopy import PerClientAggregator, TrainedCopy
+from splitfed.trunk.aggregation.percopy import PerClientAggregator, TrainedCopy
 from strategies.factory import build_strategy
 
 

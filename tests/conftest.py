@@ -90,7 +90,7 @@ def spread_model(arch: str) -> nn.Module:
 
 def tiny_cnn(seed: int = 0) -> nn.Sequential:
     """The MNIST CNN at small size."""
-    from splitfed.models import mnist_cnn
+    from splitfed.models.catalog import mnist_cnn
 
     torch.manual_seed(seed)
     return mnist_cnn(width=4)
@@ -113,7 +113,7 @@ def batch_for(arch: str, batch: int = 3, length: int = 12, padded: bool = False,
 @pytest.fixture
 def trunk_server() -> Iterator[Callable[..., object]]:
     """Factory: start a TrunkServer on loopback for a trunk; stopped after the test."""
-    from splitfed.channel.server import TrunkServer
+    from splitfed.channel.server.trunkserver import TrunkServer
 
     servers = []
 

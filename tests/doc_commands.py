@@ -4,7 +4,7 @@ Each command line of a shell block is split as a POSIX shell would (continuation
 ``&&``, ``;``, ``|`` and ``&`` separating commands, a heredoc's lines kept as a file it writes) and then checked by
 the program it names, with that program's own parser and without starting anything long-lived:
 
-- ``splitfed ...``: ``splitfed.cli.build_parser().parse_args``; ``--help`` runs.
+- ``splitfed ...``: ``splitfed.cli.main.build_parser().parse_args``; ``--help`` runs.
 - ``flwr ...``: Flower's own click command parses the options; every ``--run-config`` key must exist in
   pyproject's ``[tool.flwr.app.config]`` with a value of a compatible type.
 - ``flower-superlink`` / ``flower-supernode``: Flower's argparse parsers; ``--node-config`` keys must be ones the
@@ -43,7 +43,7 @@ SHELL = {"export", "mkdir", "cd", ".", "source", "cat", "echo", "grep"}
 #: Programs that cannot be checked here at all: a block using one must be on the test's not-checked list.
 UNCHECKABLE = {"apt-get": "installs system packages", "curl": "needs a running server"}
 #: Modules ``python -m`` really runs here, in the document's scratch folder.
-RUN_MODULES = {"splitfed.tiny_llama"}
+RUN_MODULES = {"splitfed.models.tiny_llama"}
 #: Options whose value is a file or folder the command writes.
 OUTPUT_OPTIONS = {"--out", "--plot", "--timeline", "--trace", "--plots-dir", "--database", "--output-dir"}
 #: Placeholders a document writes for a value of the reader's choosing, and what the check puts in their place.
@@ -56,7 +56,7 @@ _FILE_SUFFIXES = {".py", ".md", ".json", ".png", ".toml", ".pem", ".key", ".toke
 
 def node_config_keys() -> set[str]:
     from splitfed.config import NODE_KEYS
-    from splitfed.hetero import NODE_CUTS_KEY
+    from splitfed.models.hetero import NODE_CUTS_KEY
 
     return {"partition-id", "num-partitions", NODE_CUTS_KEY, *NODE_KEYS}
 
@@ -327,7 +327,7 @@ class Checker:
         raise Failed(f"{shlex.join(argv)}: no check knows {program!r}; add one to tests/doc_commands.py")
 
     def _splitfed(self, argv: list[str]) -> str:
-        from splitfed.cli import build_parser
+        from splitfed.cli.main import build_parser
 
         self._paths(argv)
         _argparse(build_parser(), argv[1:], shlex.join(argv))

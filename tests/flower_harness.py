@@ -143,7 +143,7 @@ def run_apps(tmp_path: Path, num_nodes: int = 4, concurrency: int = 2,
         server_app(grid, context)
     finally:
         grid.close()
-    from splitfed.rundirs import latest_run
+    from splitfed.run.rundirs import latest_run
 
     return grid, latest_run(out) or out  # the run's own folder (<output-dir>/<time>-run<id>)
 
@@ -156,7 +156,7 @@ def state_digest(runner: Any) -> dict[str, str]:
 
     import torch
 
-    from splitfed.checkpoint import flatten
+    from splitfed.run.checkpoint import flatten
 
     def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
         digest = hashlib.sha256()
@@ -183,7 +183,7 @@ def state_digest(runner: Any) -> dict[str, str]:
 def run_folder(output_dir: Path) -> Path:
     """The run's own folder: ``output_dir`` itself when it is one, else the run its ``latest`` names (else
     ``output_dir``, while no run has made its folder yet)."""
-    from splitfed.rundirs import is_run_dir, latest_run
+    from splitfed.run.rundirs import is_run_dir, latest_run
 
     output_dir = Path(output_dir)
     if is_run_dir(output_dir):

@@ -12,7 +12,7 @@ from conftest import batch_for, tiny_model
 
 from splitfed.errors import ConfigError
 from splitfed.split import CutState, causal_lm_loss, split_model
-from splitfed.trunk.aggregation import (
+from splitfed.trunk.aggregation.modes import (
     AsyncAggregator,
     Contribution,
     Outcome,
@@ -21,7 +21,7 @@ from splitfed.trunk.aggregation import (
     make_aggregator,
     weighted_mean,
 )
-from splitfed.trunk.runtime import GradientGuard, TrunkRuntime
+from splitfed.trunk.compute.runtime import GradientGuard, TrunkRuntime
 
 
 class Recorder:

@@ -14,12 +14,13 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from splitfed.channel import regionio, shared
-from splitfed.channel.client import TrunkClient
-from splitfed.channel.regions import SharedRegion
+from splitfed.channel.transports.shm import serverio as regionio
+from splitfed.channel.transports.shm import lane as shared
+from splitfed.channel.client.trunk import TrunkClient
+from splitfed.channel.transports.shm.regions import SharedRegion
 from splitfed.errors import ChannelError
 from splitfed.split import CutState, split_model
-from splitfed.trunk.aggregation import make_aggregator
+from splitfed.trunk.aggregation.modes import make_aggregator
 
 LENGTHS = (5, 9, 3, 7)
 EXAMPLES = (2, 3, 4, 5)

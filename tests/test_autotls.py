@@ -20,10 +20,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitfed.channel.autotls import CLOCK_SKEW, DEFAULT_VALIDITY, issue, san_hosts
-from splitfed.channel.client import RetryPolicy, TrunkClient
-from splitfed.channel.security import pinned_channel_credentials
-from splitfed.channel.transport import (
+from splitfed.channel.security.autotls import CLOCK_SKEW, DEFAULT_VALIDITY, issue, san_hosts
+from splitfed.channel.client.trunk import RetryPolicy, TrunkClient
+from splitfed.channel.security.credentials import pinned_channel_credentials
+from splitfed.channel.security.policy import (
     CA_FILE,
     ServerTransport,
     TransportMode,
@@ -205,7 +205,7 @@ def transport_warnings() -> Iterator[list[str]]:
     messages: list[str] = []
     listener = logging.Handler(logging.WARNING)
     listener.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("splitfed.channel.transport")
+    logger = logging.getLogger("splitfed.channel.security.policy")
     logger.addHandler(listener)
     try:
         yield messages

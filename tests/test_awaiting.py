@@ -1,4 +1,4 @@
-"""The event loop awaits what the trunk's device thread settles (``splitfed.channel.loopthread.awaiting``): the
+"""The event loop awaits what the trunk's device thread settles (``splitfed.channel.engine.loop.awaiting``): the
 outcome crosses threads, and a call that gives up stops waiting without cancelling the shared work."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from splitfed.channel.loopthread import awaiting, mailbox_of
+from splitfed.channel.engine.loop import awaiting, mailbox_of
 
 
 def _settle_later(future: concurrent.futures.Future[int], *, value: int | None = None,
@@ -184,7 +184,7 @@ def test_a_loop_and_its_mailbox_are_collected_once_the_loop_is_gone() -> None:
     import gc
     import weakref
 
-    from splitfed.channel import loopthread
+    from splitfed.channel.engine import loop as loopthread
 
     loop = asyncio.new_event_loop()
     box = weakref.ref(mailbox_of(loop))

@@ -8,12 +8,12 @@ import pytest
 import torch
 from conftest import batch_for, spread_model, tiny_model
 
-from splitfed.channel.client import TrunkClient
-from splitfed.generation import generate
+from splitfed.channel.client.trunk import TrunkClient
+from splitfed.client.generation import generate
 from splitfed.split import CutState, split_model
-from splitfed.trunk.decoding import SessionStep
-from splitfed.trunk.runtime import TrunkRuntime
-from splitfed.trunk.sessions import SessionManager
+from splitfed.trunk.inference.decoding import SessionStep
+from splitfed.trunk.compute.runtime import TrunkRuntime
+from splitfed.trunk.inference.sessions import SessionManager
 
 CUTS = (1, 3)
 
@@ -202,7 +202,7 @@ def test_window_zero_steps_sessions_alone(trunk_server) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2's sliding layers restack instead of skipping
 def test_late_members_sit_steps_out_and_rejoin_exactly(arch: str) -> None:
-    from splitfed.trunk.decoding import MAX_MISSED
+    from splitfed.trunk.inference.decoding import MAX_MISSED
 
     # Prepare: four sessions decoding as one group
     twin = _Twin(split_model(tiny_model(arch), CUTS).trunk)

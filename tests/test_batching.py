@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from splitfed.channel.client import TrunkClient
+from splitfed.channel.client.trunk import TrunkClient
 from splitfed.split import CutState, split_model
-from splitfed.trunk.aggregation import make_aggregator
-from splitfed.trunk.batching import pack
+from splitfed.trunk.aggregation.modes import make_aggregator
+from splitfed.trunk.compute.batching import pack
 
 LENGTHS = (5, 9, 3, 7)  # four clients, four sequence lengths
 
@@ -118,8 +118,8 @@ def test_packing_pads_right_and_takes_each_clients_rows_back() -> None:
 def _quorum_run(batched: bool) -> tuple[torch.nn.Module, dict, dict]:
     """Quorum k=2 over 4 clients: c0 and c1 forward (as one batch or alone); c2 and c3 then step the trunk
     under them; c0 and c1 send their gradients on the older weights, which makes the second step."""
-    from splitfed.trunk.requests import ForwardRequest
-    from splitfed.trunk.runtime import TrunkRuntime
+    from splitfed.trunk.compute.requests import ForwardRequest
+    from splitfed.trunk.compute.runtime import TrunkRuntime
 
     torch.manual_seed(0)
     split = split_model(tiny_model("llama").train(), cuts=(1, 3))
@@ -157,8 +157,8 @@ def test_batches_rebased_step_after_step_leave_no_weight_copy_behind() -> None:
     round's batch is rebased and recomputed, and no frozen copy of the weights outlives it (a copy that only
     batches used was once kept with no forward counted on it: one more per such step, and past ``max_frozen``
     of them the store's eviction looped for ever under the runtime's lock)."""
-    from splitfed.trunk.requests import ForwardRequest
-    from splitfed.trunk.runtime import TrunkRuntime
+    from splitfed.trunk.compute.requests import ForwardRequest
+    from splitfed.trunk.compute.runtime import TrunkRuntime
 
     torch.manual_seed(0)
     split = split_model(tiny_model("llama").train(), cuts=(1, 3))
@@ -194,7 +194,7 @@ def test_quorum_batches_the_trunk_stepped_under_equal_one_call_per_client() -> N
 def test_a_step_split_over_batches_closes_each_window_once_every_member_is_in(trunk_server, monkeypatch) -> None:
     """``max_batch_tokens`` of two clients' rows: four clients' forwards run as two batches, and neither waits
     for its (long) window: the second closes as soon as the members not in the first are in."""
-    from splitfed.trunk.batched import Batcher
+    from splitfed.trunk.compute.batched import Batcher
 
     finished_on: list[str] = []
     finish = Batcher.finish
@@ -236,7 +236,7 @@ def test_a_step_split_over_batches_closes_each_window_once_every_member_is_in(tr
 def test_a_batch_is_found_among_the_open_batches_by_identity() -> None:
     """Two batches of one step, of different sizes, open at once: the second to form may complete first, and
     finding it among the open batches must not compare their tensors (which raised a size mismatch)."""
-    from splitfed.trunk.batching import ForwardGroup
+    from splitfed.trunk.compute.batching import ForwardGroup
 
     def group(rows: int) -> ForwardGroup:
         states = [CutState(torch.randn(1, 4, 8)) for _ in range(rows)]
@@ -291,9 +291,9 @@ def test_a_window_closes_when_its_last_member_comes_or_the_batch_is_full_not_at_
 def test_a_batched_backward_that_fails_unexpectedly_answers_every_waiting_member(trunk_server, monkeypatch) -> None:
     """An error the batched backward does not expect (not a RuntimeError of autograd) still reaches every member
     waiting for its gradient, as INTERNAL naming the batch, instead of leaving them waiting until their deadline."""
-    from splitfed.channel.retry import RetryPolicy
+    from splitfed.channel.wire.retry import RetryPolicy
     from splitfed.errors import ChannelError
-    from splitfed.trunk.batched import Batcher
+    from splitfed.trunk.compute.batched import Batcher
 
     def broken_output(self, group):  # type: ignore[no-untyped-def]
         raise ValueError("an unexpected failure")

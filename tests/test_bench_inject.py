@@ -48,8 +48,8 @@ def test_a_step_adds_each_delay_along_its_path() -> None:
 
 
 def test_delays_are_in_place_within_and_gone_after() -> None:
-    from splitfed.channel import frontend
-    from splitfed.channel.servicer import SplitChannelServicer
+    from splitfed.channel.engine import frontend
+    from splitfed.channel.server.servicer import SplitChannelServicer
     from splitfed.trunk.scheduler import TrunkScheduler
 
     before = (SplitChannelServicer._forward, SplitChannelServicer._backward, TrunkScheduler._run, frontend.serve)

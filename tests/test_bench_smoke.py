@@ -41,6 +41,9 @@ def test_bench_suites() -> None:
                 "gen_batched_speedup"):
         assert results[key] > 0, key
     assert results["gen_greedy_match"] == 1.0 and results["gen_batched_greedy_match"] == 1.0
+    # bench.generation's and bench.gen_batching's own figures, at the sizes of their commands below (slow)
+    assert results["gen_bytes_per_token_nocache"] > 0 and results["gen_batched_sessions"] == 2.0
+    assert results["gen_replay_batched_speedup"] > 0 and results["gen_replay_batched_mean_batch"] >= 1.0
 
 
 def test_bench_load() -> None:
@@ -116,15 +119,14 @@ def test_bench_checkpointing() -> None:
 
 
 def test_bench_graph_turns_on_the_cpu_and_a_mode_that_cannot_run_fails_the_run() -> None:
-    config = "layers=3 hidden=32 heads=2 vocab=64 seq=8"
-    results = _json(_bench("bench.graph_turns", "--device", "cpu", "--modes", "eager", "--rows", "2", "--steps", "2",
-                           "--config", config, "--json"))
+    """One run: the eager mode's figures are printed, then the run fails for the mode that cannot run here."""
+    done = subprocess.run([sys.executable, "-m", "bench.graph_turns", "--device", "cpu", "--modes", "eager", "graphed",
+                           "--rows", "2", "--steps", "2", "--config", "layers=3 hidden=32 heads=2 vocab=64 seq=8",
+                           "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 1 and "graphed_2_error" in done.stdout and "CUDA graphs need a CUDA device" in done.stderr
+    results = _json(done.stdout)
     assert results["eager_2_forward_ms"] > 0 and results["eager_2_backward_ms"] > 0
     assert results["eager_2_max_abs_diff"] == 0.0
-    done = subprocess.run([sys.executable, "-m", "bench.graph_turns", "--device", "cpu", "--modes", "eager", "graphed",
-                           "--rows", "2", "--steps", "1", "--config", config, "--json"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert done.returncode == 1 and "graphed_2_error" in done.stdout and "CUDA graphs need a CUDA device" in done.stderr
 
 
 @pytest.mark.parametrize(("module", "config", "says"), [
@@ -137,11 +139,13 @@ def test_a_bad_config_ends_a_bench_at_once_saying_what_is_wrong(module: str, con
     assert done.returncode == 2 and says in done.stderr
 
 
+@pytest.mark.slow  # test_bench_suites asserts these figures, from the same function at the same size
 def test_bench_generation() -> None:
     results = _json(_bench("bench.generation", "--new-tokens", "4", "--prompt-len", "4", "--repeat", "1", "--json"))
     assert results["gen_greedy_match"] == 1.0 and results["gen_bytes_per_token_nocache"] > 0
 
 
+@pytest.mark.slow  # test_bench_suites asserts these figures, from the same function at the same size
 def test_bench_gen_batching() -> None:
     results = _json(_bench("bench.gen_batching", "--gen-sessions", "2", "--gen-new-tokens", "4", "--repeat", "1",
                            "--json"))

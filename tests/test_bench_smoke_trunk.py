@@ -25,11 +25,17 @@ def _bench(module: str, *args: str, timeout: float = 300) -> str:
 
 
 def test_bench_trunk_on_the_cpu(tmp_path: Path) -> None:
+    """One run of the command with the engine's switches that need no second run: ``--switch-interval`` (set where
+    the server starts, and reported) and ``--bring-early`` (the server brings a step's tensors as they come; its
+    exactness is ``tests/test_early_bring.py``'s, its bench run at a size where tensors cross regions is slow)."""
     timeline = tmp_path / "timeline.json"
     results = json.loads(_bench("bench.trunk", "--device", "cpu", "--clients", "2", "--repeat", "1", "--steps", "2",
                                 "--only", "one", "batched", "--config", TINY, "--timeline", str(timeline),
+                                "--switch-interval", "0.0005", "--bring-early",
                                 "--json").strip().splitlines()[-1])
+    assert results["switch_interval_s"] == pytest.approx(0.0005) and results["bring_early"] is True
     assert results["trunk_examples_per_s_2_clients_cpu"] > 0 and results["trunk_batching_speedup_cpu"] > 0
+    assert results["trunk_examples_per_s_2_clients_batched_cpu"] > 0
     assert timeline.stat().st_size > 0
     assert results["timeline_steps"] >= 1 and results["timeline_step_longest_ms"] >= results["timeline_step_median_ms"]
     # each call's way between a client and the engine, from the clients' marks and the server's
@@ -46,6 +52,16 @@ def test_bench_trunk_on_the_cpu(tmp_path: Path) -> None:
     assert loop > 0 and device > 0
     assert (loop + device - results["cpu_engine_cores_2_batched_cpu"]) * seconds <= 0.04
     assert results["cpu_engine_loop_us_per_call_2_batched_cpu"] > 0
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--switch-interval", "-1"], "--switch-interval: give seconds above 0"),
+    (["--engines", "3", "--clients", "2"], "every engine needs a client"),
+])
+def test_bench_trunk_refuses_what_it_cannot_run_before_anything_starts(args: list[str], says: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "bench.trunk", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 2 and says in done.stderr
 
 
 def test_cpu_use_counts_each_group_of_processes_and_threads() -> None:
@@ -101,6 +117,7 @@ def test_bench_trunk_gives_clients_and_server_cores_of_their_own() -> None:
     assert results["trunk_examples_per_s_2_clients_batched_cpu"] > 0
 
 
+@pytest.mark.slow  # the flag: test_bench_trunk_on_the_cpu; bringing early exactly: tests/test_early_bring.py
 def test_bench_trunk_bringing_tensors_early() -> None:
     """``--bring-early``: the server brings a step's tensors as they come (tensors of 64 KiB: they arrive in host
     memory through the clients' regions); the run ends with its figures and says so."""
@@ -112,6 +129,7 @@ def test_bench_trunk_bringing_tensors_early() -> None:
     assert results["trunk_examples_per_s_4_clients_batched_cpu"] > 0
 
 
+@pytest.mark.slow  # test_bench_trunk_on_the_cpu sets it, test_bench_trunk_refuses_... the negative one
 def test_bench_trunk_sets_the_engines_switch_interval_and_refuses_a_negative_one() -> None:
     out = _bench("bench.trunk", "--device", "cpu", "--clients", "2", "--repeat", "1", "--steps", "2", "--only",
                  "batched", "--switch-interval", "0.0005", "--json", "--config", TINY)
@@ -124,15 +142,20 @@ def test_bench_trunk_sets_the_engines_switch_interval_and_refuses_a_negative_one
 
 
 def test_bench_trunk_runtime(tmp_path: Path) -> None:
-    results = json.loads(_bench("bench.trunk_runtime", "--clients", "2", "--steps", "1", "--config", TINY,
-                                "--json").strip().splitlines()[-1])
-    assert results["runtime_ceiling_fraction_2"] > 0
+    """Each step's forwards in 2 batches, with a Chrome trace of one step (the plain run: the slow test below)."""
     trace = tmp_path / "step.json"
     results = json.loads(_bench("bench.trunk_runtime", "--clients", "3", "--steps", "1", "--batches", "2",
                                 "--trace", str(trace), "--config", TINY, "--json").strip().splitlines()[-1])
     assert results["runtime_ceiling_fraction_3_in_2"] > 0
     assert json.loads(trace.read_text())["traceEvents"]  # a Chrome trace of one step
     assert "trace_gpu_busy_ms" not in results  # no GPU in it to read (bench.gpu_gaps reads GPU traces)
+
+
+@pytest.mark.slow
+def test_bench_trunk_runtime_all_forwards_in_one_batch() -> None:
+    results = json.loads(_bench("bench.trunk_runtime", "--clients", "2", "--steps", "1", "--config", TINY,
+                                "--json").strip().splitlines()[-1])
+    assert results["runtime_ceiling_fraction_2"] > 0
 
 
 @pytest.mark.slow
@@ -154,7 +177,8 @@ def test_bench_timeline_plot(tmp_path: Path, recording: str) -> None:
     assert (tmp_path / "t.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("mode", ["async", pytest.param("quorum", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the sync run: test_bench_trunk_on_the_cpu; async and quorum trunks: test_reliability.py
+@pytest.mark.parametrize("mode", ["async", "quorum"])
 def test_bench_trunk_in_other_modes(mode: str) -> None:
     """``--mode`` runs the batched clients against an async or quorum trunk; its keys carry the mode."""
     results = json.loads(_bench("bench.trunk", "--device", "cpu", "--clients", "2", "--repeat", "1", "--steps", "2",
@@ -176,6 +200,7 @@ def test_bench_trunk_replicas_time_the_control_loop(tmp_path: Path) -> None:
     assert 0 < results["timeline_hop_replica_ready_wait_ms"] <= results["timeline_hop_replica_ready_to_step_ms"]
 
 
+@pytest.mark.slow  # its refusal: test_bench_trunk_refuses_what_it_cannot_run_before_anything_starts
 def test_bench_trunk_engines_serve_their_own_clients_beside_the_first(tmp_path: Path) -> None:
     """``--engines 2``: a second engine in a process of its own (with its front-end) takes half the clients (the
     first engine's timeline holds one client's calls a step, not two), and the scaling is reported; more engines

@@ -1,4 +1,4 @@
-"""Bulk links: streamed calls' tensor bytes over TCP connections beside gRPC (splitfed.channel.bulk)."""
+"""Bulk links: streamed calls' tensor bytes over TCP connections beside gRPC (splitfed.channel.transports.bulk.links)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import pytest
 import torch
 from conftest import batch_for, tiny_model
 
-from splitfed.channel import bulk
-from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel import split_channel_pb2_grpc as pb_grpc
-from splitfed.channel.bulk import BulkLink, hello, segment, stripes
-from splitfed.channel.client import RemoteTrunk, TrunkClient
-from splitfed.channel.framing import HELLO_LIMITS, pieces, recv_frame, send_frame
-from splitfed.channel.limits import CLIENT_ID_KEY, ChannelLimits
-from splitfed.channel.wire import encode_state, frames
+from splitfed.channel.transports.bulk import links as bulk
+from splitfed.channel.wire import split_channel_pb2 as pb
+from splitfed.channel.wire import split_channel_pb2_grpc as pb_grpc
+from splitfed.channel.transports.bulk.links import BulkLink, hello, segment, stripes
+from splitfed.channel.client.trunk import RemoteTrunk, TrunkClient
+from splitfed.channel.wire.framing import HELLO_LIMITS, pieces, recv_frame, send_frame
+from splitfed.channel.wire.limits import CLIENT_ID_KEY, ChannelLimits
+from splitfed.channel.wire.messages import encode_state, frames
 from splitfed.errors import BulkLinkError, ConfigError
 from splitfed.split import SplitModel, split_model
 from splitfed.split.base import CutState
@@ -252,7 +252,7 @@ def test_a_server_without_bulk_links_is_streamed_to_over_grpc(trunk_server) -> N
 
 
 def test_bulk_links_need_tls_on_a_tls_server_and_exclude_front_ends() -> None:
-    from splitfed.channel.server import TrunkServer
+    from splitfed.channel.server.trunkserver import TrunkServer
 
     creds = grpc.local_server_credentials()  # any credentials: the server serves TLS-like transport security
     with pytest.raises(ConfigError, match="need TLS too"):  # (tests/test_bulk_tls.py: TLS links)
@@ -262,7 +262,7 @@ def test_bulk_links_need_tls_on_a_tls_server_and_exclude_front_ends() -> None:
 
 
 def test_bulk_links_listen_on_the_port_asked_for(trunk_server) -> None:
-    from splitfed.channel.server import TrunkServer
+    from splitfed.channel.server.trunkserver import TrunkServer
 
     with socket.socket() as probe:  # a port free now
         probe.bind(("127.0.0.1", 0))
@@ -417,7 +417,7 @@ def test_calls_in_flight_at_once_share_links_and_get_their_own_replies(trunk_ser
 
 def test_slow_handshakes_chunks_after_a_bulk_header_and_too_many_links_are_refused(
         trunk_server, monkeypatch: pytest.MonkeyPatch) -> None:
-    from splitfed.channel import bulkhub
+    from splitfed.channel.transports.bulk import hub as bulkhub
 
     monkeypatch.setattr(bulkhub, "HANDSHAKE_TIMEOUT_S", 0.3)
     monkeypatch.setattr(bulkhub, "MAX_LINKS_PER_CLIENT", 2)

@@ -1,5 +1,5 @@
 """TLS bulk links: a TLS trunk server's bulk links are TLS too, with the gRPC server's certificate, verified by the
-client against its channel's trust root; each direction on connections of its own (splitfed.channel.bulktls).
+client against its channel's trust root; each direction on connections of its own (splitfed.channel.security.bulktls).
 The certificates are made with ``openssl`` as an operator would (``tests/pki.py``)."""
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from conftest import batch_for, tiny_model
 from pki import Pki, make_pki
 from test_bulk import LIMITS, STEPS, _closed, _max_diff, side_by_side, small_stripes  # noqa: F401 - the fixture applies here too
 
-from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel import split_channel_pb2_grpc as pb_grpc
-from splitfed.channel.bulk import hello
-from splitfed.channel.framing import send_frame
-from splitfed.channel.bulktls import BulkTLS, server_context
-from splitfed.channel.client import RemoteTrunk, TrunkClient
-from splitfed.channel.limits import CLIENT_ID_KEY, ChannelLimits
-from splitfed.channel.security import channel_credentials, server_credentials
+from splitfed.channel.wire import split_channel_pb2 as pb
+from splitfed.channel.wire import split_channel_pb2_grpc as pb_grpc
+from splitfed.channel.transports.bulk.links import hello
+from splitfed.channel.wire.framing import send_frame
+from splitfed.channel.security.bulktls import BulkTLS, server_context
+from splitfed.channel.client.trunk import RemoteTrunk, TrunkClient
+from splitfed.channel.wire.limits import CLIENT_ID_KEY, ChannelLimits
+from splitfed.channel.security.credentials import channel_credentials, server_credentials
 from splitfed.errors import ConfigError
 from splitfed.split import SplitModel, split_model
 
@@ -126,7 +126,7 @@ def test_mutual_tls_links_need_the_clients_certificate(trunk_server, pki: Pki, s
 
 
 def test_tls_and_bulk_tls_go_together(pki: Pki) -> None:
-    from splitfed.channel.server import TrunkServer
+    from splitfed.channel.server.trunkserver import TrunkServer
 
     creds = server_credentials(pki.cert("server"), pki.key("server"))
     context = server_context(_pem(pki.cert("server")), _pem(pki.key("server")))

@@ -14,10 +14,10 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from splitfed.channel.client import RetryPolicy, TrunkClient
+from splitfed.channel.client.trunk import RetryPolicy, TrunkClient
 from splitfed.errors import ChannelError
 from splitfed.split import CutState, split_model
-from splitfed.trunk.aggregation import make_aggregator
+from splitfed.trunk.aggregation.modes import make_aggregator
 
 
 @contextlib.contextmanager

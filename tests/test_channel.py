@@ -18,18 +18,18 @@ from conftest import batch_for, tiny_model
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.client import RemoteTrunk, TrunkClient
-from splitfed.channel.regions import SharedRegion
-from splitfed.channel.split_channel_pb2_grpc import SplitChannelStub
-from splitfed.channel.server import CLIENT_ID_KEY, SERVICE_NAME, ChannelLimits
-from splitfed.channel.wire import encode_state, to_proto
-from splitfed.codec import encode
+from splitfed.channel.wire import split_channel_pb2 as pb
+from splitfed.channel.client.trunk import RemoteTrunk, TrunkClient
+from splitfed.channel.transports.shm.regions import SharedRegion
+from splitfed.channel.wire.split_channel_pb2_grpc import SplitChannelStub
+from splitfed.channel.server.trunkserver import CLIENT_ID_KEY, SERVICE_NAME, ChannelLimits
+from splitfed.channel.wire.messages import encode_state, to_proto
+from splitfed.codec.tensors import encode
 from splitfed.errors import ChannelError
 from splitfed.split import CutState, split_model
-from splitfed.trunk.aggregation import make_aggregator
-from splitfed.trunk.percopy import PerClientAggregator
-from splitfed.trunk.store import StoreLimits
+from splitfed.trunk.aggregation.modes import make_aggregator
+from splitfed.trunk.aggregation.percopy import PerClientAggregator
+from splitfed.trunk.compute.store import StoreLimits
 
 C = grpc.StatusCode
 HIDDEN = 32
@@ -497,7 +497,7 @@ def test_client_reports_failures_as_channel_errors() -> None:
 
 
 def test_insecure_must_be_explicit() -> None:
-    from splitfed.channel.server import TrunkServer
+    from splitfed.channel.server.trunkserver import TrunkServer
     from splitfed.errors import ConfigError
 
     with pytest.raises(ConfigError, match="insecure=True"):

@@ -89,8 +89,8 @@ def _free_port() -> int:
 @pytest.fixture
 def trunk(llama: Path) -> Iterator[Any]:
     """The tiny Llama's trunk on a server that batches decode steps arriving within 50 ms."""
-    from splitfed import llm
-    from splitfed.channel.server import TrunkServer
+    from splitfed.models import llm
+    from splitfed.channel.server.trunkserver import TrunkServer
 
     parts = llm.load_parts(str(llama), CUTS, ("trunk",))
     server = TrunkServer(parts.trunk.requires_grad_(False), insecure=True, model_name=str(llama), cuts=CUTS,
@@ -187,7 +187,7 @@ def test_docs_commands_serve_a_page_whose_answer_streams_in(llama: Path) -> None
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     chat = None
     try:
-        from splitfed.channel.client import TrunkClient
+        from splitfed.channel.client.trunk import TrunkClient
 
         TrunkClient(f"127.0.0.1:{port}", insecure=True).wait_ready(240)
         chat = subprocess.Popen([sys.executable, "-m", "splitfed.cli", "chat", "--server", f"127.0.0.1:{port}",
@@ -250,7 +250,7 @@ def test_two_browser_sessions_at_once_batch_their_decode_steps(llama: Path, trun
 
 def test_chat_command_says_what_to_install_without_gradio(monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    from splitfed.cli import main
+    from splitfed.cli.main import main
 
     monkeypatch.setitem(sys.modules, "gradio", None)  # import gradio fails as if not installed
     assert main(["chat", "--server", "127.0.0.1:1", "--model", "x", "--insecure"]) == 1
@@ -268,11 +268,11 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endf
 
 def test_a_failed_answer_shows_its_error_on_its_turn_and_the_next_turn_answers(llama: Path) -> None:
     sync_playwright = _browser_or_skip()
-    from splitfed import llm
-    from splitfed.channel.server import TrunkServer
+    from splitfed.models import llm
+    from splitfed.channel.server.trunkserver import TrunkServer
     from splitfed.chat import serve_page
     from splitfed.chat.engine import ChatEngine, Connection
-    from splitfed.trunk.sessions import SessionLimits
+    from splitfed.trunk.inference.sessions import SessionLimits
 
     # Prepare: a server whose sessions hold at most 80 positions (a long message's answer is refused), a page
     # whose tokenizer has a chat template (the whole conversation makes the prompt)

@@ -14,10 +14,10 @@ import pytest
 import torch
 from flower_harness import ROOT, default_run_config, run_apps
 
-from splitfed.checkpoint import CURRENT, FOLDER, flatten, read_checkpoint, unflatten
+from splitfed.run.checkpoint import CURRENT, FOLDER, flatten, read_checkpoint, unflatten
 from splitfed.config import RunConfig
 from splitfed.errors import CheckpointError
-from splitfed.server import ServerRunner
+from splitfed.run.server import ServerRunner
 
 STEPS = ("files-written", "folder-synced", "folder-renamed", "link-made", "switched")
 
@@ -26,10 +26,10 @@ CRASH = r"""
 import os, sys
 sys.path.insert(0, sys.argv[3])
 import torch
-import splitfed.checkpoint as ckpt
+import splitfed.run.checkpoint as ckpt
 from flower_harness import default_run_config
 from splitfed.config import RunConfig
-from splitfed.server import ServerRunner
+from splitfed.run.server import ServerRunner
 
 runner = ServerRunner(RunConfig.from_mapping(default_run_config(output_dir=sys.argv[1])))
 runner.checkpoint(1)
@@ -110,7 +110,7 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
 
 
 def test_stale_temporaries_of_live_processes_are_kept(tmp_path: Path) -> None:
-    from splitfed.checkpoint import remove_stale_temporaries
+    from splitfed.run.checkpoint import remove_stale_temporaries
 
     (tmp_path / FOLDER).mkdir()
     live = tmp_path / FOLDER / f".tmp-{os.getppid()}-round-000001-aaaa"  # the parent process is alive

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from splitfed.channel.server import TrunkServer
-from splitfed.cli import build_parser
+from splitfed.channel.server.trunkserver import TrunkServer
+from splitfed.cli.main import build_parser
 from splitfed.serving.spec import ModelSpec
 
 TOKEN = "admin-" + "y" * 26
 #: Modules a control command must not import: each takes from a tenth of a second (numpy) to seconds (torch,
 #: transformers), and the server's own code pulls them in.
-HEAVY = ("torch", "transformers", "numpy", "splitfed.split", "splitfed.channel.server", "splitfed.channel.handlers",
-         "splitfed.channel.admin.service", "splitfed.serving.memory")
+HEAVY = ("torch", "transformers", "numpy", "splitfed.split", "splitfed.channel.server.trunkserver", "splitfed.channel.server.handlers",
+         "splitfed.channel.server.admin", "splitfed.serving.memory")
 
 
 def _run_python(code: str) -> subprocess.CompletedProcess[str]:
@@ -26,7 +26,7 @@ def _run_python(code: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_importing_the_command_and_building_its_parser_imports_nothing_heavy() -> None:
-    result = _run_python("import sys\nfrom splitfed.cli import build_parser\nbuild_parser()\nimport splitfed, "
+    result = _run_python("import sys\nfrom splitfed.cli.main import build_parser\nbuild_parser()\nimport splitfed, "
                          "splitfed.serving\n"
                          f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
     assert result.returncode == 0, result.stderr
@@ -49,7 +49,7 @@ def test_models_commands_run_without_torch_or_transformers(server: TrunkServer, 
     verbs = [["models", "list", *common], ["models", "load", "mnist-cnn", "--name", "cnn2", "--cuts", "3,6", *common],
              ["models", "reload", "cnn2", *common], ["models", "unload", "cnn2", *common],
              ["models", "list", "--json", *common]]
-    result = _run_python("import sys\nfrom splitfed.cli import main\n"
+    result = _run_python("import sys\nfrom splitfed.cli.main import main\n"
                          f"for argv in {verbs!r}:\n    assert main(argv) == 0, argv\n"
                          f"print('heavy:', sorted(m for m in {HEAVY!r} if m in sys.modules))")
     assert result.returncode == 0, result.stderr

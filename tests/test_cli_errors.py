@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from splitfed.cli import build_parser, main
+from splitfed.cli.main import build_parser, main
 
 ERROR = "splitfed {}: error: "
 

@@ -10,7 +10,7 @@ import uuid
 
 import torch
 
-from splitfed.channel.client import TrunkClient
+from splitfed.channel.client.trunk import TrunkClient
 from splitfed.split import CutState
 
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 from doc_blocks import ROOT, python_blocks
 
-from splitfed.channel.client import LEAVE_TIMEOUT_S, RemoteTrunk, TrunkClient
-from splitfed.channel.server import TrunkServer
+from splitfed.channel.client.trunk import LEAVE_TIMEOUT_S, RemoteTrunk, TrunkClient
+from splitfed.channel.server.trunkserver import TrunkServer
 from splitfed.errors import ChannelError, SplitError
-from splitfed.models import build_model, mnist_cnn
+from splitfed.models.catalog import build_model, mnist_cnn
 from splitfed.split import CutState, SplitModel, split_model
-from splitfed.trunk.aggregation import SyncAggregator
+from splitfed.trunk.aggregation.modes import SyncAggregator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

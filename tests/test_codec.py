@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitfed.channel import split_channel_pb2 as pb
-from splitfed.codec import EncodedTensor, TensorLimits, WireDType, check_finite, decode, encode, wire_dtype
+from splitfed.channel.wire import split_channel_pb2 as pb
+from splitfed.codec.tensors import EncodedTensor, TensorLimits, WireDType, check_finite, decode, encode, wire_dtype
 from splitfed.errors import CodecError, TensorValueError
 
 
@@ -115,7 +115,7 @@ def test_a_non_finite_value_is_found_at_every_position(dtype: torch.dtype, n: in
 def test_the_finite_check_agrees_with_torch_on_every_16_bit_pattern(dtype: torch.dtype) -> None:
     """All 65,536 bit patterns of a 16-bit float, alone and in one tensor: NaN and Inf of either sign (every NaN
     payload), the largest finite values, subnormals and -0.0 are judged as torch.isfinite judges them."""
-    from splitfed.finite import is_finite
+    from splitfed.codec.finite import is_finite
 
     every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
     finite = torch.isfinite(every)
@@ -129,7 +129,7 @@ def test_the_finite_check_agrees_with_torch_on_every_16_bit_pattern(dtype: torch
 def test_the_finite_check_finds_values_past_its_first_block_and_accepts_extremes(dtype: torch.dtype) -> None:
     """Tensors longer than one block of the check (and than the fp32 BLAS threshold), with the bad value in the
     last block, at a block's edge, and the extremes of the dtype (whose sum of squares overflows) accepted."""
-    from splitfed import finite
+    from splitfed.codec import finite
 
     n = 3 * finite._BLOCK + 5
     info = torch.finfo(dtype)
@@ -148,7 +148,7 @@ def test_the_finite_check_finds_values_past_its_first_block_and_accepts_extremes
 def test_the_finite_check_reads_tensors_at_any_offset_of_a_message(offset: int) -> None:
     """A tensor's bytes lie wherever its field falls in the received message, often not at a multiple of 4: the
     check finds NaN and Inf there too, past the BLAS threshold."""
-    from splitfed import finite
+    from splitfed.codec import finite
 
     n = finite._BLAS_MIN + 3
     good = torch.randn(n)

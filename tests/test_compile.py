@@ -20,8 +20,8 @@ from llm_fixtures import save_tiny
 from safetensors.torch import load_file
 
 from splitfed.config import RunConfig
-from splitfed.export import load_exported
-from splitfed.parts import ALL_ROLES, build_parts, client_state, initial_client_state, trainable_state
+from splitfed.models.export import load_exported
+from splitfed.models.parts import ALL_ROLES, build_parts, client_state, initial_client_state, trainable_state
 
 
 def _plain_keys(settings: dict[str, Any]) -> tuple[set[str], set[str]]:

@@ -9,11 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitfed.channel import fastwire
-from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.wire import assemble, frames, payload_bytes, reply_spec, spec_to_proto, to_proto
-from splitfed.codec import CompressionMethod, WireDType, decode, encode, encode_packed
-from splitfed.compression import (
+from splitfed.channel.wire import fastwire
+from splitfed.channel.wire import split_channel_pb2 as pb
+from splitfed.channel.wire.messages import assemble, frames, payload_bytes, reply_spec, spec_to_proto, to_proto
+from splitfed.codec.tensors import CompressionMethod, WireDType, decode, encode, encode_packed
+from splitfed.codec.compression import (
     CompressionSpec,
     ErrorFeedback,
     FeedbackStore,
@@ -224,7 +224,7 @@ def test_a_stream_gathers_chunk_by_chunk_into_the_buffer_alloc_gives() -> None:
 
     import numpy as np
 
-    from splitfed.channel.wire import Gather
+    from splitfed.channel.wire.messages import Gather
 
     x = torch.randn(8, 50)
     encs = [encode("hidden", x), encode("mask", torch.ones(8, dtype=torch.long))]

@@ -19,18 +19,18 @@ from conftest import tiny_model
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_channel import _assert_unchanged, _trunk_snapshot
 
-from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.client import RemoteTrunk, TrunkClient
-from splitfed.channel.server import CLIENT_ID_KEY, SERVICE_NAME, ChannelLimits, TrunkServer
-from splitfed.channel.split_channel_pb2_grpc import SplitChannelStub
-from splitfed.channel.wire import to_proto
-from splitfed.codec import encode
-from splitfed.compression import CompressionSpec, WireCompression
+from splitfed.channel.wire import split_channel_pb2 as pb
+from splitfed.channel.client.trunk import RemoteTrunk, TrunkClient
+from splitfed.channel.server.trunkserver import CLIENT_ID_KEY, SERVICE_NAME, ChannelLimits, TrunkServer
+from splitfed.channel.wire.split_channel_pb2_grpc import SplitChannelStub
+from splitfed.channel.wire.messages import to_proto
+from splitfed.codec.tensors import encode
+from splitfed.codec.compression import CompressionSpec, WireCompression
 from splitfed.data import batches, mnist
-from splitfed.models import mnist_cnn
+from splitfed.models.catalog import mnist_cnn
 from splitfed.split import CutState, SplitModel, split_model
-from splitfed.trunk.aggregation import AsyncAggregator
-from splitfed.trunk.store import StoreLimits
+from splitfed.trunk.aggregation.modes import AsyncAggregator
+from splitfed.trunk.compute.store import StoreLimits
 
 C = grpc.StatusCode
 HIDDEN = 32

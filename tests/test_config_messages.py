@@ -8,7 +8,7 @@ import torch
 
 from splitfed.config import RunConfig, override_keys
 from splitfed.errors import ConfigError
-from splitfed.parts import build_parts
+from splitfed.models.parts import build_parts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,7 +36,7 @@ def test_resume_is_latest_a_path_or_off(value: object, parsed: str) -> None:
 
 def test_a_resume_path_that_holds_no_run_names_the_runs_there_are(tmp_path) -> None:
     from splitfed.errors import CheckpointError
-    from splitfed.rundirs import new_run_dir, resolve_resume
+    from splitfed.run.rundirs import new_run_dir, resolve_resume
 
     run = new_run_dir(tmp_path, 7)
     (run / "history.json").write_text("{}")

@@ -322,7 +322,7 @@ def test_heterogeneous_config_is_refused() -> None:
 def test_split_generation_with_sliding_windows_matches_generate(name: str) -> None:
     # Prepare: weights spread wide enough that greedy decoding does not repeat one token; prompt and
     # output (7 + 10 tokens) run well past the window of 3, so the sliding KV caches drop positions.
-    from splitfed.generation import generate
+    from splitfed.client.generation import generate
 
     case = next(c for c in CASES if c.name == name)
     model = build(case).eval()

@@ -13,9 +13,9 @@ import pytest
 import torch
 from conftest import batch_for, tiny_model
 
-from splitfed.channel.client import RemoteTrunk, TrunkClient
+from splitfed.channel.client.trunk import RemoteTrunk, TrunkClient
 from splitfed.split import SplitModel, split_model
-from splitfed.trunk.runtime import TrunkRuntime
+from splitfed.trunk.compute.runtime import TrunkRuntime
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
@@ -101,7 +101,7 @@ def test_bf16_autocast_on_gpu_trains(trunk_server) -> None:
 
 
 def test_greedy_generation_with_a_gpu_trunk_equals_unsplit(trunk_server) -> None:
-    from splitfed.generation import RemoteSession, generate
+    from splitfed.client.generation import RemoteSession, generate
 
     model = tiny_model("llama").to(CUDA)
     ref = copy.deepcopy(model)
@@ -115,9 +115,9 @@ def test_greedy_generation_with_a_gpu_trunk_equals_unsplit(trunk_server) -> None
     assert torch.equal(got[:, -12:].cpu(), want[:, -12:].cpu())
 
 
-# -- the pipelined split step and its transfers (splitfed.transfer, splitfed.channel.pipeline) ----------------
+# -- the pipelined split step and its transfers (splitfed.codec.transfer, splitfed.channel.client.pipeline) ----------------
 def test_staging_copies_on_a_side_stream_from_reused_pinned_buffers() -> None:
-    from splitfed.transfer import Staging
+    from splitfed.codec.transfer import Staging
 
     staging = Staging(CUDA)
     x = torch.randn(64, 128, device=CUDA)
@@ -143,7 +143,7 @@ def test_staging_copies_on_a_side_stream_from_reused_pinned_buffers() -> None:
 def test_pipelined_gpu_steps_over_grpc_equal_unsplit(arch: str, trunk_server) -> None:
     # The trunk is served from this process on the same GPU: the pipeline's backward must never block the
     # GPU's autograd worker, which the trunk's own backward needs.
-    from splitfed import transfer
+    from splitfed.codec import transfer
 
     model = tiny_model(arch).train().to(CUDA)
     ref = copy.deepcopy(model)
@@ -176,7 +176,7 @@ def test_pipelined_bf16_autocast_on_gpu_trains(trunk_server) -> None:
 def _serve_llama_trunk(port_queue, stop, device: str = "cuda",  # type: ignore[no-untyped-def]
                        idle_s: float | None = None) -> None:
     """A tiny Llama's trunk on a GPU, served from its own process (IPC events order the region's copies)."""
-    from splitfed.channel.server import TrunkServer
+    from splitfed.channel.server.trunkserver import TrunkServer
 
     split = split_model(tiny_model("llama").train().to(device), (1, 3))
     server = TrunkServer(TrunkRuntime(split.trunk, torch.optim.AdamW(split.trunk.parameters(), lr=1e-2)),
@@ -231,7 +231,7 @@ def _five_remote_steps(address: str, split, model, ref, device: torch.device,  #
 @pytest.mark.parametrize("where", ["thread", "process"])
 def test_five_gpu_steps_through_gpu_ordered_shared_memory_equal_unsplit(where: str, trunk_server,
                                                                         monkeypatch) -> None:
-    from splitfed.channel import shared
+    from splitfed.channel.transports.shm import lane as shared
 
     monkeypatch.setattr(shared, "MIN_REGION_TENSOR_BYTES", 1)  # the tiny model's activations are small
     model = tiny_model("llama").train().to(CUDA)
@@ -248,7 +248,7 @@ def test_five_gpu_steps_through_gpu_ordered_shared_memory_equal_unsplit(where: s
 
 
 def test_nan_through_gpu_ordered_shared_memory_is_refused_at_the_backward(trunk_server, monkeypatch) -> None:
-    from splitfed.channel import shared
+    from splitfed.channel.transports.shm import lane as shared
     from splitfed.errors import ChannelError
     from splitfed.split import CutState
 
@@ -278,7 +278,7 @@ def test_a_client_on_another_gpu_than_the_trunk_copies_through_the_host_and_trai
         where: str, trunk_server, monkeypatch) -> None:
     # The region's CUDA events belong to the trunk's GPU; a client computing on another GPU cannot wait on them, so
     # its copies are ordered by the host (the region still carries the bytes).
-    from splitfed.channel import shared
+    from splitfed.channel.transports.shm import lane as shared
 
     monkeypatch.setattr(shared, "MIN_REGION_TENSOR_BYTES", 1)
     client_gpu = torch.device("cuda:1")
@@ -305,9 +305,9 @@ def test_gpu_memory_slices_are_checked_like_the_file(trunk_server) -> None:
 
     import grpc
 
-    from splitfed.channel import split_channel_pb2 as pb
-    from splitfed.channel import split_channel_pb2_grpc as pb_grpc
-    from splitfed.channel.server import CLIENT_ID_KEY
+    from splitfed.channel.wire import split_channel_pb2 as pb
+    from splitfed.channel.wire import split_channel_pb2_grpc as pb_grpc
+    from splitfed.channel.server.trunkserver import CLIENT_ID_KEY
     from splitfed.split.sequential import split_sequential
 
     _, trunk, _ = split_sequential(torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3))), 1, 2)
@@ -344,7 +344,7 @@ def test_a_region_closed_while_idle_keeps_its_gpu_memory_for_its_live_client(tru
     # must still be the client's (freeing it would be undefined behaviour in CUDA): training goes on exactly.
     import time
 
-    from splitfed.channel import shared
+    from splitfed.channel.transports.shm import lane as shared
 
     monkeypatch.setattr(shared, "MIN_REGION_TENSOR_BYTES", 1)
     model = tiny_model("llama").train().to(CUDA)
@@ -369,8 +369,8 @@ def test_gpu_blocks_kept_for_a_client_count_against_its_share() -> None:
     import subprocess
     import sys
 
-    from splitfed.channel import devmem
-    from splitfed.channel.regions import RegionTable
+    from splitfed.channel.transports.shm import devmem
+    from splitfed.channel.transports.shm.regions import RegionTable
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     table = RegionTable(max_client_bytes=4 << 20, max_total_bytes=64 << 20, pin=True)
@@ -393,8 +393,8 @@ def test_gpu_blocks_kept_for_a_client_count_against_its_share() -> None:
 def test_over_the_socket_a_gpu_client_sends_and_receives_through_pinned_memory(trunk_server, streamed: bool) -> None:
     """Without shared memory, a GPU tensor is encoded from pinned host memory (not pageable: several times slower)
     and an owned reply for a caller on the GPU lands in pinned memory (its copy to the GPU then does not wait)."""
-    from splitfed.channel.limits import ChannelLimits
-    from splitfed.codec import decode, encode
+    from splitfed.channel.wire.limits import ChannelLimits
+    from splitfed.codec.tensors import decode, encode
     from splitfed.split import CutState
 
     x = torch.randn(4, 9, 32, device=CUDA)
@@ -420,7 +420,7 @@ def test_a_split_step_through_gpu_ordered_shared_memory_reads_the_gpu_only_for_t
     # Default positions cost no read in any part (they stay on the client), and the region's NaN/Inf verdicts wait
     # for their checks alone; the one read left is the gradient guard's norm, needed before the step applies.
     from bench.host_syncs import where_host_syncs
-    from splitfed.channel import shared
+    from splitfed.channel.transports.shm import lane as shared
 
     monkeypatch.setattr(shared, "MIN_REGION_TENSOR_BYTES", 1)
     split = split_model(tiny_model(arch).train().to(CUDA), (1, 3))

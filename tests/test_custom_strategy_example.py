@@ -116,7 +116,7 @@ def test_flower_runs_read_the_history_of_the_run_folder_the_run_made(tmp_path) -
     import time
 
     from bench.flower import _new_history
-    from splitfed.rundirs import new_run_dir
+    from splitfed.run.rundirs import new_run_dir
 
     out = tmp_path / "outputs"
     old = new_run_dir(out, 1)

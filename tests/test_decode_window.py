@@ -13,11 +13,11 @@ import torch
 from conftest import tiny_model
 
 from splitfed.split import CutState, split_model
-from splitfed.trunk.decoding import MAX_MISSED, SessionStep, evaluating
-from splitfed.trunk.requests import Promise
-from splitfed.trunk.runtime import TrunkRuntime
+from splitfed.trunk.inference.decoding import MAX_MISSED, SessionStep, evaluating
+from splitfed.trunk.compute.requests import Promise
+from splitfed.trunk.compute.runtime import TrunkRuntime
 from splitfed.trunk.scheduler import ITEM_WINDOW_BOUND, TrunkScheduler, _Task
-from splitfed.trunk.sessions import SessionManager
+from splitfed.trunk.inference.sessions import SessionManager
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

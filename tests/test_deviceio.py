@@ -8,8 +8,8 @@ import gc
 
 import torch
 
-from splitfed.trunk import pinned
-from splitfed.trunk.deviceio import DeviceIO, PinnedPool
+from splitfed.trunk.device import pinned
+from splitfed.trunk.device.transfers import DeviceIO, PinnedPool
 
 
 class _HostPool(PinnedPool):

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from splitfed.channel import devmem
+from splitfed.channel.transports.shm import devmem
 
 
 class _Block:

@@ -1,4 +1,4 @@
-"""Direct calls (splitfed.channel.direct): a client's region-carried Forward and Backward go straight to the
+"""Direct calls (splitfed.channel.transports.direct.server): a client's region-carried Forward and Backward go straight to the
 engine's Unix socket, compute exactly what gRPC calls compute, and a connection can do only what its ticket
 allows: admitted by a valid ticket only, run as the client the ticket was issued to, Forward and Backward only,
 for as long as the region lasts; bad frames close the connection and the server keeps serving."""
@@ -14,14 +14,15 @@ import pytest
 import torch
 from torch import nn
 
-from splitfed.auth import TokenIssuer
-from splitfed.channel import fastwire, shared
-from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.client import TrunkClient
-from splitfed.channel.directclient import DirectLink
-from splitfed.channel.framing import FrameLimits, recv_frame, send_frame
-from splitfed.channel.limits import SERVICE_NAME
-from splitfed.codec import WireDType, encode
+from splitfed.channel.security.tokens import TokenIssuer
+from splitfed.channel.wire import fastwire
+from splitfed.channel.transports.shm import lane as shared
+from splitfed.channel.wire import split_channel_pb2 as pb
+from splitfed.channel.client.trunk import TrunkClient
+from splitfed.channel.transports.direct.client import DirectLink
+from splitfed.channel.wire.framing import FrameLimits, recv_frame, send_frame
+from splitfed.channel.wire.limits import SERVICE_NAME
+from splitfed.codec.tensors import WireDType, encode
 from splitfed.errors import ChannelError
 from splitfed.split import CutState
 from splitfed.split.sequential import split_sequential
@@ -216,7 +217,7 @@ def test_threads_of_one_client_call_direct_at_once(trunk_server) -> None:
 
 
 def test_a_silent_connection_is_closed(trunk_server, monkeypatch) -> None:
-    from splitfed.channel import enginelink
+    from splitfed.channel.engine import link as enginelink
 
     monkeypatch.setattr(enginelink, "HELLO_TIMEOUT_S", 0.3)
     server = trunk_server(_trunk())

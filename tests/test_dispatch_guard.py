@@ -16,8 +16,8 @@ from typing import Any
 import grpc
 import pytest
 
-from splitfed.channel.dispatch import _tracked
-from splitfed.channel.units import ModelState
+from splitfed.channel.server.dispatch import _tracked
+from splitfed.channel.server.units import ModelState
 
 
 class Aborted(Exception):

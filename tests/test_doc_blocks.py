@@ -129,9 +129,9 @@ def test_every_not_checked_entry_matches_a_block() -> None:
 def test_tiny_llama_is_made_by_a_documented_command_before_its_first_use() -> None:
     for doc in ("docs/chat.md", "README.md"):
         text = (ROOT / doc).read_text()
-        assert "python -m splitfed.tiny_llama ./tiny-llama" in " ".join(text.split()), doc
+        assert "python -m splitfed.models.tiny_llama ./tiny-llama" in " ".join(text.split()), doc
         text = " ".join(text.split())
-        assert text.index("python -m splitfed.tiny_llama ./tiny-llama") < text.index("--model ./tiny-llama"), doc
+        assert text.index("python -m splitfed.models.tiny_llama ./tiny-llama") < text.index("--model ./tiny-llama"), doc
 
 
 # ----------------------------------------------------------------------------- the checks themselves catch errors
@@ -182,12 +182,12 @@ def test_a_wrong_toml_block_fails_its_check(text: str, message: str) -> None:
 
 
 def test_the_tiny_llama_the_docs_make_generates_offline(tmp_path: Path) -> None:
-    """``python -m splitfed.tiny_llama DIR`` (docs/chat.md) makes a folder ``splitfed generate --chat`` runs on."""
+    """``python -m splitfed.models.tiny_llama DIR`` (docs/chat.md) makes a folder ``splitfed generate --chat`` runs on."""
     import contextlib
     import io
 
-    from splitfed.cli import main
-    from splitfed.tiny_llama import main as make
+    from splitfed.cli.main import main
+    from splitfed.models.tiny_llama import main as make
 
     assert make([str(tmp_path / "tiny-llama")]) == 0
     out = io.StringIO()

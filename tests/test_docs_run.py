@@ -53,8 +53,8 @@ def _tiny_llama(folder: Path) -> None:
 # blocks (in the same interpreter), and (old, new) substitutions in its blocks.
 TRUNK_HOST = """
 from splitfed import split_model as _split
-from splitfed.channel.server import TrunkServer as _Server
-from splitfed.models import build_model as _build
+from splitfed.channel.server.trunkserver import TrunkServer as _Server
+from splitfed.models.catalog import build_model as _build
 _trunk_host = _Server(_split(_build("tiny-gpt2", vocab_size=512), (2, 4)).trunk, insecure=True).start()
 TRUNK_ADDRESS = _trunk_host.address  # stands in for trunk-host:50051
 """

@@ -16,7 +16,7 @@ TIMEOUT = 8.0
 def test_a_client_dying_after_its_first_forward_is_dropped_and_the_round_goes_on(tmp_path, monkeypatch) -> None:
     import apps.client_app as client_app
 
-    from splitfed.trunk.aggregation import TrunkAggregator
+    from splitfed.trunk.aggregation.modes import TrunkAggregator
 
     real_connect = client_app.connect_trunk
     armed = {"node-101": True}  # the first trunk of partition 1 (its round-1 training) dies

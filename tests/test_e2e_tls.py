@@ -29,8 +29,8 @@ from test_e2e_flwr import (  # noqa: F401  (flwr_home is a fixture)
     flwr_run,
 )
 
-from splitfed.channel.autotls import issue
-from splitfed.channel.transport import CA_FILE
+from splitfed.channel.security.autotls import issue
+from splitfed.channel.security.policy import CA_FILE
 
 
 def health(address: str, ca_pem: bytes | None, timeout: float = 10.0) -> int:

@@ -1,4 +1,4 @@
-"""A step's tensors brought to the device while the rest of the step comes (``splitfed.trunk.early``).
+"""A step's tensors brought to the device while the rest of the step comes (``splitfed.trunk.device.early``).
 
 The clients' calls come one after another (0.15 s apart), through shared-memory regions, into a window that
 closes when the last member is in: the device thread brings the forwards already in the window, and the
@@ -16,11 +16,11 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from splitfed.channel.client import TrunkClient
+from splitfed.channel.client.trunk import TrunkClient
 from splitfed.errors import ChannelError
 from splitfed.split import CutState, split_model
-from splitfed.trunk.aggregation import make_aggregator
-from splitfed.trunk.early import chunk
+from splitfed.trunk.aggregation.modes import make_aggregator
+from splitfed.trunk.device.early import chunk
 
 CLIENTS = 8
 GAP_S = 0.15  # between two clients' calls: each early bring has time to happen before the next call
@@ -116,7 +116,7 @@ def test_nan_brought_early_is_refused_and_the_others_step(trunk_server, early: b
 def test_an_early_bring_that_fails_leaves_the_gradients_to_the_batchs_backward(trunk_server, monkeypatch) -> None:
     """The first early bring of gradients fails after taking them: they go back to the batch, whose backward
     brings them again, and every member's step applies."""
-    from splitfed.trunk.batched import Batcher
+    from splitfed.trunk.compute.batched import Batcher
 
     verdicts = Batcher._verdicts
     calls: list[int] = []

@@ -78,7 +78,7 @@ def test_cut_policy_gives_small_nodes_a_shallow_bottom_and_a_valid_plan() -> Non
 
 
 def test_cut_policy_cuts_are_the_ones_a_client_trains_with() -> None:
-    hetero = pytest.importorskip("splitfed.hetero", reason="heterogeneous cuts (client-cuts) are not on this branch")
+    hetero = pytest.importorskip("splitfed.models.hetero", reason="heterogeneous cuts (client-cuts) are not on this branch")
     from splitfed.config import RunConfig
 
     example = _load("cut_policy")
@@ -91,7 +91,7 @@ def test_cut_policy_cuts_are_the_ones_a_client_trains_with() -> None:
 @pytest.mark.slow
 def test_cut_policy_client_app_trains_each_node_at_its_own_depth(tmp_path) -> None:
     """The example's ClientApp in a real run with client-cuts: a small node trains with the shallow cut."""
-    pytest.importorskip("splitfed.hetero", reason="heterogeneous cuts (client-cuts) are not on this branch")
+    pytest.importorskip("splitfed.models.hetero", reason="heterogeneous cuts (client-cuts) are not on this branch")
     from flwr.app import Context, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 

@@ -32,8 +32,8 @@ def _run(code: str, blocked: tuple[str, ...] = EXTRAS) -> subprocess.CompletedPr
 def test_client_app_remote_trunk_and_trunk_server_import_without_any_extra() -> None:
     result = _run("""
         import apps.client_app, apps.server_app
-        from splitfed.channel.client import RemoteTrunk
-        from splitfed.channel.server import TrunkServer
+        from splitfed.channel.client.trunk import RemoteTrunk
+        from splitfed.channel.server.trunkserver import TrunkServer
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED and sys.modules[m] is not None)
         print("loaded:", loaded)
     """)
@@ -64,9 +64,9 @@ MISSING = [
     ("from splitfed.data import ByteTokenizer, text_windows; text_windows(ByteTokenizer().encode, 8, 256)",
      "splitfed[data]"),
     ("from splitfed.data import make_partitioner; make_partitioner('dirichlet', 2)", "splitfed[data]"),
-    ("from splitfed.report import plot; plot({'rounds': []}, '.')", "splitfed[plots]"),
-    ("from splitfed.lora import lora_config; lora_config('gpt2', 4)", "splitfed[llm]"),
-    ("from splitfed.tensorboard import RoundWriter; RoundWriter('tb-never-written')", "splitfed[tensorboard]"),
+    ("from splitfed.run.report import plot; plot({'rounds': []}, '.')", "splitfed[plots]"),
+    ("from splitfed.models.lora import lora_config; lora_config('gpt2', 4)", "splitfed[llm]"),
+    ("from splitfed.run.tensorboard import RoundWriter; RoundWriter('tb-never-written')", "splitfed[tensorboard]"),
     ("from splitfed.privacy.accounting import noise_for_epsilon; noise_for_epsilon(1.0, 1e-5, 0.1, 10)",
      "splitfed[privacy]"),
     ("from splitfed.privacy.accounting import Accountant; a = Accountant('rdp'); a.step(1.0, 0.1, 3); a.epsilon()",

@@ -17,7 +17,7 @@ from llm_fixtures import save_tiny
 from test_e2e_flwr import _env, _run_id, flwr_home, flwr_run  # noqa: F401  (flwr_home is a fixture)
 
 from splitfed.errors import ConfigError, ModelLoadError, RoundFailedError
-from splitfed.report import summary_table
+from splitfed.run.report import summary_table
 
 
 def _history(out: Path) -> dict:
@@ -264,7 +264,7 @@ def test_flwr_run_with_one_supernode_and_min_train_nodes_one_completes(flwr_home
 
 # -- errors that say what to do next ---------------------------------------------------------------
 def test_a_model_folder_without_a_tokenizer_names_the_folder_and_the_fix(tmp_path: Path) -> None:
-    from splitfed.llm import load_tokenizer
+    from splitfed.models.llm import load_tokenizer
 
     folder = save_tiny("llama", tmp_path / "model")
     for path in folder.glob("tokenizer*"):

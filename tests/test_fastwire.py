@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitfed.channel import fastwire
-from splitfed.channel import split_channel_pb2 as pb
-from splitfed.codec import EncodedTensor, WireDType, encode
+from splitfed.channel.wire import fastwire
+from splitfed.channel.wire import split_channel_pb2 as pb
+from splitfed.codec.tensors import EncodedTensor, WireDType, encode
 from splitfed.errors import CodecError
 
 names = st.sampled_from(["hidden", "attention_mask", "position_ids", "grad", "x", "é"])
@@ -88,8 +88,8 @@ def test_truncated_and_overlong_fields_are_codec_errors(data: bytes) -> None:
 
 @st.composite
 def compressed_tensors(draw) -> EncodedTensor:
-    from splitfed.codec import encode_packed
-    from splitfed.compression import CompressionSpec, compress
+    from splitfed.codec.tensors import encode_packed
+    from splitfed.codec.compression import CompressionSpec, compress
 
     shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
     spec = CompressionSpec(draw(st.sampled_from(["int8", "topk"])), draw(st.floats(0.05, 1.0)),

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from splitfed.finite import FiniteFlag
+from splitfed.codec.finite import FiniteFlag
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -25,7 +25,7 @@ import torch
 
 pytest.importorskip("gguf")
 
-from splitfed.llm import NAMED_LLMS, NamedLLM, load_model, load_tokenizer, model_dir  # noqa: E402
+from splitfed.models.llm import NAMED_LLMS, NamedLLM, load_model, load_tokenizer, model_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "splitfed_tiny_gguf"
@@ -35,10 +35,10 @@ CUTS = (1, 3)
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 TOKEN = "first-use-admin-token-" + "q" * 16
 #: What a subprocess runs first: the tiny model registered under both names.
-REGISTER = ("from splitfed.llm import NAMED_LLMS, NamedLLM\n"
+REGISTER = ("from splitfed.models.llm import NAMED_LLMS, NamedLLM\n"
             f"for _n in {(TINY, TINY_B)!r}:\n"
             f"    NAMED_LLMS[_n] = NamedLLM(_n, {PACKAGE!r}, 'causal-lm', {CUTS!r}, gguf={GGUF!r})\n")
-CLI = REGISTER + "import sys\nfrom splitfed.cli import main\nraise SystemExit(main(sys.argv[1:]))\n"
+CLI = REGISTER + "import sys\nfrom splitfed.cli.main import main\nraise SystemExit(main(sys.argv[1:]))\n"
 
 
 def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -47,11 +47,11 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def write_gguf(model: torch.nn.Module, path: Path) -> None:
-    """Write a transformers Llama (float32) and the byte tokenizer of :mod:`splitfed.tiny_llama` as a GGUF file."""
+    """Write a transformers Llama (float32) and the byte tokenizer of :mod:`splitfed.models.tiny_llama` as a GGUF file."""
     from gguf import GGUFWriter
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    from splitfed.tiny_llama import CHAT_TEMPLATE, SPECIALS
+    from splitfed.models.tiny_llama import CHAT_TEMPLATE, SPECIALS
 
     c = model.config
     w = GGUFWriter(str(path), "llama")
@@ -101,7 +101,7 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     are plain text, one letter a token), and beside it ``packages/splitfed_tiny_gguf/tiny.gguf``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from splitfed.tiny_llama import make_tiny_llama
+    from splitfed.models.tiny_llama import make_tiny_llama
 
     root = tmp_path_factory.mktemp("first-use")
     folder = make_tiny_llama(root / "source")
@@ -175,7 +175,7 @@ def _wait_serving(address: str, models: tuple[str, ...], proc: subprocess.Popen[
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from splitfed.channel.modelhealth import health_name
+    from splitfed.channel.server.health import health_name
 
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as channel:
@@ -248,7 +248,7 @@ def test_processes_using_a_model_first_at_once_convert_it_once(tmp_path: Path, p
 
     cache = tmp_path / "cache"
     cache.mkdir()
-    script = REGISTER + "import sys\nfrom splitfed.llm import model_dir\nprint(model_dir(sys.argv[1]))\n"
+    script = REGISTER + "import sys\nfrom splitfed.models.llm import model_dir\nprint(model_dir(sys.argv[1]))\n"
     with open(cache / f".{TINY}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         logs = [tmp_path / f"p{i}.log" for i in range(2)]
@@ -282,7 +282,7 @@ def test_serve_models_load_generate_and_chat_on_empty_caches(tmp_path: Path, pac
     ``splitfed models load tiny-gguf-b`` converts another; ``splitfed generate --trunk`` and the chat engine
     convert the client's copy in caches of their own."""
     from splitfed.chat.engine import ChatEngine, Connection
-    from splitfed.cli import main
+    from splitfed.cli.main import main
 
     server_cache = tmp_path / "server-cache"
     token_file = tmp_path / "admin-token"
@@ -322,7 +322,7 @@ def test_serve_models_load_generate_and_chat_on_empty_caches(tmp_path: Path, pac
 
 def test_generate_without_a_server_on_an_empty_cache(empty_cache: Path, source: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    from splitfed.cli import main
+    from splitfed.cli.main import main
 
     assert main(["generate", "--model", TINY, "--prompt", "Hi", "--max-new-tokens", "6"]) == 0
     assert capsys.readouterr().out.strip() == greedy(source, "Hi", 6)

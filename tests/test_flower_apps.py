@@ -12,7 +12,7 @@ from flower_harness import ROOT, default_run_config, run_apps
 
 from splitfed.config import RunConfig
 from splitfed.errors import ConfigError
-from splitfed.export import load_exported
+from splitfed.models.export import load_exported
 
 
 def test_pyproject_config_lists_every_setting() -> None:
@@ -34,11 +34,11 @@ def test_bad_config_values_name_the_key(key: str, value: object, fragment: str) 
 
 def test_a_run_config_offers_bulk_links_on_a_plaintext_trunk_and_its_clients_open_them(
         tmp_path, caplog: pytest.LogCaptureFixture) -> None:
-    from splitfed.client import connect_trunk
+    from splitfed.client.round import connect_trunk
     from splitfed.config import RunConfig
-    from splitfed.server import ServerRunner
+    from splitfed.run.server import ServerRunner
 
-    # Bulk links (splitfed.channel.bulk; tests/test_bulk.py): offered by a plaintext trunk, opened by its clients.
+    # Bulk links (splitfed.channel.transports.bulk.links; tests/test_bulk.py): offered by a plaintext trunk, opened by its clients.
     with pytest.raises(ConfigError, match="bulk-connections"):
         RunConfig.from_mapping(default_run_config(bulk_connections=-1))
     with pytest.raises(ConfigError, match="trunk-replicas = 1"):
@@ -66,8 +66,8 @@ def test_a_tls_trunks_run_config_offers_tls_bulk_links_and_its_clients_open_them
 
     from pki import make_pki
 
-    from splitfed.client import connect_trunk
-    from splitfed.server import ServerRunner
+    from splitfed.client.round import connect_trunk
+    from splitfed.run.server import ServerRunner
 
     # The operator's certificate with client certificates required: the links verify and present the same.
     pki = make_pki(tmp_path / "pki", nodes=1)
@@ -132,7 +132,7 @@ def test_exported_model_is_the_trained_split_model(tmp_path) -> None:
 def test_resume_continues_from_the_last_completed_round(tmp_path) -> None:
     from safetensors.torch import load_file
 
-    from splitfed.runner import ServerRunner
+    from splitfed.run.server import ServerRunner
 
     _, out = run_apps(tmp_path, num_nodes=2, concurrency=2, num_server_rounds=1, local_steps=4)
     saved = load_file(str(out / "checkpoint" / "trunk.safetensors"))

@@ -91,7 +91,7 @@ def test_a_client_side_clipping_message_without_clipping_norm_fails_loudly() -> 
 
     from apps.client_app import clipping_mod
     from splitfed.errors import ClientFailedError
-    from splitfed.messages import CLIENT_CLIPPING, with_prefix
+    from splitfed.run.messages import CLIENT_CLIPPING, with_prefix
 
     msg = Message(RecordDict({"arrays": ArrayRecord(), "config": ConfigRecord(with_prefix({CLIENT_CLIPPING: "fixed",
                                                                                           "trunk-address": "x"}))}),

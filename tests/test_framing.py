@@ -1,4 +1,4 @@
-"""The stream protocol of every socket link (splitfed.channel.framing, frameconn): frames, and what a reader refuses,
+"""The stream protocol of every socket link (splitfed.channel.wire.framing, frameconn): frames, and what a reader refuses,
 checked once here for blocking sockets and asyncio connections, then against each link's listener (bulk links,
 direct calls, the front-ends' engine link): each closes a connection that sends a bad frame, and serves on."""
 
@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from splitfed.channel import frameconn, framing
-from splitfed.channel.framing import FrameError, FrameLimits, LinkClosed
+from splitfed.channel.wire import frameconn
+from splitfed.channel.wire import framing
+from splitfed.channel.wire.framing import FrameError, FrameLimits, LinkClosed
 
 LIMITS = FrameLimits(max_body=1 << 20, max_header=1 << 10)
 
@@ -183,10 +184,10 @@ def _closed(sock: socket.socket) -> bool:
 def links() -> dict:
     """A trunk server with bulk links and direct calls and one with a front-end process (the two exclude each
     other), and clients that used them: one direct, one over a bulk link, one through the front-end."""
-    from splitfed.channel import shared
-    from splitfed.channel.client import TrunkClient
-    from splitfed.channel.limits import ChannelLimits
-    from splitfed.channel.server import TrunkServer
+    from splitfed.channel.transports.shm import lane as shared
+    from splitfed.channel.client.trunk import TrunkClient
+    from splitfed.channel.wire.limits import ChannelLimits
+    from splitfed.channel.server.trunkserver import TrunkServer
     from splitfed.split.base import CutState
 
     saved, shared.MIN_REGION_TENSOR_BYTES = shared.MIN_REGION_TENSOR_BYTES, 1  # the tiny tensors go by region
@@ -268,7 +269,7 @@ def test_a_frame_with_an_id_that_is_not_a_number_closes_the_engine_link_connecti
 def test_an_unknown_transfer_id_holds_no_more_than_the_links_limits(links: dict) -> None:
     """A segment for a transfer nobody announced is a new transfer, bounded by the link's byte limits: one above
     them closes the link before anything is allocated."""
-    from splitfed.channel import bulk
+    from splitfed.channel.transports.bulk import links as bulk
 
     allocated: list[int] = []
 

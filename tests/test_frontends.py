@@ -15,15 +15,16 @@ import torch
 from conftest import tiny_model
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitfed.channel import regionio, shared
-from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.client import TrunkClient
-from splitfed.channel.framing import FrameLimits, pieces, read_frame, write_frame
-from splitfed.channel.limits import CLIENT_ID_KEY, SERVICE_NAME
-from splitfed.channel.regions import SharedRegion
-from splitfed.channel.split_channel_pb2_grpc import SplitChannelStub
+from splitfed.channel.transports.shm import serverio as regionio
+from splitfed.channel.transports.shm import lane as shared
+from splitfed.channel.wire import split_channel_pb2 as pb
+from splitfed.channel.client.trunk import TrunkClient
+from splitfed.channel.wire.framing import FrameLimits, pieces, read_frame, write_frame
+from splitfed.channel.wire.limits import CLIENT_ID_KEY, SERVICE_NAME
+from splitfed.channel.transports.shm.regions import SharedRegion
+from splitfed.channel.wire.split_channel_pb2_grpc import SplitChannelStub
 from splitfed.split import CutState, split_model
-from splitfed.trunk.aggregation import make_aggregator
+from splitfed.trunk.aggregation.modes import make_aggregator
 
 LENGTHS = (5, 9, 3, 7)
 
@@ -101,7 +102,7 @@ def test_statuses_health_and_streams_cross_a_front_end_unchanged(trunk_server) -
             channel.unary_unary("/splitfed.v1.SplitChannel/NoSuchMethod")(b"", timeout=20)
         assert unknown.value.code() == grpc.StatusCode.UNIMPLEMENTED
     # A tensor above the unary threshold travels over ForwardStream, through the front-end too.
-    from splitfed.channel.limits import ChannelLimits
+    from splitfed.channel.wire.limits import ChannelLimits
 
     limits = ChannelLimits(stream_threshold_bytes=1024)
     with TrunkClient(server.address, insecure=True, limits=limits, shared_memory="off") as c:
@@ -157,7 +158,7 @@ class _Frames:
 def test_the_engine_answers_a_handed_over_call_at_its_deadline_and_a_cancel_at_once() -> None:
     """A call whose work outlasts the deadline the front-end passed on is answered DEADLINE_EXCEEDED then (not
     when the work ends), a cancelled one CANCELLED, and one within its deadline with its reply."""
-    from splitfed.channel.enginelink import EngineListener
+    from splitfed.channel.engine.link import EngineListener
 
     class Dispatch:
         async def run(self, header: dict, body: bytes) -> tuple[dict, list[bytes]]:

@@ -8,17 +8,17 @@ import pytest
 import torch
 from conftest import VOCAB, batch_for, spread_model
 
-from splitfed.channel.client import TrunkClient
+from splitfed.channel.client.trunk import TrunkClient
 from splitfed.errors import (
     ChannelError,
     ConfigError,
     PermissionDeniedError,
     SessionNotFoundError,
 )
-from splitfed.generation import LocalSession, RemoteSession, generate, pick_tokens
+from splitfed.client.generation import LocalSession, RemoteSession, generate, pick_tokens
 from splitfed.split import CutState, split_model
-from splitfed.trunk.runtime import TrunkRuntime
-from splitfed.trunk.sessions import SessionLimits, SessionManager, cache_bytes
+from splitfed.trunk.compute.runtime import TrunkRuntime
+from splitfed.trunk.inference.sessions import SessionLimits, SessionManager, cache_bytes
 
 CUTS = (1, 3)
 NEW = 12
@@ -358,7 +358,7 @@ def saved_gpt2(tmp_path):
 
 
 def _expected_text(path, tokenizer, prompt: str, n: int) -> str:
-    from splitfed.llm import load_model as load_pretrained
+    from splitfed.models.llm import load_model as load_pretrained
 
     model = load_pretrained(str(path)).eval()
     ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -368,7 +368,7 @@ def _expected_text(path, tokenizer, prompt: str, n: int) -> str:
 
 
 def test_cli_generate_with_a_local_trunk(saved_gpt2, capsys) -> None:
-    from splitfed.cli import main
+    from splitfed.cli.main import main
 
     path, tokenizer = saved_gpt2
     assert main(["generate", "--model", str(path), "--cuts", "1,3", "--prompt", "w1 w2 w3",
@@ -378,8 +378,8 @@ def test_cli_generate_with_a_local_trunk(saved_gpt2, capsys) -> None:
 
 
 def test_cli_generate_with_a_remote_trunk(saved_gpt2, trunk_server, capsys) -> None:
-    from splitfed.cli import main
-    from splitfed.llm import load_model as load_pretrained
+    from splitfed.cli.main import main
+    from splitfed.models.llm import load_model as load_pretrained
 
     path, tokenizer = saved_gpt2
     server = trunk_server(split_model(load_pretrained(str(path)).eval(), CUTS).trunk, cuts=CUTS)

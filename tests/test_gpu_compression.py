@@ -9,13 +9,13 @@ import torch
 from conftest import VOCAB, tiny_model
 from test_gpu_server import LENGTHS, STREAMED, _exact_and_small, _run  # noqa: F401 - the fixture applies here too
 
-from splitfed.channel.remote import RemoteTrunk
-from splitfed.channel.replies import decoded_on
-from splitfed.channel.wire import ReplyCompression
-from splitfed.codec import TensorLimits, WireDType, decode, encode, encode_packed
-from splitfed.compression import CompressionSpec, dequantize_int8, quantize_int8
+from splitfed.channel.client.remote import RemoteTrunk
+from splitfed.channel.wire.replies import decoded_on
+from splitfed.channel.wire.messages import ReplyCompression
+from splitfed.codec.tensors import TensorLimits, WireDType, decode, encode, encode_packed
+from splitfed.codec.compression import CompressionSpec, dequantize_int8, quantize_int8
 from splitfed.split import SplitModel, split_model
-from splitfed.trunk.deviceio import DeviceIO, PinnedPool
+from splitfed.trunk.device.transfers import DeviceIO, PinnedPool
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
@@ -93,7 +93,7 @@ def test_int8_to_a_gpu_trunk_is_rebuilt_and_compressed_on_the_gpu(trunk_server, 
 @pytest.mark.parametrize("bulk", [0, 2])
 def test_a_gpu_client_compresses_and_rebuilds_on_its_gpu(trunk_server, bulk: int,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from splitfed.channel import client as client_module
+    from splitfed.channel.client import trunk as client_module
 
     rebuilt = []
     real = client_module.decoded_on

@@ -11,14 +11,15 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from splitfed.channel import regionio, shared
-from splitfed.channel.client import TrunkClient
-from splitfed.channel.limits import ChannelLimits
+from splitfed.channel.transports.shm import serverio as regionio
+from splitfed.channel.transports.shm import lane as shared
+from splitfed.channel.client.trunk import TrunkClient
+from splitfed.channel.wire.limits import ChannelLimits
 from splitfed.errors import ChannelError
 from splitfed.split import CutState, split_model
-from splitfed.trunk import placement
-from splitfed.trunk.aggregation import make_aggregator
-from splitfed.trunk.deviceio import DeviceIO, PinnedPool
+from splitfed.trunk.device import placement
+from splitfed.trunk.aggregation.modes import make_aggregator
+from splitfed.trunk.device.transfers import DeviceIO, PinnedPool
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
@@ -168,11 +169,11 @@ def test_nan_from_a_host_client_is_refused_on_the_gpu_and_the_others_train(trunk
 def test_a_retried_backward_gets_the_same_reply_from_a_gpu_trunk(trunk_server) -> None:
     import grpc
 
-    from splitfed.channel import split_channel_pb2 as pb
-    from splitfed.channel.limits import CLIENT_ID_KEY
-    from splitfed.channel.split_channel_pb2_grpc import SplitChannelStub
-    from splitfed.channel.wire import to_proto
-    from splitfed.codec import encode
+    from splitfed.channel.wire import split_channel_pb2 as pb
+    from splitfed.channel.wire.limits import CLIENT_ID_KEY
+    from splitfed.channel.wire.split_channel_pb2_grpc import SplitChannelStub
+    from splitfed.channel.wire.messages import to_proto
+    from splitfed.codec.tensors import encode
 
     split = split_model(tiny_model("llama").train(), cuts=(1, 3))
     server = trunk_server(split.trunk.to(CUDA))

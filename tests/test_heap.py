@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from splitfed.channel.units import release_memory
+from splitfed.channel.server.units import release_memory
 from splitfed.split import split_model
-from splitfed.channel.server import TrunkServer
+from splitfed.channel.server.trunkserver import TrunkServer
 from splitfed.errors import ConfigError
 from splitfed.tuning import SERVING_THRESHOLDS, freeze_heap
 

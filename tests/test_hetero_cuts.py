@@ -12,9 +12,9 @@ from conftest import ARCHS, batch_for, tiny_model
 from torch import nn
 
 from splitfed.config import RunConfig
-from splitfed.cutmerge import Copy, complete_state, merge_copies, natural_key, trunk_copy_examples
+from splitfed.split.cutmerge import Copy, complete_state, merge_copies, natural_key, trunk_copy_examples
 from splitfed.errors import ConfigError, SplitError
-from splitfed.hetero import (
+from splitfed.models.hetero import (
     CutPlan,
     client_config,
     full_state,
@@ -26,7 +26,7 @@ from splitfed.hetero import (
     trunk_blocks,
 )
 from splitfed.split import CutState, SplitModel, requested_blocks, split_model
-from splitfed.trunk.contributions import Contribution, weighted_mean
+from splitfed.trunk.aggregation.contributions import Contribution, weighted_mean
 
 
 # -- the merge rule (pure) ------------------------------------------------------------------------------------
@@ -141,7 +141,7 @@ def test_weighted_mean_divides_each_parameter_by_the_examples_that_touched_it() 
 
 # -- LoRA adapters start the same whichever part holds a block -------------------------------------------------
 def test_adapters_seeded_by_block_match_across_cuts() -> None:
-    from splitfed.lora import apply_lora, lora_config
+    from splitfed.models.lora import apply_lora, lora_config
 
     model = tiny_model("llama", layers=4)
     a = split_model(copy.deepcopy(model), (1, 3))
@@ -202,7 +202,7 @@ def _reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict
 
 
 def _client(address: str, cut: tuple[int, int], start: threading.Barrier, out: dict, model: nn.Module) -> None:
-    from splitfed.channel.client import RemoteTrunk
+    from splitfed.channel.client.trunk import RemoteTrunk
 
     split = split_model(model, cut)
     remote = RemoteTrunk(address, insecure=True, client_id=f"client-{cut[0]}", cut=cut)
@@ -274,7 +274,7 @@ def test_apps_with_client_cuts_merge_every_block_and_give_the_trunk_its_share(tm
     from flower_harness import run_apps
 
     from apps import server_app
-    from splitfed.parts import build_parts
+    from splitfed.models.parts import build_parts
     from strategies import build_strategy
     from strategies import run as splitfed_run_module
 
@@ -336,7 +336,7 @@ def test_lora_run_with_client_cuts_exports_the_merged_model(tmp_path) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from splitfed.parts import ALL_ROLES, build_parts
+    from splitfed.models.parts import ALL_ROLES, build_parts
 
     folder = save_tiny("llama", tmp_path / "ckpt")
     settings = {"model": str(folder), "client_cuts": "1,3 2,3", "lora_rank": 4, "max_seq_len": 32, "batch_size": 4,

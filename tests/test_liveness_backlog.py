@@ -10,8 +10,8 @@ import torch
 from conftest import tiny_model
 
 from splitfed.split import CutState, split_model
-from splitfed.trunk.aggregation import make_aggregator
-from splitfed.trunk.runtime import TrunkRuntime
+from splitfed.trunk.aggregation.modes import make_aggregator
+from splitfed.trunk.compute.runtime import TrunkRuntime
 from splitfed.trunk.scheduler import TrunkScheduler
 
 TIMEOUT = 1.0
@@ -49,7 +49,7 @@ def test_a_member_whose_forward_waits_in_the_device_queue_is_not_dropped() -> No
 def test_a_saved_forward_does_not_expire_while_its_backward_waits_in_the_device_queue() -> None:
     """The sweep half: saved forwards expire only while the device queue is current, so a Backward that reached
     the queue in time finds its forward even when the device thread was busy past the forward's TTL."""
-    from splitfed.trunk.store import StoreLimits
+    from splitfed.trunk.compute.store import StoreLimits
 
     split = split_model(tiny_model("llama", layers=2).train(), cuts=(1, 2))
     runtime = TrunkRuntime(split.trunk, torch.optim.SGD(split.trunk.parameters(), lr=0.01),

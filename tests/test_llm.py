@@ -14,8 +14,8 @@ from conftest import batch_for
 from llm_fixtures import VOCAB, save_tiny
 
 from splitfed.errors import ModelLoadError
-from splitfed.llm import CheckpointReader, load_model, load_parts, load_tokenizer, model_dir, parts_nbytes
-from splitfed.lora import adapter_state, apply_lora, load_adapter_state, lora_config
+from splitfed.models.llm import CheckpointReader, load_model, load_parts, load_tokenizer, model_dir, parts_nbytes
+from splitfed.models.lora import adapter_state, apply_lora, load_adapter_state, lora_config
 from splitfed.split import SplitModel, split_model
 
 ARCHS = ["gpt2", "llama", "qwen2", "gemma", "bert"]
@@ -84,7 +84,7 @@ def test_unknown_local_folder_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "gemma"])
 def test_lora_trains_only_adapters_on_every_part_over_grpc(tmp_path: Path, arch: str, trunk_server) -> None:
-    from splitfed.channel.client import RemoteTrunk
+    from splitfed.channel.client.trunk import RemoteTrunk
 
     folder = save_tiny(arch, tmp_path / arch)
     client = load_parts(str(folder), (1, 3), ("bottom", "top"))
@@ -128,7 +128,7 @@ def test_lora_run_exports_a_model_with_the_split_models_logits(tmp_path: Path, a
     from transformers import AutoModelForCausalLM
 
     from splitfed.config import RunConfig
-    from splitfed.parts import ALL_ROLES, build_parts, load_client_state
+    from splitfed.models.parts import ALL_ROLES, build_parts, load_client_state
 
     folder = save_tiny(arch, tmp_path / "ckpt")
     settings = dict(model=str(folder), cuts="1,3", lora_rank=4, max_seq_len=32, batch_size=4, lr=0.01,
@@ -155,7 +155,7 @@ def test_lora_run_exports_a_model_with_the_split_models_logits(tmp_path: Path, a
 PEAK_RSS_SCRIPT = r"""
 import json, resource, sys
 import torch
-from splitfed.llm import load_parts, parts_nbytes
+from splitfed.models.llm import load_parts, parts_nbytes
 def rss_kb():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):
@@ -208,7 +208,7 @@ def test_smollm2_named_model_loads_offline_and_answers() -> None:
 
 @pytest.mark.slow
 def test_smollm2_split_greedy_generation_equals_unsplit() -> None:
-    from splitfed.generation import generate
+    from splitfed.client.generation import generate
 
     tok = load_tokenizer("smollm2-135m")
     ref = load_model("smollm2-135m").eval()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import ARCHS, batch_for, tiny_cnn, tiny_model
 
-from splitfed.channel.client import RemoteTrunk
+from splitfed.channel.client.trunk import RemoteTrunk
 from splitfed.optim import make_optimizer
 from splitfed.split import SplitModel, causal_lm_loss, classification_loss, split_model
 from splitfed.split.microbatch import resolve_micro_batches, split_batch
@@ -209,10 +209,10 @@ def test_micro_batched_gradients_equal_unsplit_for_every_config_switch(case) -> 
 
 
 def test_run_config_micro_batches_reach_the_client_model() -> None:
-    from splitfed.client import micro_batches
+    from splitfed.client.round import micro_batches
     from splitfed.config import RunConfig
     from splitfed.errors import ConfigError
-    from splitfed.parts import CLIENT_ROLES, build_parts
+    from splitfed.models.parts import CLIENT_ROLES, build_parts
 
     split = build_parts(RunConfig.from_mapping({"model": "tiny-gpt2"}), CLIENT_ROLES)
     assert micro_batches(RunConfig.from_mapping({"micro-batches": "3"}), split) == 3
@@ -220,7 +220,7 @@ def test_run_config_micro_batches_reach_the_client_model() -> None:
     big = {"micro-batches": "auto", "batch-size": 16, "max-seq-len": 2 * (1 << 20) // (4 * hidden)}
     assert micro_batches(RunConfig.from_mapping(big), split) == 4  # 2 MiB per example, 16 examples
     assert micro_batches(RunConfig.from_mapping({"micro-batches": "auto", "batch-size": 2}), split) == 1
-    from splitfed.channel.client import RemoteTrunk
+    from splitfed.channel.client.trunk import RemoteTrunk
 
     on_host, remote = RemoteTrunk("127.0.0.1:1", insecure=True), RemoteTrunk("10.0.0.1:1", insecure=True)
     assert micro_batches(RunConfig.from_mapping(big), split, on_host) == 1  # the cut goes through shared memory
@@ -233,13 +233,13 @@ def test_run_config_micro_batches_reach_the_client_model() -> None:
 
 
 def test_client_app_trains_with_micro_batches_like_without(trunk_server) -> None:
-    # The Flower client's round (splitfed.client.client_train) with micro-batches = 4 against one trunk server,
+    # The Flower client's round (splitfed.client.round.client_train) with micro-batches = 4 against one trunk server,
     # and with 1 against another: the same client parts and trunk weights after the round.
     from flower_harness import default_run_config
 
-    from splitfed.client import client_train
+    from splitfed.client.round import client_train
     from splitfed.config import RunConfig
-    from splitfed.parts import build_parts, initial_client_state
+    from splitfed.models.parts import build_parts, initial_client_state
     from splitfed.workload import load_splits
 
     base = default_run_config(local_steps=3, lr=0.05)
@@ -268,7 +268,7 @@ def test_micro_batches_survive_lost_replies_and_never_apply_twice(trunk_server, 
     # retries, in flight on several channels at once, are answered from what the first attempt left.
     from test_reliability import LoseReplies
 
-    from splitfed.channel.client import RetryPolicy
+    from splitfed.channel.client.trunk import RetryPolicy
 
     def train(interceptors: list) -> tuple[torch.nn.Module, object]:
         model = tiny_model("gpt2").train()

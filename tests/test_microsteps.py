@@ -11,13 +11,13 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.client import PART_OUTCOME, TrunkClient
+from splitfed.channel.wire import split_channel_pb2 as pb
+from splitfed.channel.client.trunk import PART_OUTCOME, TrunkClient
 from splitfed.errors import ActivationStateError, ChannelError, CodecError
 from splitfed.split import CutState, split_model
-from splitfed.trunk.aggregation import Outcome, make_aggregator
-from splitfed.trunk.microsteps import StepPart
-from splitfed.trunk.runtime import TrunkRuntime
+from splitfed.trunk.aggregation.modes import Outcome, make_aggregator
+from splitfed.trunk.aggregation.microsteps import StepPart
+from splitfed.trunk.compute.runtime import TrunkRuntime
 
 
 def _runtime(mode: str = "sync", **kwargs: object) -> TrunkRuntime:
@@ -131,7 +131,7 @@ def test_step_fields_are_checked() -> None:
 
 
 def test_a_batched_forward_cannot_be_a_micro_batch() -> None:
-    from splitfed.trunk.requests import ForwardRequest
+    from splitfed.trunk.compute.requests import ForwardRequest
 
     rt = _runtime("sync")
     requests = [ForwardRequest(c, f"{c}-1", CutState(torch.randn(1, 3, 32)), True, 1) for c in "ab"]

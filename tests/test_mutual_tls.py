@@ -14,10 +14,10 @@ import torch
 from flower_harness import run_apps
 from pki import Pki, make_pki
 
-from splitfed.channel.client import RetryPolicy, TrunkClient
+from splitfed.channel.client.trunk import RetryPolicy, TrunkClient
 from splitfed.config import NODE_KEYS, RunConfig
 from splitfed.errors import ChannelError, ConfigError, RoundFailedError
-from splitfed.rundirs import latest_run
+from splitfed.run.rundirs import latest_run
 from splitfed.split import CutState
 
 FAIL_FAST = RetryPolicy(max_attempts=2, initial_backoff_s=0.05)  # a refused handshake is not transient
@@ -78,7 +78,7 @@ def test_tls_client_ca_with_the_trunks_own_certificate_requires_client_certifica
     """Without ``tls-cert`` the trunk issues its certificate (on loopback too); ``tls-client-ca`` still holds."""
     from conftest import tiny_model
 
-    from splitfed.channel.transport import ServerTransport, TransportMode, client_credentials
+    from splitfed.channel.security.policy import ServerTransport, TransportMode, client_credentials
     from splitfed.split import split_model
 
     transport = ServerTransport.from_settings("127.0.0.1", tls_client_ca=pki.cert("ca"))

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from test_e2e_flwr import BIN, ROOT, _env, _run_id, flwr_home  # noqa: F401  (a fixture)
 
-from splitfed.channel.transport import CA_FILE
+from splitfed.channel.security.policy import CA_FILE
 
 TESTS = Path(__file__).resolve().parent
 LINK_PORT, TRUNK_PORT = 9093, 50051  # fresh namespaces: every port is free

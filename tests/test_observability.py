@@ -15,7 +15,7 @@ import torch
 from conftest import tiny_model
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitfed.channel.client import TrunkClient
+from splitfed.channel.client.trunk import TrunkClient
 from splitfed.split import CutState, split_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,7 +116,7 @@ def test_json_logs_carry_run_round_client_and_step(capsys) -> None:
 def test_run_leaves_plots_and_history_and_report_redraws_them(tmp_path: Path, capsys) -> None:
     from flower_harness import run_apps
 
-    from splitfed.cli import main
+    from splitfed.cli.main import main
 
     _, out = run_apps(tmp_path, num_nodes=2, concurrency=2, num_server_rounds=2, local_steps=3)
     for name in ("loss.png", "accuracy.png", "bytes.png", "seconds.png", "history.json"):
@@ -133,9 +133,9 @@ def test_fault_metrics_count_exactly(trunk_server) -> None:
     """Evictions, dropped members, retried requests, recomputed forwards, rejections, step waits, epsilon."""
     import time
 
-    from splitfed.channel.server import CLIENT_ID_KEY
-    from splitfed.trunk.aggregation import make_aggregator
-    from splitfed.trunk.store import StoreLimits
+    from splitfed.channel.server.trunkserver import CLIENT_ID_KEY
+    from splitfed.trunk.aggregation.modes import make_aggregator
+    from splitfed.trunk.compute.store import StoreLimits
 
     split = split_model(tiny_model("llama").train(), cuts=(1, 3))
     agg = make_aggregator("quorum", quorum=2, max_staleness=0, timeout=0.5)
@@ -156,9 +156,9 @@ def test_fault_metrics_count_exactly(trunk_server) -> None:
     assert a.backward(act, torch.ones_like(out)).outcome == "APPLIED"
     assert b.backward("b-stale", torch.ones_like(out)).outcome == "REJECTED_STALE"
     # 3. A request that arrives marked as a gRPC retry.
-    from splitfed.channel import split_channel_pb2 as pb
-    from splitfed.channel.wire import to_proto
-    from splitfed.codec import encode
+    from splitfed.channel.wire import split_channel_pb2 as pb
+    from splitfed.channel.wire.messages import to_proto
+    from splitfed.codec.tensors import encode
 
     req = pb.ForwardRequest(activation_id=uuid.uuid4().hex, train=False,
                             tensors=[to_proto(encode("hidden", hidden, None))])

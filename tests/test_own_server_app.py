@@ -14,7 +14,7 @@ from flwr.serverapp.strategy import DifferentialPrivacyServerSideAdaptiveClippin
 from flwr.supercore.task_identity import TaskIdentity
 
 from splitfed.errors import ConfigError
-from splitfed.rundirs import latest_run, list_runs
+from splitfed.run.rundirs import latest_run, list_runs
 from strategies.state import load_strategy_state, strategy_state
 
 
@@ -128,7 +128,7 @@ def test_any_strategys_state_round_trips_without_its_settings() -> None:
 
 def test_fedadams_moments_on_v1_trunk_copies_are_checkpointed_and_restored(tmp_path: Path) -> None:
     from splitfed.config import RunConfig
-    from splitfed.server import ServerRunner
+    from splitfed.run.server import ServerRunner
     from strategies import SplitFed, build_strategy
     from strategies.trunk_copies import build_trunk_strategy
 
@@ -150,8 +150,8 @@ def test_fedadams_moments_on_v1_trunk_copies_are_checkpointed_and_restored(tmp_p
 
 
 def test_report_of_an_output_dir_lists_its_runs_and_reports_the_latest(tmp_path: Path, capsys) -> None:
-    from splitfed.cli import main
-    from splitfed.rundirs import new_run_dir
+    from splitfed.cli.main import main
+    from splitfed.run.rundirs import new_run_dir
 
     out = tmp_path / "outputs"
     for run_id, accuracy in ((1, 0.5), (2, 0.75)):

@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from splitfed.channel.client import TrunkClient
-from splitfed.channel.server import TrunkServer
+from splitfed.channel.client.trunk import TrunkClient
+from splitfed.channel.server.trunkserver import TrunkServer
 from splitfed.errors import ConfigError
-from splitfed.models import mnist_cnn
+from splitfed.models.catalog import mnist_cnn
 from splitfed.split import split_model
 
 

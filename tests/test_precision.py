@@ -8,11 +8,11 @@ import pytest
 import torch
 from conftest import batch_for, tiny_model
 
-from splitfed.channel.client import RemoteTrunk
+from splitfed.channel.client.trunk import RemoteTrunk
 from splitfed.data import Batch
 from splitfed.split import SplitModel, split_model
-from splitfed.training import train
-from splitfed.trunk.runtime import TrunkRuntime
+from splitfed.client.training import train
+from splitfed.trunk.compute.runtime import TrunkRuntime
 
 
 def _run(trunk_server, wire: str, autocast: torch.dtype | None, steps: int = 6, seen: dict | None = None):

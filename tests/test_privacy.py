@@ -131,8 +131,8 @@ def test_dp_sgd_noise_has_the_configured_scale() -> None:
 
 
 def test_dp_sgd_through_the_remote_trunk_uses_the_server_gradient(trunk_server) -> None:
-    from splitfed.channel.client import RemoteTrunk
-    from splitfed.training import train
+    from splitfed.channel.client.trunk import RemoteTrunk
+    from splitfed.client.training import train
 
     # Prepare: manual per-example gradients with the trunk local, before the server holds it.
     local, parts = _split("cnn")
@@ -264,7 +264,7 @@ def test_target_epsilon_is_met_and_then_refused() -> None:
 def test_an_empty_draw_after_a_real_step_takes_a_noise_only_step() -> None:
     """Training loops zero gradients before backward, so an empty Poisson draw meets the last step's gradients."""
     from splitfed.data import mnist
-    from splitfed.training import train
+    from splitfed.client.training import train
 
     data = mnist()["train"].select(range(40))
     model, _ = _split("cnn")
@@ -377,7 +377,7 @@ def test_privacy_config_reads_run_config_keys() -> None:
 
 def test_client_privacy_round_gives_metrics_and_state() -> None:
     from splitfed.data import mnist
-    from splitfed.training import train
+    from splitfed.client.training import train
 
     data = mnist()["train"].select(range(80))
     model, _ = _split("cnn")
@@ -424,7 +424,7 @@ def _run_strategy(tmp_path, strategy: object, client_app: object, rounds: int = 
     from flwr.supercore.task_identity import TaskIdentity
 
     from splitfed.config import RunConfig
-    from splitfed.runner import ServerRunner
+    from splitfed.run.server import ServerRunner
     from strategies import SplitFed
 
     config = default_run_config(output_dir=str(tmp_path / "out"), num_server_rounds=rounds, local_steps=3)

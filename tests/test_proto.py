@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-GENERATED = ("split_channel_pb2.py", "split_channel_pb2.pyi", "split_channel_pb2_grpc.py",
+GENERATED = ("wire/split_channel_pb2.py", "wire/split_channel_pb2.pyi", "wire/split_channel_pb2_grpc.py",
              "admin/model_admin_pb2.py", "admin/model_admin_pb2.pyi", "admin/model_admin_pb2_grpc.py")
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from flower_harness import default_run_config, run_apps
 
-from splitfed.checkpoint import CURRENT, STATE
+from splitfed.run.checkpoint import CURRENT, STATE
 from splitfed.config import RunConfig
 from splitfed.errors import CheckpointMismatchError
-from splitfed.provenance import RunIdentity
-from splitfed.server import ServerRunner
+from splitfed.run.provenance import RunIdentity
+from splitfed.run.server import ServerRunner
 
 
 def _runner(out: Path, *, app: str = "splitfed/splitfed", strategy_class: str = "FedAvg", **settings: object
@@ -64,7 +64,7 @@ def test_a_checkpoint_from_before_run_records_is_checked_by_model_and_cuts(tmp_p
     meta = json.loads(state.read_text())
     del meta["run"]
     state.write_text(json.dumps(meta))  # state.json is not among the hashed files
-    with caplog.at_level(logging.WARNING, logger="splitfed.provenance"):
+    with caplog.at_level(logging.WARNING, logger="splitfed.run.provenance"):
         assert _runner(tmp_path, resume=True, lr=0.1).round_offset == 1
     assert "predates run records" in caplog.text
     with pytest.raises(CheckpointMismatchError, match=r"mnist-cnn cut at \[3, 6\], not mnist-cnn cut at \[2, 6\]"):
@@ -73,7 +73,7 @@ def test_a_checkpoint_from_before_run_records_is_checked_by_model_and_cuts(tmp_p
 
 def test_a_fresh_run_says_it_replaces_another_runs_checkpoint(tmp_path: Path, caplog) -> None:
     _runner(tmp_path).checkpoint(1)
-    with caplog.at_level(logging.WARNING, logger="splitfed.server"):
+    with caplog.at_level(logging.WARNING, logger="splitfed.run.server"):
         _runner(tmp_path, strategy="fedprox")
     assert "holds the checkpoint of another run (strategy 'fedavg (FedAvg)' there" in caplog.text
 

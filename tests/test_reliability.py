@@ -13,11 +13,11 @@ import pytest
 import torch
 from conftest import batch_for, tiny_model
 
-from splitfed.channel.client import RemoteTrunk, RetryPolicy, TrunkClient
+from splitfed.channel.client.trunk import RemoteTrunk, RetryPolicy, TrunkClient
 from splitfed.errors import ChannelError
 from splitfed.split import CutState, SplitModel, split_model
-from splitfed.trunk.aggregation import make_aggregator
-from splitfed.trunk.store import StoreLimits
+from splitfed.trunk.aggregation.modes import make_aggregator
+from splitfed.trunk.compute.store import StoreLimits
 
 
 class LoseReplies(grpc.aio.ServerInterceptor):
@@ -189,7 +189,7 @@ def test_forwards_dropped_without_backward_free_their_activations() -> None:
     import gc
     import weakref
 
-    from splitfed.trunk.runtime import TrunkRuntime
+    from splitfed.trunk.compute.runtime import TrunkRuntime
 
     split = split_model(tiny_model("llama").train(), cuts=(1, 3))
     rt = TrunkRuntime(split.trunk, torch.optim.SGD(split.trunk.parameters(), lr=0.1),
@@ -235,7 +235,7 @@ class LoseStreamReplies(grpc.aio.ServerInterceptor):
 
 
 def _train_streamed(trunk_server, interceptors, steps: int = 3):
-    from splitfed.channel.server import ChannelLimits
+    from splitfed.channel.server.trunkserver import ChannelLimits
 
     model = tiny_model("gpt2").train()
     split = split_model(model, cuts=(1, 3))

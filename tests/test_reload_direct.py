@@ -11,11 +11,11 @@ import uuid
 import pytest
 import torch
 
-from splitfed.channel import shared
+from splitfed.channel.transports.shm import lane as shared
 from splitfed.channel.admin.client import AdminClient
-from splitfed.channel.client import TrunkClient
-from splitfed.channel.retry import RetryBudget, RetryPolicy, retrying
-from splitfed.channel.server import TrunkServer
+from splitfed.channel.client.trunk import TrunkClient
+from splitfed.channel.wire.retry import RetryBudget, RetryPolicy, retrying
+from splitfed.channel.server.trunkserver import TrunkServer
 from splitfed.errors import ChannelError
 from splitfed.serving.spec import ModelSpec
 from splitfed.split import CutState
@@ -53,7 +53,7 @@ def test_calls_over_the_direct_socket_survive_reloads(caplog: pytest.LogCaptureF
         client.forward(CutState(torch.randn(*CNN_INPUT)), train=False)
         assert client.shared.region.direct is not None  # the link is open: calls go over the direct socket
         caller = threading.Thread(target=call_until_done)
-        caplog.set_level("INFO", logger="splitfed.channel.retry")
+        caplog.set_level("INFO", logger="splitfed.channel.wire.retry")
         caller.start()
         with AdminClient(server.address, TOKEN, insecure=True) as admin:
             reloading.set()

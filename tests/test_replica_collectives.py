@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from splitfed.trunk import replica_collectives
-from splitfed.trunk.contributions import Contribution
-from splitfed.trunk.replica_collectives import _runs, reduce_gradients
+from splitfed.trunk.replicas import collectives as replica_collectives
+from splitfed.trunk.aggregation.contributions import Contribution
+from splitfed.trunk.replicas.collectives import _runs, reduce_gradients
 
 SHAPES = ((3, 4), (5,), (2, 2, 2), (7,), (4, 3))
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitfed.cli import main
+from splitfed.cli.main import main
 from splitfed.errors import ConfigError
-from splitfed.launcher import replica_device
+from splitfed.run.launcher import replica_device
 
 
 def test_the_replicas_device_follows_the_flag() -> None:
@@ -23,7 +23,7 @@ def test_the_replicas_device_follows_the_flag() -> None:
 
 def test_serve_refuses_a_replica_device_it_cannot_give_before_loading(capsys: pytest.CaptureFixture[str],
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    import splitfed.cli as cli
+    import splitfed.cli.main as cli
 
     def no_build(*args: object) -> None:
         raise AssertionError("nothing may load")

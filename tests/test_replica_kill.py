@@ -21,8 +21,8 @@ LOST = "trunk replica 1 ended (killed by SIGKILL)"
 
 
 def test_a_killed_replica_is_one_warning_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
-    from splitfed.cli import _build_server, build_parser
-    from splitfed.launcher import ReplicaSet
+    from splitfed.cli.main import _build_server, build_parser
+    from splitfed.run.launcher import ReplicaSet
 
     args = build_parser().parse_args(SERVE)
     args.authenticate, args.model = None, args.model[0]  # as `splitfed serve` sets them for one model
@@ -42,7 +42,7 @@ def test_a_killed_replica_is_one_warning_in_the_log(caplog: pytest.LogCaptureFix
             rs.stop()
         server.stop(grace=0)
     loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert [(r.levelname, r.name) for r in loud] == [("WARNING", "splitfed.launcher")], \
+    assert [(r.levelname, r.name) for r in loud] == [("WARNING", "splitfed.run.launcher")], \
         [f"{r.levelname} {r.name}: {r.getMessage()}" for r in loud]
     assert LOST in loud[0].getMessage() and loud[0].exc_info is None
     assert "\n" not in loud[0].getMessage()

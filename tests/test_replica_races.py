@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-import splitfed.launcher as launcher
-from splitfed.channel.client import BackwardReply, TrunkClient
-from splitfed.channel.transport import ServerTransport
+import splitfed.run.launcher as launcher
+from splitfed.channel.client.trunk import BackwardReply, TrunkClient
+from splitfed.channel.security.policy import ServerTransport
 from splitfed.config import RunConfig
-from splitfed.launcher import ReplicaSet, config_replica
+from splitfed.run.launcher import ReplicaSet, config_replica
 from splitfed.split.base import CutState
 
 HIDDEN = 256  # tiny-gpt2's width

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from splitfed.channel.client import TrunkClient
-from splitfed.channel.transport import ServerTransport
+from splitfed.channel.client.trunk import TrunkClient
+from splitfed.channel.security.policy import ServerTransport
 from splitfed.config import RunConfig
-from splitfed.launcher import ReplicaSet, config_replica
+from splitfed.run.launcher import ReplicaSet, config_replica
 from splitfed.split.base import CutState
 from splitfed.trunk.timeline import TIMELINE, hops
 

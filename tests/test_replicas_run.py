@@ -12,10 +12,10 @@ import pytest
 import torch
 from flower_harness import default_run_config, run_apps
 
-from splitfed.channel.client import TrunkClient
+from splitfed.channel.client.trunk import TrunkClient
 from splitfed.config import RunConfig
 from splitfed.errors import ConfigError
-from splitfed.server import ServerRunner
+from splitfed.run.server import ServerRunner
 from splitfed.split.base import CutState
 
 

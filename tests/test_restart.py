@@ -15,7 +15,7 @@ import pytest
 from flower_harness import ROOT, default_run_config, run_apps, state_digest
 
 from splitfed.config import RunConfig
-from splitfed.runner import ServerRunner
+from splitfed.run.server import ServerRunner
 
 SETTINGS = dict(num_server_rounds=6, local_steps=25, strategy="fedadam", dp_noise_multiplier=1.0)
 
@@ -25,7 +25,7 @@ import json, sys
 sys.path.insert(0, sys.argv[2])
 from pathlib import Path
 from flower_harness import run_apps, state_digest
-from splitfed.server import ServerRunner
+from splitfed.run.server import ServerRunner
 
 digests = Path(sys.argv[1]) / "digests.jsonl"
 checkpoint = ServerRunner.checkpoint

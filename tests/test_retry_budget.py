@@ -10,8 +10,8 @@ from concurrent import futures
 import grpc
 import pytest
 
-from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.client import RetryPolicy
+from splitfed.channel.wire import split_channel_pb2 as pb
+from splitfed.channel.client.trunk import RetryPolicy
 
 SERVICE = pb.DESCRIPTOR.services_by_name["SplitChannel"].full_name
 

@@ -20,16 +20,16 @@ import torch
 from conftest import batch_for, tiny_cnn, tiny_model
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.client import RetryPolicy, TrunkClient
-from splitfed.channel.limits import CLIENT_ID_KEY, MODEL_KEY, SERVICE_NAME
+from splitfed.channel.wire import split_channel_pb2 as pb
+from splitfed.channel.client.trunk import RetryPolicy, TrunkClient
+from splitfed.channel.wire.limits import CLIENT_ID_KEY, MODEL_KEY, SERVICE_NAME
 from splitfed.channel.routing import Router
-from splitfed.channel.server import TrunkServer
+from splitfed.channel.server.trunkserver import TrunkServer
 from splitfed.errors import ChannelError
-from splitfed.generation import generate
-from splitfed.models import mnist_cnn
+from splitfed.client.generation import generate
+from splitfed.models.catalog import mnist_cnn
 from splitfed.split import CutState, split_model
-from splitfed.trunk.aggregation import make_aggregator
+from splitfed.trunk.aggregation.modes import make_aggregator
 
 NO_RETRY = RetryPolicy(retryable_codes=("DATA_LOSS",), timeout_s=60.0)  # UNAVAILABLE reaches the caller
 
@@ -395,7 +395,7 @@ def test_a_retried_call_reaches_the_backend_marked_as_a_retry(started: Callable[
 
 
 def test_backend_errors_and_tokens_pass_through_and_the_router_keeps_serving(started: Callable[..., Any]) -> None:
-    from splitfed.auth import TokenIssuer
+    from splitfed.channel.security.tokens import TokenIssuer
 
     # Prepare: a backend that requires tokens
     tokens = TokenIssuer("run")
@@ -429,7 +429,7 @@ def test_backend_errors_and_tokens_pass_through_and_the_router_keeps_serving(sta
 
 # -- shared memory ---------------------------------------------------------------------------------------
 def test_shared_memory_regions_open_on_the_clients_backend(started: Callable[..., Any], monkeypatch) -> None:
-    from splitfed.channel import shared
+    from splitfed.channel.transports.shm import lane as shared
 
     monkeypatch.setattr(shared, "MIN_REGION_TENSOR_BYTES", 1)  # the tiny CNN's activations are small
     # Prepare: two backends; the client's tensors cross the cut through a region

@@ -15,12 +15,12 @@ import pytest
 import torch
 from conftest import tiny_cnn
 
-from splitfed.channel.autotls import issue
-from splitfed.channel.client import TrunkClient
+from splitfed.channel.security.autotls import issue
+from splitfed.channel.client.trunk import TrunkClient
 from splitfed.channel.routing import Router
 from splitfed.channel.routing.tls import backend_tls
-from splitfed.channel.security import pinned_channel_credentials, server_credentials
-from splitfed.channel.server import TrunkServer
+from splitfed.channel.security.credentials import pinned_channel_credentials, server_credentials
+from splitfed.channel.server.trunkserver import TrunkServer
 from splitfed.split import CutState, split_model
 
 
@@ -66,7 +66,7 @@ def test_route_command_puts_clients_on_both_backends(two_servers: list[TrunkServ
 
 
 def test_route_refuses_plaintext_to_remote_backends_and_a_bad_backend(capsys: pytest.CaptureFixture[str]) -> None:
-    from splitfed.cli import main
+    from splitfed.cli.main import main
 
     assert main(["route", "--backend", "10.1.2.3:50052", "--port", "0", "--insecure"]) == 1
     assert "10.1.2.3:50052 are not on loopback: give --backend-ca" in capsys.readouterr().err

@@ -9,16 +9,16 @@ from typing import Any
 
 import torch
 
-from splitfed.channel.client import RemoteTrunk
+from splitfed.channel.client.trunk import RemoteTrunk
 from splitfed.channel.routing import Router
-from splitfed.channel.transport import ServerTransport
+from splitfed.channel.security.policy import ServerTransport
 from splitfed.config import RunConfig
 from splitfed.data import Batch
-from splitfed.launcher import ReplicaSet, config_replica
+from splitfed.run.launcher import ReplicaSet, config_replica
 from splitfed.optim import make_optimizer
-from splitfed.parts import CLIENT_ROLES, build_parts
+from splitfed.models.parts import CLIENT_ROLES, build_parts
 from splitfed.split import SplitModel
-from splitfed.training import train
+from splitfed.client.training import train
 
 CLIENTS, STEPS = 4, 4
 

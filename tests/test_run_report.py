@@ -12,7 +12,7 @@ from pathlib import Path
 
 from flower_harness import ROOT, run_apps
 
-from splitfed.cli import main
+from splitfed.cli.main import main
 
 
 def test_a_dp_language_model_run_reports_perplexity_and_epsilon_and_stays_quiet(tmp_path: Path, capfd) -> None:
@@ -37,9 +37,9 @@ def test_trunk_servers_stopping_or_left_running_write_nothing_to_stderr(tmp_path
         "import os, torch\n"
         "assert 'GRPC_VERBOSITY' not in os.environ\n"
         "from splitfed import SplitModel, split_model\n"
-        "from splitfed.channel.client import RemoteTrunk\n"
-        "from splitfed.channel.server import TrunkServer\n"
-        "from splitfed.models import mnist_cnn\n"
+        "from splitfed.channel.client.trunk import RemoteTrunk\n"
+        "from splitfed.channel.server.trunkserver import TrunkServer\n"
+        "from splitfed.models.catalog import mnist_cnn\n"
         "parts = split_model(mnist_cnn(), (3, 6))\n"
         "server = TrunkServer(parts.trunk, insecure=True).start()\n"
         "trunk = RemoteTrunk(server.address, insecure=True)\n"

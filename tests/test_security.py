@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from splitfed.auth import TokenIssuer
-from splitfed.channel.client import RetryPolicy, TrunkClient
-from splitfed.channel.security import channel_credentials, server_credentials
+from splitfed.channel.security.tokens import TokenIssuer
+from splitfed.channel.client.trunk import RetryPolicy, TrunkClient
+from splitfed.channel.security.credentials import channel_credentials, server_credentials
 from splitfed.errors import AuthError, ChannelError
 from splitfed.split import CutState, split_model
 
@@ -149,7 +149,7 @@ FAIL_FAST = RetryPolicy(max_attempts=2, initial_backoff_s=0.05)  # a refused han
 
 
 def _trunk_records(grid) -> list:
-    from splitfed.messages import splitfed_values
+    from splitfed.run.messages import splitfed_values
 
     return [splitfed_values(m.content["config"]) for m in grid.sent]
 
@@ -157,7 +157,7 @@ def _trunk_records(grid) -> list:
 def test_apps_off_loopback_serve_zero_config_tls_and_reissue_it_on_resume(tmp_path: Path) -> None:
     from flower_harness import run_apps
 
-    from splitfed.channel.transport import CA_FILE
+    from splitfed.channel.security.policy import CA_FILE
 
     grid, out = run_apps(tmp_path, num_nodes=2, concurrency=2, num_server_rounds=1, local_steps=3,
                          trunk_bind="0.0.0.0")
@@ -182,7 +182,7 @@ def test_apps_refuse_plaintext_off_loopback_unless_asked_twice(tmp_path: Path) -
     from flower_harness import run_apps
     from test_autotls import transport_warnings
 
-    from splitfed.channel.transport import CA_FILE
+    from splitfed.channel.security.policy import CA_FILE
     from splitfed.errors import ConfigError
 
     with pytest.raises(ConfigError) as info:
@@ -202,8 +202,8 @@ def test_apps_refuse_plaintext_off_loopback_unless_asked_twice(tmp_path: Path) -
 
 
 def test_a_client_pinning_another_ca_is_refused(trunk_server) -> None:
-    from splitfed.channel.autotls import issue
-    from splitfed.channel.transport import (
+    from splitfed.channel.security.autotls import issue
+    from splitfed.channel.security.policy import (
         ServerTransport,
         TransportMode,
         client_credentials,

@@ -18,9 +18,9 @@ import pytest
 import torch
 from pki import Pki, make_pki
 
-from splitfed.auth import StaticToken, load_token_file
-from splitfed.channel.client import RetryPolicy, TrunkClient
-from splitfed.channel.security import channel_credentials
+from splitfed.channel.security.tokens import StaticToken, load_token_file
+from splitfed.channel.client.trunk import RetryPolicy, TrunkClient
+from splitfed.channel.security.credentials import channel_credentials
 from splitfed.errors import AuthError, ChannelError
 from splitfed.split import CutState
 

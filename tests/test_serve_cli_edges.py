@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from splitfed.channel.admin.client import AdminClient
-from splitfed.channel.client import TrunkClient
-from splitfed.channel.retry import RetryPolicy
-from splitfed.channel.server import TrunkServer
-from splitfed.channel.units import ModelState
-from splitfed.cli import main
+from splitfed.channel.client.trunk import TrunkClient
+from splitfed.channel.wire.retry import RetryPolicy
+from splitfed.channel.server.trunkserver import TrunkServer
+from splitfed.channel.server.units import ModelState
+from splitfed.cli.main import main
 from splitfed.errors import ChannelError, ResourceExhaustedError
 from splitfed.serving.memory import estimate
 from splitfed.serving.spec import ModelSpec
@@ -58,7 +58,7 @@ def token_file(tmp_path: Path) -> Path:
 @pytest.fixture
 def nothing_built(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Names of the models whose estimate or build started (nothing may, for a refused device)."""
-    from splitfed.channel import registry
+    from splitfed.channel.server import registry
 
     started: list[str] = []
     real_estimate, real_build = registry.estimate, registry.unit_from_spec
@@ -205,7 +205,7 @@ def test_a_local_model_with_its_own_code_is_one_line_pointing_at_its_folder(tmp_
 def test_a_hub_model_with_its_own_code_points_at_its_hub_page(tmp_path: Path, monkeypatch) -> None:
     import huggingface_hub
 
-    from splitfed import llm
+    from splitfed.models import llm
     from splitfed.errors import UnsupportedModelError
 
     snapshot = _custom_model(tmp_path / "hub" / "models--acme--custom-lm" / "snapshots" / "0123abc")

@@ -11,7 +11,7 @@ import pytest
 from doc_blocks import ROOT
 from test_serving import save_llama
 
-from splitfed.channel.server import TrunkServer
+from splitfed.channel.server.trunkserver import TrunkServer
 from splitfed.errors import ConfigError
 from splitfed.serving.memory import estimate, parse_budget
 from splitfed.serving.spec import ModelSpec, parse_model_flag, read_models_file
@@ -45,8 +45,8 @@ def _doc_command() -> list[str]:
 
 def test_the_documented_two_model_command_serves_each_model_with_its_own_lora(llama_dir: Path,
                                                                              tmp_path: Path) -> None:
-    from splitfed.cli import build_parser
-    from splitfed.cli_models import read_token, spec_from_flag
+    from splitfed.cli.main import build_parser
+    from splitfed.cli.models import read_token, spec_from_flag
 
     argv = _doc_command()
     assert argv[:2] == ["splitfed", "serve"] and "--lora-rank" in argv
@@ -117,7 +117,7 @@ def test_per_model_lora_keys_in_a_models_file(tmp_path: Path) -> None:
 
 
 def test_models_load_carries_lora_rank_alpha_and_targets_to_the_server(llama_dir: Path, tmp_path: Path) -> None:
-    from splitfed.cli import main
+    from splitfed.cli.main import main
 
     token = tmp_path / "admin.token"
     token.write_text("a" * 32)

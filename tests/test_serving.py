@@ -14,11 +14,11 @@ import torch
 from conftest import tiny_config
 from llm_fixtures import VOCAB, save_byte_tokenizer
 
-from splitfed.channel.client import RetryPolicy, TrunkClient
-from splitfed.channel.server import TrunkServer
-from splitfed.channel.units import ModelState, build_unit
+from splitfed.channel.client.trunk import RetryPolicy, TrunkClient
+from splitfed.channel.server.trunkserver import TrunkServer
+from splitfed.channel.server.units import ModelState, build_unit
 from splitfed.errors import ChannelError
-from splitfed.generation import RemoteSession, generate
+from splitfed.client.generation import RemoteSession, generate
 from splitfed.serving.spec import ModelSpec
 from splitfed.split import CutState, split_model
 
@@ -68,7 +68,7 @@ def _train_step(client: TrunkClient) -> str:
 
 
 def _reference(llama_dir: Path, ids: torch.Tensor, new: int) -> torch.Tensor:
-    from splitfed.llm import load_model
+    from splitfed.models.llm import load_model
 
     model = load_model(str(llama_dir)).eval()
     return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
@@ -76,7 +76,7 @@ def _reference(llama_dir: Path, ids: torch.Tensor, new: int) -> torch.Tensor:
 
 
 def _generate(address: str, llama_dir: Path, ids: torch.Tensor, new: int) -> torch.Tensor:
-    from splitfed.llm import load_parts
+    from splitfed.models.llm import load_parts
 
     parts = load_parts(str(llama_dir), (1, 3), ("bottom", "top"))
     with TrunkClient(address, insecure=True, model="llm") as client, \
@@ -185,7 +185,7 @@ def test_unknown_model_is_not_found_with_the_names_held_and_nothing_changes(two_
 
 
 def test_models_a_starting_server_has_yet_to_load_are_loading_not_missing(llama_dir: Path, monkeypatch) -> None:
-    from splitfed.channel import registry
+    from splitfed.channel.server import registry
 
     first_loads, go_on = threading.Event(), threading.Event()
     build = registry.unit_from_spec
@@ -259,8 +259,8 @@ def test_each_model_method_is_wrapped_once_and_a_reloaded_model_gets_its_own(two
     and gone with the unit (a reloaded model's calls never reach the runtime it replaced)."""
     from types import SimpleNamespace
 
-    from splitfed.channel.dispatch import ModelDispatch
-    from splitfed.channel.limits import MODEL_KEY, SERVICE_NAME
+    from splitfed.channel.server.dispatch import ModelDispatch
+    from splitfed.channel.wire.limits import MODEL_KEY, SERVICE_NAME
 
     dispatch = ModelDispatch(two_models.registry.route)
 
@@ -388,8 +388,8 @@ def test_health_reports_each_model_as_its_own_service(two_models, monkeypatch) -
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from splitfed.channel import registry
-    from splitfed.channel.server import SERVICE_NAME, health_name
+    from splitfed.channel.server import registry
+    from splitfed.channel.server.trunkserver import SERVICE_NAME, health_name
 
     release = threading.Event()
     real = registry.unit_from_spec

@@ -12,9 +12,9 @@ import torch
 from test_serving import CNN_INPUT, save_llama
 
 from splitfed.channel.admin.client import AdminClient, status_dict
-from splitfed.channel.client import TrunkClient
-from splitfed.channel.server import TrunkServer
-from splitfed.channel.units import ModelState
+from splitfed.channel.client.trunk import TrunkClient
+from splitfed.channel.server.trunkserver import TrunkServer
+from splitfed.channel.server.units import ModelState
 from splitfed.errors import ChannelError, ConfigError
 from splitfed.serving.memory import Estimate, estimate, parse_budget, parse_bytes
 from splitfed.serving.spec import ModelSpec
@@ -69,7 +69,7 @@ def test_admin_calls_without_or_with_a_wrong_token_are_refused_and_change_nothin
 
 
 def test_a_clients_token_is_not_an_admin_token_and_the_admin_token_is_not_a_clients(tmp_path: Path) -> None:
-    from splitfed.auth import TokenIssuer
+    from splitfed.channel.security.tokens import TokenIssuer
 
     issuer = TokenIssuer("run-1")
     server = TrunkServer(models=[ModelSpec("mnist-cnn", name="cnn")], insecure=True, admin_token=TOKEN,
@@ -170,7 +170,7 @@ def test_admin_load_list_reload_unload(server, llama_dir: Path) -> None:
 
 # -- the memory budget -----------------------------------------------------------------------------
 def test_a_load_beyond_the_budget_is_refused_before_anything_is_allocated(llama_dir: Path, monkeypatch) -> None:
-    from splitfed.channel import registry
+    from splitfed.channel.server import registry
 
     cnn = estimate(ModelSpec("mnist-cnn"))
     llm = estimate(ModelSpec(str(llama_dir), cuts=(1, 3), optimizer="adamw"))

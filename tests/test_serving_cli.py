@@ -16,9 +16,9 @@ import pytest
 import torch
 from test_serving import CNN_INPUT, save_llama
 
-from splitfed.channel.client import TrunkClient
-from splitfed.channel.limits import ChannelLimits
-from splitfed.cli import main
+from splitfed.channel.client.trunk import TrunkClient
+from splitfed.channel.wire.limits import ChannelLimits
+from splitfed.cli.main import main
 from splitfed.split import CutState
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +43,7 @@ def _serving(address: str, *models: str, timeout: float = 120.0) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from splitfed.channel.modelhealth import health_name
+    from splitfed.channel.server.health import health_name
 
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as channel:
@@ -155,7 +155,7 @@ def test_readme_three_lines_generate_through_the_server(llama_dir: Path) -> None
     scope = {"print": lambda *args: printed.append(" ".join(map(str, args)))}
     exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own snippet
     try:
-        from splitfed.llm import load_model, load_tokenizer
+        from splitfed.models.llm import load_model, load_tokenizer
 
         tok = load_tokenizer(str(llama_dir))
         ids = tok("The capital of France is", return_tensors="pt").input_ids
@@ -169,8 +169,8 @@ def test_readme_three_lines_generate_through_the_server(llama_dir: Path) -> None
 
 
 def test_models_file_and_model_flags_parse_to_specs(tmp_path: Path) -> None:
-    from splitfed.cli import build_parser
-    from splitfed.cli_models import spec_from_flag
+    from splitfed.cli.main import build_parser
+    from splitfed.cli.models import spec_from_flag
     from splitfed.errors import ConfigError
     from splitfed.serving.spec import ModelSpec, read_models_file
 

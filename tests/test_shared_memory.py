@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch import nn
 
-from splitfed.channel import shared
-from splitfed.channel.client import TrunkClient
-from splitfed.channel.limits import ChannelLimits
-from splitfed.channel.regions import RegionTable, SharedRegion
-from splitfed.codec import RegionRef
+from splitfed.channel.transports.shm import lane as shared
+from splitfed.channel.client.trunk import TrunkClient
+from splitfed.channel.wire.limits import ChannelLimits
+from splitfed.channel.transports.shm.regions import RegionTable, SharedRegion
+from splitfed.codec.tensors import RegionRef
 from splitfed.errors import (
     ChannelError,
     CodecError,
@@ -252,7 +252,7 @@ def test_a_view_of_a_closed_region_stays_mapped_until_it_goes() -> None:
     code = """
 import gc
 import torch
-from splitfed.channel.regions import SharedRegion
+from splitfed.channel.transports.shm.regions import SharedRegion
 
 def mapped(address, name):
     for line in open("/proc/self/maps"):

@@ -120,9 +120,9 @@ def test_fedadam_applies_server_adam_with_moments_across_rounds(tmp_path, monkey
 
 def test_the_proximal_term_is_the_gradient_of_mu_half_squared_distance() -> None:
     """client_train with proximal-mu (on a local trunk) equals SGD on loss + mu/2 ||w - w_global||^2."""
-    from splitfed.client import client_train
+    from splitfed.client.round import client_train
     from splitfed.data import batches
-    from splitfed.parts import build_parts, client_state, initial_client_state, load_client_state
+    from splitfed.models.parts import build_parts, client_state, initial_client_state, load_client_state
     from splitfed.split import SplitModel
     from splitfed.workload import load_splits
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 
-from splitfed.trunk.replica_aggregation import BUSY, READY
+from splitfed.trunk.replicas.aggregation import BUSY, READY
 from splitfed.trunk.timeline import Timeline, hops, step_lengths, summarize
 
 

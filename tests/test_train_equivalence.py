@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import ARCHS, batch_for, tiny_cnn, tiny_config, tiny_model
 
-from splitfed.channel.client import RemoteTrunk
+from splitfed.channel.client.trunk import RemoteTrunk
 from splitfed.optim import make_optimizer
 from splitfed.split import SplitModel, split_model
 
@@ -67,7 +67,7 @@ def test_five_steps_over_grpc_equal_unsplit(arch: str, optimizer: str, trunk_ser
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "bert", "cnn"])
 def test_five_steps_through_shared_memory_equal_unsplit(arch: str, optimizer: str, trunk_server,
                                                         monkeypatch) -> None:
-    from splitfed.channel import shared
+    from splitfed.channel.transports.shm import lane as shared
 
     monkeypatch.setattr(shared, "MIN_REGION_TENSOR_BYTES", 1)  # the tiny models' activations are small
     if arch == "cnn":

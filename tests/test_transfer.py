@@ -8,13 +8,14 @@ import pytest
 import torch
 from conftest import batch_for, tiny_model
 
-from splitfed import transfer
-from splitfed.channel import client as client_module
-from splitfed.channel import fastwire, wire
-from splitfed.channel.client import RemoteTrunk
-from splitfed.codec import EncodedTensor
+from splitfed.codec import transfer
+from splitfed.channel.client import trunk as client_module
+from splitfed.channel.wire import fastwire
+from splitfed.channel.wire import messages as wire
+from splitfed.channel.client.trunk import RemoteTrunk
+from splitfed.codec.tensors import EncodedTensor
 from splitfed.split import SplitModel, split_model
-from splitfed.transfer import Staging
+from splitfed.codec.transfer import Staging
 
 
 def _address(data: object) -> int:
@@ -114,7 +115,7 @@ def test_an_owned_reply_is_copied_only_where_it_views_the_received_bytes(trunk_s
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A unary reply views gRPC's read-only bytes: an owned output is a copy. A streamed reply is gathered into a
     buffer of the client's own: the owned output is that buffer, not a second copy of it (forward and backward)."""
-    from splitfed.channel.limits import ChannelLimits
+    from splitfed.channel.wire.limits import ChannelLimits
     from splitfed.split import CutState
 
     split = split_model(tiny_model("gpt2").train(), (1, 3))

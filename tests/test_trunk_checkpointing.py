@@ -9,8 +9,8 @@ import torch
 from conftest import tiny_model
 
 from splitfed.split import CutState, split_model
-from splitfed.trunk.aggregation import make_aggregator
-from splitfed.trunk.runtime import TrunkRuntime
+from splitfed.trunk.aggregation.modes import make_aggregator
+from splitfed.trunk.compute.runtime import TrunkRuntime
 
 
 def _runtime(arch: str, checkpointing: bool, mode: str = "async") -> tuple[TrunkRuntime, torch.nn.Module]:

@@ -17,9 +17,9 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from splitfed.channel.client import TrunkClient
+from splitfed.channel.client.trunk import TrunkClient
 from splitfed.split import CutState, split_model
-from splitfed.trunk.aggregation import make_aggregator
+from splitfed.trunk.aggregation.modes import make_aggregator
 
 CLIENTS = 3
 STEPS = 2
@@ -86,7 +86,7 @@ def test_forwards_on_older_weights_compile_before_the_first_client(graphs: Any, 
     """Async, three clients, three rounds: forwards on their version's copy of the weights and forwards rebased
     and recomputed on a frozen copy run the variant compiled when the runtime was built (nothing compiles after),
     and train as the eager runtime does."""
-    from splitfed.trunk.runtime import TrunkRuntime
+    from splitfed.trunk.compute.runtime import TrunkRuntime
 
     results = {}
     for compile in (False, True):
@@ -118,8 +118,8 @@ def test_a_trunk_compiled_by_inductor_trains_as_the_eager_one(trunk_server: Any,
 
 def test_a_compiled_trunk_decodes_eagerly(graphs: Any, aot_eager: None) -> None:
     """Decoding steps over a growing KV cache would recompile for every length: they run the blocks eagerly."""
-    from splitfed.trunk.runtime import TrunkRuntime
-    from splitfed.trunk.sessions import SessionManager
+    from splitfed.trunk.compute.runtime import TrunkRuntime
+    from splitfed.trunk.inference.sessions import SessionManager
 
     split = split_model(tiny_model("gpt2"), cuts=(1, 3))
     runtime = TrunkRuntime(split.trunk, compile=True)
@@ -134,9 +134,9 @@ def test_a_compiled_trunk_decodes_eagerly(graphs: Any, aot_eager: None) -> None:
 def test_compile_reaches_the_runtime_from_the_cli_the_admin_api_and_a_spec(aot_eager: None) -> None:
     """``splitfed serve --compile``, ``splitfed models load --compile`` and the admin API's ``compile`` field all
     end in a runtime whose blocks are compiled."""
-    from splitfed.channel.admin.service import spec_from_proto, spec_to_proto
-    from splitfed.cli import build_parser
-    from splitfed.cli_models import spec_from_flag
+    from splitfed.channel.server.admin import spec_from_proto, spec_to_proto
+    from splitfed.cli.main import build_parser
+    from splitfed.cli.models import spec_from_flag
     from splitfed.errors import ConfigError
     from splitfed.serving.build import make_runtime
     from splitfed.serving.spec import ModelSpec

@@ -18,16 +18,16 @@ import torch
 from conftest import tiny_model
 from torch import nn
 
-from splitfed.auth import TokenIssuer
-from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.client import RemoteTrunk, RetryPolicy, TrunkClient
-from splitfed.channel.server import SERVICE_NAME, ChannelLimits, TrunkServer
+from splitfed.channel.security.tokens import TokenIssuer
+from splitfed.channel.wire import split_channel_pb2 as pb
+from splitfed.channel.client.trunk import RemoteTrunk, RetryPolicy, TrunkClient
+from splitfed.channel.server.trunkserver import SERVICE_NAME, ChannelLimits, TrunkServer
 from splitfed.errors import ChannelError, ResourceExhaustedError
 from splitfed.split import CutState, split_model
-from splitfed.trunk.aggregation import Contribution, Outcome, SyncAggregator, make_aggregator
-from splitfed.trunk.runtime import TrunkRuntime
-from splitfed.trunk.sessions import SessionManager
-from splitfed.trunk.store import StoreLimits
+from splitfed.trunk.aggregation.modes import Contribution, Outcome, SyncAggregator, make_aggregator
+from splitfed.trunk.compute.runtime import TrunkRuntime
+from splitfed.trunk.inference.sessions import SessionManager
+from splitfed.trunk.compute.store import StoreLimits
 
 
 def _step(client: TrunkClient, hidden: torch.Tensor, scale: float = 0.01):

@@ -14,10 +14,10 @@ import pytest
 import torch
 from conftest import tiny_cnn
 
-from splitfed.channel.client import RemoteTrunk
+from splitfed.channel.client.trunk import RemoteTrunk
 from splitfed.split import SplitModel, split_model
-from splitfed.trunk.percopy import PerClientAggregator
-from splitfed.trunk.turns import SequentialAggregator, turn_order
+from splitfed.trunk.aggregation.percopy import PerClientAggregator
+from splitfed.trunk.aggregation.turns import SequentialAggregator, turn_order
 
 CUTS = (3, 6)
 LR, MOMENTUM = 0.05, 0.9
@@ -234,9 +234,9 @@ def test_v1_copies_of_a_lora_trunk_hold_the_adapters_only_and_train_like_the_tru
     pytest.importorskip("peft")
     from conftest import tiny_model
 
-    from splitfed.lora import apply_lora, lora_config
+    from splitfed.models.lora import apply_lora, lora_config
     from splitfed.split import CutState
-    from splitfed.trunk.runtime import TrunkRuntime
+    from splitfed.trunk.compute.runtime import TrunkRuntime
 
     trunk = split_model(tiny_model("llama").train(), (1, 3)).trunk
     apply_lora(trunk, lora_config("llama", 4), seed=0)
@@ -271,8 +271,8 @@ def test_v1_copies_of_a_lora_trunk_hold_the_adapters_only_and_train_like_the_tru
 
 def test_v1_micro_batches_of_one_step_step_the_copy_once_like_the_whole_batch() -> None:
     from splitfed.split import CutState
-    from splitfed.trunk.microsteps import StepPart
-    from splitfed.trunk.runtime import TrunkRuntime
+    from splitfed.trunk.aggregation.microsteps import StepPart
+    from splitfed.trunk.compute.runtime import TrunkRuntime
 
     hidden = torch.randn(4, 4, 14, 14, generator=torch.Generator().manual_seed(0))
     copies = []

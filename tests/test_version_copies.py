@@ -1,4 +1,4 @@
-"""Async forwards on their version's copy of the weights (splitfed.trunk.versions): the gradients, outputs and
+"""Async forwards on their version's copy of the weights (splitfed.trunk.compute.versions): the gradients, outputs and
 weights of forwards whose backward comes after other clients' steps equal those of the rebase-and-recompute path,
 and every frozen copy goes once no forward needs it."""
 
@@ -8,10 +8,10 @@ import torch
 from conftest import tiny_model
 
 from splitfed.split import CutState, split_model
-from splitfed.trunk import versions
-from splitfed.trunk.aggregation import make_aggregator
-from splitfed.trunk.runtime import TrunkRuntime
-from splitfed.trunk.store import StoreLimits
+from splitfed.trunk.compute import versions
+from splitfed.trunk.aggregation.modes import make_aggregator
+from splitfed.trunk.compute.runtime import TrunkRuntime
+from splitfed.trunk.compute.store import StoreLimits
 
 CLIENTS = ("a", "b", "c")
 

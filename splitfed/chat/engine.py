@@ -2,9 +2,9 @@
 
 :class:`ChatEngine` loads only the client's parts of a causal LM (at the cuts the
 server serves) and its tokenizer, and answers a conversation with split
-generation (:func:`splitfed.generation.generate` over a
-:class:`~splitfed.generation.RemoteSession`): the trunk's KV cache lives on the
-server. Each browser session has its own :class:`~splitfed.channel.client.TrunkClient`
+generation (:func:`splitfed.client.generation.generate` over a
+:class:`~splitfed.client.generation.RemoteSession`): the trunk's KV cache lives on the
+server. Each browser session has its own :class:`~splitfed.channel.client.trunk.TrunkClient`
 (its own client id, so a router pins each to a backend by load), and each answer
 runs on a thread of its own: answers of several sessions reach the server at the
 same time, where its batched decoding stacks their steps (``--batch-window-ms``).
@@ -52,11 +52,11 @@ class Connection:
 
     def client(self, client_id: str | None = None) -> Any:
         """A trunk client over this connection."""
-        from splitfed.channel.client import TrunkClient
+        from splitfed.channel.client.trunk import TrunkClient
 
         credentials = None
         if not self.insecure:
-            from splitfed.channel.security import channel_credentials
+            from splitfed.channel.security.credentials import channel_credentials
 
             credentials = channel_credentials(self.tls_ca)
         return TrunkClient(self.address, client_id=client_id, insecure=self.insecure, credentials=credentials,
@@ -86,7 +86,7 @@ class ChatEngine:
 
     def __init__(self, model: str, connection: Connection, *, cuts: tuple[int, int] | None = None,
                  max_new_tokens: int = 256) -> None:
-        from splitfed import llm
+        from splitfed.models import llm
 
         self.model = model
         self.connection = connection
@@ -156,7 +156,7 @@ class ChatEngine:
         gives. Errors of the generation (the server's, as :class:`~splitfed.errors.ChannelError`) are raised here;
         when the caller stops reading, the generation stops at its next token and its server session is closed.
         """
-        from splitfed.generation import RemoteSession, generate
+        from splitfed.client.generation import RemoteSession, generate
 
         ids = self.prompt_ids(history, message)
         new = min(int(max_new_tokens or self.max_new_tokens), self.max_new_tokens)

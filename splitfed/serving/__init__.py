@@ -1,7 +1,7 @@
 """Serving models: what a served model is (:mod:`~splitfed.serving.spec`), how much memory it takes
 (:mod:`~splitfed.serving.memory`), how its trunk is built (:mod:`~splitfed.serving.build`), and the three-line
 entry points :func:`serve` and :func:`connect` (:mod:`~splitfed.serving.api`). Pure torch: the gRPC side is
-:mod:`splitfed.channel.server`."""
+:mod:`splitfed.channel.server.trunkserver`."""
 
 from __future__ import annotations
 

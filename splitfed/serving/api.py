@@ -22,8 +22,8 @@ from splitfed.errors import ConfigError
 from splitfed.serving.spec import ModelSpec
 
 if TYPE_CHECKING:  # the channel is only a type here
-    from splitfed.channel.client import TrunkClient
-    from splitfed.channel.server import TrunkServer
+    from splitfed.channel.client.trunk import TrunkClient
+    from splitfed.channel.server.trunkserver import TrunkServer
 
 
 def serve(model: str | ModelSpec, port: int = 50051, *, host: str = "127.0.0.1", credentials: Any = None,
@@ -36,8 +36,8 @@ def serve(model: str | ModelSpec, port: int = 50051, *, host: str = "127.0.0.1",
     ``host``; elsewhere give ``credentials`` (``grpc.ServerCredentials``). More models can be loaded later
     (:meth:`TrunkServer.load`, or ``splitfed models load`` with ``admin_token``).
     """
-    from splitfed.channel.hosts import is_loopback
-    from splitfed.channel.server import TrunkServer
+    from splitfed.channel.security.hosts import is_loopback
+    from splitfed.channel.server.trunkserver import TrunkServer
 
     if isinstance(model, ModelSpec):
         if spec:
@@ -54,12 +54,12 @@ class RemoteLM:
     """A causal language model whose trunk is on a trunk server: tokenizer, bottom and top in this process.
 
     Args:
-        client: a connected :class:`~splitfed.channel.client.TrunkClient` (its ``model`` names the served model).
+        client: a connected :class:`~splitfed.channel.client.trunk.TrunkClient` (its ``model`` names the served model).
         source: where this process reads the bottom, the top and the tokenizer (default: the served model's name).
     """
 
     def __init__(self, client: TrunkClient, source: str | None = None) -> None:
-        from splitfed import llm
+        from splitfed.models import llm
 
         info = client.info()
         self.client = client
@@ -78,8 +78,8 @@ class RemoteLM:
 
     def generate_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                      max_new_tokens: int = 32, **sampling: Any) -> torch.Tensor:
-        """Token ids in, prompt + new token ids out (see :func:`splitfed.generation.generate`)."""
-        from splitfed.generation import RemoteSession, generate
+        """Token ids in, prompt + new token ids out (see :func:`splitfed.client.generation.generate`)."""
+        from splitfed.client.generation import RemoteSession, generate
 
         with torch.no_grad(), RemoteSession(self.client, input_ids.shape[1] + max_new_tokens,
                                             batch_size=input_ids.shape[0]) as session:
@@ -114,8 +114,8 @@ def connect(address: str, model: str = "", *, source: str | None = None, credent
 
     Plaintext to a loopback address; elsewhere give ``credentials`` (``grpc.ChannelCredentials``).
     """
-    from splitfed.channel.client import TrunkClient
-    from splitfed.channel.hosts import host_of, is_loopback
+    from splitfed.channel.client.trunk import TrunkClient
+    from splitfed.channel.security.hosts import host_of, is_loopback
 
     insecure = credentials is None and is_loopback(host_of(address))
     client = TrunkClient(address, insecure=insecure, credentials=credentials, token=token, model=model)

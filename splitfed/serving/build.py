@@ -3,7 +3,7 @@
 The trunk is read part-only (a pretrained model's embeddings and head are never
 read), gets its LoRA adapters, moves to the spec's device and gets the trunk
 mode's aggregator and its optimizer. The channel side wraps the runtime in a
-scheduler and a servicer (:mod:`splitfed.channel.units`).
+scheduler and a servicer (:mod:`splitfed.channel.server.units`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from torch import nn
 from splitfed.config import RunConfig
 from splitfed.errors import ConfigError, ModelLoadError
 from splitfed.serving.spec import ModelSpec, looks_like_path
-from splitfed.trunk.aggregation import TrunkAggregator, make_aggregator
-from splitfed.trunk.runtime import GradientGuard, TrunkRuntime
-from splitfed.trunk.store import StoreLimits
+from splitfed.trunk.aggregation.modes import TrunkAggregator, make_aggregator
+from splitfed.trunk.compute.runtime import GradientGuard, TrunkRuntime
+from splitfed.trunk.compute.store import StoreLimits
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,11 @@ def check_source(model: str) -> None:
 
 def default_cuts(model: str) -> tuple[int, int]:
     """The named model's cuts, else ``1, n-1`` (the first and last blocks on the client)."""
-    from splitfed.models import NAMED
+    from splitfed.models.catalog import NAMED
 
     if model in NAMED:
         return NAMED[model].default_cuts
-    from splitfed.llm import NAMED_LLMS, load_config
+    from splitfed.models.llm import NAMED_LLMS, load_config
 
     if model in NAMED_LLMS:
         return NAMED_LLMS[model].default_cuts
@@ -74,23 +74,23 @@ def default_cuts(model: str) -> tuple[int, int]:
 def architecture(model: str) -> str:
     """The architecture family of ``model`` as its split parts name it (``sequential``, ``gpt2``, ``llama``, ...),
     from its config alone."""
-    from splitfed.models import NAMED
+    from splitfed.models.catalog import NAMED
 
     if model == "tiny-gpt2":
         return "gpt2"
     if model in NAMED:
         return "sequential"  # the named models built from code are nn.Sequential (mnist-cnn)
-    from splitfed.llm import load_config
+    from splitfed.models.llm import load_config
 
     return str(getattr(load_config(model), "model_type", "") or "")
 
 
 def lora_settings(spec: ModelSpec) -> tuple[int, float, str]:
     """The LoRA rank, alpha and targets (comma-separated) ``spec``'s trunk gets. On a model without default LoRA
-    targets (an ``nn.Sequential`` model, an architecture :data:`splitfed.lora.TARGETS` does not know) and with no
+    targets (an ``nn.Sequential`` model, an architecture :data:`splitfed.models.lora.TARGETS` does not know) and with no
     ``lora_targets``: none when the LoRA is the server's default (``lora_optional``), else a
     :class:`~splitfed.errors.ConfigError` saying which targets there are to set."""
-    from splitfed.lora import TARGETS
+    from splitfed.models.lora import TARGETS
 
     targets = ",".join(spec.lora_targets)
     if spec.lora_rank and not targets:
@@ -108,8 +108,8 @@ def lora_settings(spec: ModelSpec) -> tuple[int, float, str]:
 
 def _target_hint(model: str, cuts: tuple[int, int] | None) -> str:
     """The layers LoRA can adapt in a named ``nn.Sequential`` model (their indices), as a hint."""
-    from splitfed.lora import LORA_LAYER_TYPES
-    from splitfed.models import NAMED, build_model
+    from splitfed.models.lora import LORA_LAYER_TYPES
+    from splitfed.models.catalog import NAMED, build_model
 
     if model not in NAMED or model == "tiny-gpt2":
         return " (the names of its Linear, Conv or Embedding modules)"
@@ -121,7 +121,7 @@ def _target_hint(model: str, cuts: tuple[int, int] | None) -> str:
 
 
 def run_config(spec: ModelSpec) -> RunConfig:
-    """The run settings that :func:`splitfed.parts.build_parts` reads for ``spec``."""
+    """The run settings that :func:`splitfed.models.parts.build_parts` reads for ``spec``."""
     check_source(spec.model)
     rank, alpha, targets = lora_settings(spec)
     return RunConfig(model=spec.model, cuts=spec.cuts or default_cuts(spec.model), seed=spec.seed,
@@ -130,7 +130,7 @@ def run_config(spec: ModelSpec) -> RunConfig:
 
 def build_trunk(spec: ModelSpec) -> tuple[nn.Module, tuple[int, int]]:
     """The trunk of ``spec`` on its device, with its adapters, and its cuts."""
-    from splitfed.parts import ALL_ROLES, build_parts, is_pretrained, model_cuts
+    from splitfed.models.parts import ALL_ROLES, build_parts, is_pretrained, model_cuts
 
     cfg = run_config(spec)
     split = build_parts(cfg, ("trunk",) if is_pretrained(cfg) else ALL_ROLES)
@@ -145,7 +145,7 @@ def make_runtime(trunk: nn.Module, *, optimizer: str = "sgd", lr: float = 0.01, 
                  store_limits: StoreLimits = StoreLimits(), guard: GradientGuard = GradientGuard(),
                  checkpointing: bool = False, compile: bool = False) -> TrunkRuntime:
     """A runtime around ``trunk`` with an optimizer over its trainable parameters (none when it has none);
-    ``compile``: its blocks compiled (:mod:`splitfed.trunk.compiled`)."""
+    ``compile``: its blocks compiled (:mod:`splitfed.trunk.compute.compiled`)."""
     from splitfed.optim import make_optimizer
 
     trainable = [p for p in trunk.parameters() if p.requires_grad]

@@ -60,7 +60,7 @@ def estimate(spec: ModelSpec) -> Estimate:
     (:class:`~splitfed.errors.ModelLoadError`) or cuts that do not split it
     (:class:`~splitfed.errors.SplitError`).
     """
-    from splitfed.parts import build_parts, lora_setup
+    from splitfed.models.parts import build_parts, lora_setup
     from splitfed.serving.build import run_config
 
     cfg = run_config(spec)
@@ -69,7 +69,7 @@ def estimate(spec: ModelSpec) -> Estimate:
         trunk = split.trunk
         lora = lora_setup(cfg, split)
         if lora is not None:
-            from splitfed.lora import apply_lora
+            from splitfed.models.lora import apply_lora
 
             apply_lora(trunk, lora, seed=0)
     if spec.frozen:

@@ -119,7 +119,7 @@ class ModelSpec:
         optimizer, lr: the trunk's optimizer.
         batch_window_ms, max_batch_tokens: cross-client batching of trunk forwards and decode steps.
         checkpointing: activation checkpointing of the trunk.
-        compile: compile the trunk's blocks with ``torch.compile`` (:mod:`splitfed.trunk.compiled`).
+        compile: compile the trunk's blocks with ``torch.compile`` (:mod:`splitfed.trunk.compute.compiled`).
         shared_memory_mib: shared memory each client on this host may map for this model's tensors.
         seed: seed of the adapters (and of a named model built from code).
         frozen: serve the trunk for inference only (no optimizer).

@@ -51,7 +51,7 @@ def split_model(model: nn.Module, cuts: tuple[int, int] | list[int], micro_batch
 
     The parts share ``model``'s modules (nothing is copied; tied embeddings stay
     tied). The result runs all three locally; give ``result.trunk`` to a
-    :class:`~splitfed.channel.server.TrunkServer` and keep ``result.bottom`` and
+    :class:`~splitfed.channel.server.trunkserver.TrunkServer` and keep ``result.bottom`` and
     ``result.top`` on the client. ``micro_batches``: see :class:`SplitModel`.
     """
     a, b = check_cuts(cuts, num_blocks(model))

@@ -11,9 +11,9 @@ exactly the unpipelined one (the mean over every token of the batch, not a
 mean of micro-batch means). In the backward the remote pipeline sends each
 micro-batch's gradient as soon as the top's backward produced it and runs the
 bottom's backward of each micro-batch as its input gradient comes back, while
-later ones are still on the trunk (see :mod:`splitfed.channel.pipeline`); the
+later ones are still on the trunk (see :mod:`splitfed.channel.client.pipeline`); the
 trunk takes the k backwards as one contribution of the client step
-(:mod:`splitfed.trunk.microsteps`).
+(:mod:`splitfed.trunk.aggregation.microsteps`).
 
 The schedule is fill-drain within one ``loss.backward()`` (every forward,
 then every backward), so a step holds the activations of one full batch, as the

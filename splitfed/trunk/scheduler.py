@@ -13,10 +13,10 @@ arrive within the window are run as one batched trunk call when the runtime
 can batch them (:meth:`TrunkRuntime.forward_many`); each client still gets its
 own output, saved forward and gradient. Inference sessions' decode steps that
 arrive within the same window run as one batched call too (:meth:`TrunkScheduler.batched`,
-:mod:`splitfed.trunk.decoding`). Everything else (backwards, evaluation without a
+:mod:`splitfed.trunk.inference.decoding`). Everything else (backwards, evaluation without a
 window) runs one task at a time, in order. With the runtime's ``bring_early`` on, while a window of training
 forwards stays open the device thread brings the tensors of those already in it to the device, a chunk at a time
-(:mod:`splitfed.trunk.early`).
+(:mod:`splitfed.trunk.device.early`).
 
 Small requests skip the hop: when the device thread is idle and nothing is
 queued, :meth:`TrunkScheduler.now_or_queued` runs a small task on the caller's
@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, TypeVar
 
 from splitfed.errors import TrunkBusyError
-from splitfed.trunk.early import bring_forwards, chunk, unbrought
-from splitfed.trunk.requests import ForwardRequest, Promise
-from splitfed.trunk.runtime import TrunkRuntime
+from splitfed.trunk.device.early import bring_forwards, chunk, unbrought
+from splitfed.trunk.compute.requests import ForwardRequest, Promise
+from splitfed.trunk.compute.runtime import TrunkRuntime
 from splitfed.trunk.timeline import TIMELINE
 
 log = logging.getLogger(__name__)
@@ -282,7 +282,7 @@ class TrunkScheduler:
                 TIMELINE.mark("window", n=len(batch), waited=time.monotonic() - first.queued)
                 return batch
             wake = missing
-            if first.forward is not None and self.runtime.bring_early:  # see splitfed.trunk.early
+            if first.forward is not None and self.runtime.bring_early:  # see splitfed.trunk.device.early
                 waiting, size = unbrought(batch), chunk(len(batch) + missing)
                 if len(waiting) >= size:
                     self._bring_early(waiting)
@@ -295,7 +295,7 @@ class TrunkScheduler:
                 self._wake_at, self._room = 1, -1
 
     def _bring_early(self, waiting: list[_Task]) -> None:
-        """Bring the tensors of forwards in an open window (:mod:`splitfed.trunk.early`); the caller holds the
+        """Bring the tensors of forwards in an open window (:mod:`splitfed.trunk.device.early`); the caller holds the
         condition, let go meanwhile so that calls keep coming in."""
         self._cond.release()
         try:

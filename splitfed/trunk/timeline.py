@@ -275,12 +275,12 @@ def hops(events: list[dict[str, Any]]) -> dict[str, float]:
     that split at the moment the step's last gradient is offered to the aggregator, after the gradient guard's
     check (``hop_backward_to_offer``, ``hop_offer_to_step``: to the step's mark).
 
-    A replica of a group (:mod:`splitfed.trunk.replicas`) adds its control loop's part: from entering its first
+    A replica of a group (:mod:`splitfed.trunk.replicas.group`) adds its control loop's part: from entering its first
     tick with all its gradients in to its step (``hop_replica_ready_to_step``), how long of that it waited in the
     group's collectives for the other replicas (``hop_replica_ready_wait``), and its ticks in a step
     (``replica_ticks_per_step``, a median) and vetoed step proposals over the recording (``replica_vetoes``).
     """
-    from splitfed.trunk.replica_aggregation import READY
+    from splitfed.trunk.replicas.aggregation import READY
 
     ordered = sorted(events, key=lambda e: e["t"])
     times = [e["t"] for e in ordered]

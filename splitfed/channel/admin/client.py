@@ -14,8 +14,8 @@ import grpc
 from splitfed.channel.admin import model_admin_pb2 as pb
 from splitfed.channel.admin import model_admin_pb2_grpc as pb_grpc
 from splitfed.channel.admin.specs import spec_to_proto
-from splitfed.channel.hosts import host_of, is_loopback
-from splitfed.channel.unreachable import unavailable_hint
+from splitfed.channel.security.hosts import host_of, is_loopback
+from splitfed.channel.wire.unreachable import unavailable_hint
 from splitfed.errors import ChannelError, ConfigError
 from splitfed.serving.spec import ModelSpec
 
@@ -37,7 +37,7 @@ class AdminClient:
     Args:
         address: ``host:port`` of the trunk server.
         token: the server's admin token.
-        credentials: ``grpc.ChannelCredentials`` for TLS (see :mod:`splitfed.channel.security`).
+        credentials: ``grpc.ChannelCredentials`` for TLS (see :mod:`splitfed.channel.security.credentials`).
         insecure: plaintext; only to a loopback address (the token would cross the network in the clear).
         timeout_s: deadline of each call (a waited-for load can take minutes).
     """

@@ -1,6 +1,6 @@
 """A model spec on the wire (:class:`~splitfed.serving.spec.ModelSpec` <-> ``splitfed.admin.v1.ModelSpec``).
 
-Kept apart from the service (:mod:`splitfed.channel.admin.service`) so that the admin client, and so
+Kept apart from the service (:mod:`splitfed.channel.server.admin`) so that the admin client, and so
 ``splitfed models ...``, imports neither torch nor the server's code.
 """
 

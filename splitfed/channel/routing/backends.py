@@ -25,8 +25,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.limits import SERVICE_NAME
+from splitfed.channel.wire import split_channel_pb2 as pb
+from splitfed.channel.wire.limits import SERVICE_NAME
 from splitfed.channel.routing.table import ANY_MODEL, BackendState
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The split channel's router: one address in front of several trunk servers, forwarding calls as raw bytes.
 
 :class:`Router` is a ``grpc.aio`` server (on an event loop of its own thread, as
-:class:`~splitfed.channel.server.TrunkServer` is) whose generic handlers take
+:class:`~splitfed.channel.server.trunkserver.TrunkServer` is) whose generic handlers take
 every method of the split channel, unary and streamed, as bytes and hand them
 to one backend's channel unchanged: no tensor is decoded, no message parsed.
 The backend of a call comes from :class:`~splitfed.channel.routing.table.RouteTable`
@@ -38,14 +38,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from splitfed.channel import split_channel_pb2 as pb
-from splitfed.channel.limits import (
+from splitfed.channel.wire import split_channel_pb2 as pb
+from splitfed.channel.wire.limits import (
     CLIENT_ID_KEY,
     MODEL_KEY,
     SERVICE_NAME,
     ChannelLimits,
 )
-from splitfed.channel.loopthread import stop_loop
+from splitfed.channel.engine.loop import stop_loop
 from splitfed.channel.routing.backends import Backend, model_health_name
 from splitfed.channel.routing.table import ANY_MODEL, RouteTable
 from splitfed.errors import AuthError, ConfigError
@@ -114,7 +114,7 @@ class Router:
         max_concurrent_rpcs: calls served at once; past it gRPC answers RESOURCE_EXHAUSTED.
         probe_interval_s: how often each backend's health is checked.
         sticky_idle_s: a client's pin holding no session or region ends after this long without a call.
-        authenticate: checks each call's metadata (e.g. :meth:`splitfed.auth.StaticToken.authenticate`) before
+        authenticate: checks each call's metadata (e.g. :meth:`splitfed.channel.security.tokens.StaticToken.authenticate`) before
             it is forwarded; an :class:`~splitfed.errors.AuthError` is answered UNAUTHENTICATED by the router.
         backend_token: sent to the backends as ``authorization: Bearer`` in place of the client's (None: the
             client's passes through).

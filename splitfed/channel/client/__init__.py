@@ -1,0 +1,1 @@
+"""The client side of the split channel: TrunkClient and the trunk as an nn.Module."""

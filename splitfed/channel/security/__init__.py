@@ -1,0 +1,1 @@
+"""How the split channel is secured: TLS, zero-configuration TLS, TLS for bulk links, client tokens."""

@@ -1,0 +1,1 @@
+"""Ways to move a cut's tensors: gRPC, shared-memory regions (and CUDA IPC), bulk TCP links, direct calls."""

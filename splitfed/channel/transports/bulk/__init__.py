@@ -1,0 +1,1 @@
+"""Bulk links: the tensor bytes of streamed calls over plain TCP connections beside gRPC."""

@@ -1,0 +1,1 @@
+"""Direct calls: Forward and Backward over a Unix socket straight to the engine."""

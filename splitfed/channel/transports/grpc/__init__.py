@@ -1,0 +1,1 @@
+"""Tensors in gRPC messages: a channel's lanes and streamed calls."""

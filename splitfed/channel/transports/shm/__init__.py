@@ -1,0 +1,1 @@
+"""Shared-memory regions (host or CUDA IPC) for a client on the trunk's host."""

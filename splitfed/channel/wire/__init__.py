@@ -1,0 +1,1 @@
+"""What both ends of the split channel agree on: protobuf messages <-> tensors, frames, limits, replies."""

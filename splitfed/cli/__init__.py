@@ -1,0 +1,1 @@
+"""The ``splitfed`` console command and its sub-commands."""

@@ -1,0 +1,1 @@
+"""Models: by name, pretrained LLMs, their parts, LoRA adapters, export."""

@@ -1,0 +1,1 @@
+"""When and how client gradients update the trunk: sync, async, quorum, per-client, sequential."""

@@ -1,0 +1,1 @@
+"""The trunk runtime: batched forwards and backwards of the middle blocks, saved forwards, versions."""

@@ -1,0 +1,1 @@
+"""The cut's tensors on and off the trunk's device: transfers, pinned buffers, placement."""

@@ -1,0 +1,1 @@
+"""Inference sessions and batched decoding on the trunk."""

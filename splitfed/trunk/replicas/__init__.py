@@ -1,0 +1,1 @@
+"""Trunk replicas over torch.distributed: starting them, their collectives and aggregation."""
