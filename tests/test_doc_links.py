@@ -1,5 +1,6 @@
 """Every relative link of README.md and docs/ (recursively) leads somewhere: the file exists, and an anchor
-(``file.md#heading``) names a heading of that file as GitHub makes its anchors."""
+(``file.md#heading``) names a heading of that file as GitHub makes its anchors. And the run-config reference
+(docs/configuration.md) names every key the app declares."""
 
 from __future__ import annotations
 
@@ -73,6 +74,16 @@ def test_every_relative_link_leads_somewhere(doc: str) -> None:
         elif anchor and where.suffix == ".md" and anchor not in anchors(where):
             broken.append(f"{target}: no heading with that anchor in {where.relative_to(ROOT)}")
     assert not broken, "\n".join(broken)
+
+
+def test_the_configuration_page_names_every_app_config_key() -> None:
+    """docs/configuration.md is the run-config reference: every key of pyproject's ``[tool.flwr.app.config]``."""
+    import tomllib
+
+    keys = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    missing = sorted(key for key in keys if f"`{key}`" not in page)
+    assert not missing, f"docs/configuration.md does not name {missing}"
 
 
 def test_pending_pages_do_not_exist_yet() -> None:
