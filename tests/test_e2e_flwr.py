@@ -1,6 +1,7 @@
 """End to end through Flower's own tooling: ``flwr run . local`` simulations in every trunk mode, and a
 deployment with ``flower-superlink`` and two ``flower-supernode``s on loopback. Slow (Ray, processes):
-``python -m pytest -q -m slow``; CI runs the main job's. Every process a test starts is ended by the test, by PID."""
+``python -m pytest -q -m slow`` (CI's real ``flwr run`` is ``tests/test_e2e_tls.py``'s). Every process a test starts
+is ended by the test, by PID."""
 
 from __future__ import annotations
 
@@ -141,8 +142,9 @@ def test_flwr_run_simulation_completes_in_every_trunk_mode(flwr_home: Path, tmp_
     assert (run_folder(out_dir) / "model" / "model.safetensors").exists() and (run_folder(out_dir) / "accuracy.png").exists()
 
 
+@pytest.mark.slow  # CI: a real flwr run of the same apps completes in tests/test_e2e_tls.py (one short round)
 def test_default_main_job_reaches_90_percent(flwr_home: Path, tmp_path: Path) -> None:
-    """The README's main job (4 IID clients, MNIST CNN, pyproject defaults) through ``flwr run``; CI runs it."""
+    """The README's main job (4 IID clients, MNIST CNN, pyproject defaults) through ``flwr run``."""
     env = _env(flwr_home)
     out_dir = tmp_path / "outputs"
     output = flwr_run([".", "local", "--stream", "--run-config", f"output-dir='{out_dir}'", "--federation-config",

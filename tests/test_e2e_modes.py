@@ -1,10 +1,11 @@
-"""One short real ``flwr run . local`` per trunk mode and variant: async, quorum, two trunk replicas and a ClientApp
-process killed mid-step (dropout) in CI; per-client (SplitFed V1), heterogeneous client cuts and a ServerApp process
-killed mid-run then resumed (restart) in the slow set (in CI, ``tests/test_hetero_cuts.py`` trains
-heterogeneous cuts and ``tests/test_restart.py`` kills and resumes a run, both without ``flwr run``). The sync main job is in
-``test_e2e_flwr.py`` and sequential (V2) in ``test_e2e_variants.py``; the long versions that reach the usual
-accuracy are slow tests. The module's runs share
-one local SuperLink; every process a test starts is ended, by FLWR_HOME or Ray's temp folder."""
+"""One short real ``flwr run . local`` per trunk mode and variant: async, quorum, two trunk replicas, a ClientApp
+process killed mid-step (dropout), per-client (SplitFed V1), heterogeneous client cuts and a ServerApp process killed
+mid-run then resumed (restart). All are slow tests (``python -m pytest -q -m slow``); the fast tier covers each
+without a ``flwr run`` of its own: ``tests/test_e2e_tls.py``'s run is async, ``tests/test_flower_apps.py`` runs the
+apps in every trunk mode, ``tests/test_reliability.py`` kills clients mid-step, ``tests/test_hetero_cuts.py`` trains
+heterogeneous cuts and ``tests/test_restart.py`` kills and resumes a run. The sync main job is in
+``test_e2e_flwr.py`` and sequential (V2) in ``test_e2e_variants.py``. The module's runs share one local SuperLink;
+every process a test starts is ended, by FLWR_HOME or Ray's temp folder."""
 
 from __future__ import annotations
 
@@ -104,6 +105,7 @@ def _last(history: dict[str, Any]) -> dict[str, Any]:
     return history["rounds"][-1]
 
 
+@pytest.mark.slow  # CI: tests/test_e2e_tls.py's run is async and asserts the same counts
 def test_async_run_steps_the_trunk_per_gradient(federation: Federation, tmp_path: Path) -> None:
     history = federation.run(tmp_path / "out", "trunk-mode='async' num-server-rounds=1 local-steps=3", TWO)
     last = _last(history)

@@ -59,11 +59,14 @@ def _start_run(overrides: str, env: dict[str, str], log: Path) -> subprocess.Pop
 
 
 def test_flwr_run_off_loopback_serves_zero_config_tls_only(flwr_home: Path, tmp_path: Path) -> None:
+    """The suite's one real ``flwr run . local`` that completes (the main job's apps, one short round): its trunk
+    is async, so the same run shows the async trunk stepping once per gradient through Flower's own tooling (the
+    sync main job to 90% and ``tests/test_e2e_modes.py``'s own async run are slow tests)."""
     env = _env(flwr_home)
     port = _free_port()
     out_dir = tmp_path / "outputs"
-    overrides = (f"trunk-bind='0.0.0.0' trunk-port={port} num-server-rounds=1 local-steps=6 eval-batches=4 "
-                 f"output-dir='{out_dir}'")
+    overrides = (f"trunk-bind='0.0.0.0' trunk-port={port} trunk-mode='async' num-server-rounds=1 local-steps=6 "
+                 f"eval-batches=4 output-dir='{out_dir}'")
     for attempt in range(2):
         log = tmp_path / f"flwr-run-{attempt}.log"
         proc = _start_run(overrides, env, log)
@@ -88,6 +91,12 @@ def test_flwr_run_off_loopback_serves_zero_config_tls_only(flwr_home: Path, tmp_
     assert [r["round"] for r in history["rounds"]] == [1]
     assert history["rounds"][0]["train"]["train-steps"] == 2 * 6  # both clients trained through the TLS trunk
     assert history["config"]["trunk-insecure"] is False and history["config"]["tls-cert"] == ""
+    # the async trunk: one step per gradient, every gradient applied, down-weighted or rejected as stale
+    last = history["rounds"][-1]
+    assert last["failures"]["train"] == 0
+    trunk = last["trunk"]
+    assert trunk["trunk-steps"] == trunk["trunk-applied"] + trunk["trunk-downweighted"] > 0
+    assert trunk["trunk-applied"] + trunk["trunk-rejected-stale"] + trunk["trunk-downweighted"] == 2 * 6
 
 
 @pytest.mark.slow
