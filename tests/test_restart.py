@@ -17,7 +17,8 @@ from flower_harness import ROOT, default_run_config, run_apps, state_digest
 from splitfed.config import RunConfig
 from splitfed.run.server import ServerRunner
 
-SETTINGS = dict(num_server_rounds=6, local_steps=25, strategy="fedadam", dp_noise_multiplier=1.0)
+ROUNDS, STEPS = 4, 8  # the kill lands at the end of round 2 or 3, with rounds to spare
+SETTINGS = dict(num_server_rounds=ROUNDS, local_steps=STEPS, strategy="fedadam", dp_noise_multiplier=1.0)
 
 # The child records a digest of the server's state at the end of every round, just before its checkpoint.
 RUN = r"""
@@ -62,7 +63,7 @@ def test_server_killed_mid_run_resumes_from_the_last_completed_round(tmp_path: P
         if proc.poll() is None:
             proc.kill()
     done = json.loads(state_file.read_text())["round"]
-    assert 2 <= done < 6, "killed after the last round; make rounds longer"
+    assert 2 <= done < ROUNDS, "killed after the last round; make rounds longer"
     recorded = {d.pop("round"): d for d in map(json.loads, (tmp_path / "digests.jsonl").read_text().splitlines())}
     # A restarted server starts exactly from the state the killed one had at the end of that round...
     cfg = RunConfig.from_mapping(default_run_config(output_dir=str(tmp_path / "outputs" / "latest"), resume=True,
@@ -72,16 +73,17 @@ def test_server_killed_mid_run_resumes_from_the_last_completed_round(tmp_path: P
     assert state_digest(runner) == recorded[done]
     assert runner.strategy_state and set(runner.privacy_states) == {"0", "1"}
     # ...the accountants have counted every step so far...
-    assert all(sum(s["dp-steps"]) == done * 25 for s in runner.privacy_states.values())
+    assert all(sum(s["dp-steps"]) == done * STEPS for s in runner.privacy_states.values())
     # ...and the run completes the remaining rounds, the clients' epsilon going on from where it was.
     grid, out = run_apps(tmp_path, num_nodes=2, concurrency=2, resume=True, **SETTINGS)
     history = json.loads((out / "history.json").read_text())
-    assert [r["round"] for r in history["rounds"]] == list(range(1, 7))
-    assert sorted({int(m.content["config"]["splitfed.server-round"]) for m in grid.sent}) == list(range(done + 1, 7))
+    assert [r["round"] for r in history["rounds"]] == list(range(1, ROUNDS + 1))
+    rounds_sent = sorted({int(m.content["config"]["splitfed.server-round"]) for m in grid.sent})
+    assert rounds_sent == list(range(done + 1, ROUNDS + 1))
     epsilons = [r["train"]["train-epsilon"] for r in history["rounds"]]
-    assert epsilons == sorted(epsilons) and len(set(epsilons)) == 6
+    assert epsilons == sorted(epsilons) and len(set(epsilons)) == ROUNDS
     states = [dict(c.state["splitfed-privacy"]) for c in grid.contexts.values()]
-    assert [sum(s["dp-steps"]) for s in states] == [6 * 25, 6 * 25]
+    assert [sum(s["dp-steps"]) for s in states] == [ROUNDS * STEPS, ROUNDS * STEPS]
 
 
 @pytest.mark.parametrize("strategy", ["fedadam", "fedavgm"])  # FedYogi, FedAdagrad: the same m_t, v_t
