@@ -177,6 +177,7 @@ def _wait_page(url: str, proc: subprocess.Popen[str], timeout: float = 240.0) ->
     raise AssertionError(f"the chat page did not come up at {url}")
 
 
+@pytest.mark.slow  # CI: the engine streams (test_engine_streams_...), the page shows it in the browser (two sessions)
 def test_docs_commands_serve_a_page_whose_answer_streams_in(llama: Path) -> None:
     sync_playwright = _browser_or_skip()
     # Prepare: the docs' two commands, a trunk server and the page

@@ -65,6 +65,25 @@ def test_processes_of_one_server_share_a_port_only_when_they_ask() -> None:
             server.stop(grace=0)
 
 
+def test_splitfed_serve_on_a_busy_port_fails_with_one_line() -> None:
+    """``splitfed serve`` on the port of a running trunk server (here in this process) exits non-zero and says
+    why, in one line; the running server still serves."""
+    port = _free_port()
+    first = TrunkServer(_trunk(), port=port, insecure=True, model_name="first").start()
+    try:
+        second = subprocess.run([sys.executable, "-m", "splitfed.cli", "serve", "--model", "mnist-cnn", "--port",
+                                 str(port), "--insecure"], capture_output=True, text=True, timeout=120)
+        assert second.returncode != 0
+        errors = [line for line in second.stderr.splitlines() if line.startswith("splitfed serve: error:")]
+        assert len(errors) == 1 and f"port {port} is in use" in errors[0], second.stderr
+        assert "Traceback" not in second.stderr
+        with TrunkClient(first.address, insecure=True) as client:
+            assert client.info().model == "first"
+    finally:
+        first.stop(grace=0)
+
+
+@pytest.mark.slow  # CI: test_splitfed_serve_on_a_busy_port_fails_with_one_line (the first server in-process)
 def test_splitfed_serve_twice_on_one_port_fails_the_second_with_one_line() -> None:
     """The user's path: a second ``splitfed serve`` on the port of a running one exits non-zero and says why."""
     port = _free_port()
