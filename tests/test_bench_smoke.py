@@ -51,6 +51,7 @@ def test_bench_load() -> None:
     assert results["steps_done"] == 6 and results["errors"] == 0 and results["server_rss_peak_mib"] > 0
 
 
+@pytest.mark.slow  # CI: get_from's own test below (a process that ended having sent nothing fails the wait at once)
 def test_bench_load_fails_at_once_when_its_server_process_dies() -> None:
     """The server process raises at start (an unknown trunk mode): the bench says so within seconds, instead of
     waiting for a port that will never come."""

@@ -34,6 +34,25 @@ def _run_status(run_id: str, env: dict[str, str]) -> dict:
     return json.loads(result.stdout)["runs"][0]
 
 
+def test_clients_that_all_fail_fail_the_run_with_their_error_and_export_nothing(tmp_path: Path) -> None:
+    """Every client raises (a hub dataset offline; the tests run with the hub offline): the run stops after round 1
+    of 3 with the clients' error, its type kept, and nothing is exported. (The same through ``flwr run``, where
+    Flower marks the run failed with that error, is the slow test below.)"""
+    with pytest.raises(RoundFailedError, match=r"round 1: 0 of 2 clients trained.*some-org/some-dataset"):
+        run_apps(tmp_path, num_nodes=2, concurrency=2, num_server_rounds=3, local_steps=2,
+                 dataset="some-org/some-dataset")
+    out = tmp_path / "outputs"
+    history = _history(out)
+    assert history["status"] == "failed" and "0 of 2 clients trained" in history["error"]
+    (round1,) = history["rounds"]
+    assert round1["round"] == 1 and round1["failures"]["train"] == 2 and round1["failures"]["train-sent"] == 2
+    assert "some-org/some-dataset" in round1["failures"]["first-error"]
+    assert "could not be loaded" in round1["failures"]["first-error"]
+    assert "ConfigError" in round1["failures"]["first-error"]
+    assert not (run_folder(out) / "model").exists() and not (run_folder(out) / "checkpoint").exists()
+
+
+@pytest.mark.slow  # CI: the test above, through the apps in-process
 def test_flwr_run_whose_clients_all_fail_is_reported_failed(flwr_home: Path, tmp_path: Path) -> None:
     """Every client raises (a hub dataset offline): the run fails with that error, nothing is exported."""
     env = dict(_env(flwr_home), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
