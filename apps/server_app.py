@@ -11,9 +11,15 @@ from flwr.serverapp.strategy import Strategy
 
 from splitfed.config import RunConfig
 from splitfed.trunk.aggregation.modes import TrunkAggregator
-from strategies import build_strategy
-from strategies.run import output_root as output_dir
-from strategies.run import splitfed_run
+
+if __package__ == "apps":  # the repository's Flower app (`flwr run .`): apps/ beside strategies/
+    from strategies import build_strategy
+    from strategies.run import output_root as output_dir
+    from strategies.run import splitfed_run
+else:  # installed: splitfed.apps beside splitfed.strategies
+    from ..strategies import build_strategy
+    from ..strategies.run import output_root as output_dir
+    from ..strategies.run import splitfed_run
 
 log = logging.getLogger("splitfed")
 

@@ -37,7 +37,7 @@ from flwr.serverapp.strategy import (
 
 from splitfed.config import RunConfig, parse_args
 from splitfed.errors import ConfigError
-from strategies.metrics import aggregate_split_metrics
+from .metrics import aggregate_split_metrics
 
 #: Flower's strategies that aggregate arrays, by run-config name. (FedXgbBagging/FedXgbCyclic aggregate
 #: serialized XGBoost trees, not tensors: they do not apply to split models.)

@@ -34,7 +34,7 @@ from splitfed.logs import setup_logging
 from splitfed.run.rundirs import new_run_dir, point_latest, resolve_resume
 from splitfed.run.server import ServerRunner
 from splitfed.trunk.aggregation.modes import TrunkAggregator
-from strategies.splitfed import SplitFed
+from .splitfed import SplitFed
 
 log = logging.getLogger("splitfed")
 

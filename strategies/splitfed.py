@@ -33,12 +33,12 @@ from flwr.serverapp.strategy import Result, Strategy
 from splitfed.errors import ConfigError, RoundFailedError
 from splitfed.run.messages import CLIENT_CLIPPING, CLIENT_KEY, PRIVACY_RECORD, PRIVACY_STATES, with_prefix
 from splitfed.run.server import ServerRunner
-from strategies.cuts import complete_replies, load_trunk
-from strategies.factory import client_clipping, describe_strategy
-from strategies.metrics import user_facing
-from strategies.replies import RoundReplies, merge_records
-from strategies.state import load_strategy_state, strategy_state
-from strategies.trunk_copies import TrunkCopies, build_trunk_strategy
+from .cuts import complete_replies, load_trunk
+from .factory import client_clipping, describe_strategy
+from .metrics import user_facing
+from .replies import RoundReplies, merge_records
+from .state import load_strategy_state, strategy_state
+from .trunk_copies import TrunkCopies, build_trunk_strategy
 
 #: Name of the ConfigRecord SplitFed adds its ``splitfed.``-prefixed values to when a strategy sends none
 #: (Flower's strategies send one, ``"config"``, and SplitFed adds to that).

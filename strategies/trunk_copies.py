@@ -29,7 +29,7 @@ from flwr.supercore import log
 
 from splitfed.config import RunConfig
 from splitfed.trunk.aggregation.percopy import PerClientAggregator, TrainedCopy
-from strategies.factory import build_strategy
+from .factory import build_strategy
 
 
 def build_trunk_strategy(cfg: RunConfig) -> Strategy:
