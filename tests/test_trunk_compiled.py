@@ -117,12 +117,13 @@ def test_a_trunk_compiled_by_inductor_trains_as_the_eager_one(trunk_server: Any,
 
 
 def test_a_compiled_trunk_decodes_eagerly(graphs: Any, aot_eager: None) -> None:
-    """Decoding steps over a growing KV cache would recompile for every length: they run the blocks eagerly."""
-    from splitfed.trunk.compute.runtime import TrunkRuntime
+    """Decoding steps over a growing KV cache would recompile for every length: they run the blocks eagerly. (The
+    runtime is made as ``splitfed serve`` makes it, so this also shows ``compile`` reaching it from a spec.)"""
+    from splitfed.serving.build import make_runtime
     from splitfed.trunk.inference.sessions import SessionManager
 
     split = split_model(tiny_model("gpt2"), cuts=(1, 3))
-    runtime = TrunkRuntime(split.trunk, compile=True)
+    runtime = make_runtime(split.trunk, compile=True)
     compiled = graphs()
     sessions = SessionManager(runtime)
     session = sessions.open("c0", max_length=16)[0]
@@ -138,7 +139,6 @@ def test_compile_reaches_the_runtime_from_the_cli_the_admin_api_and_a_spec(aot_e
     from splitfed.cli.main import build_parser
     from splitfed.cli.models import spec_from_flag
     from splitfed.errors import ConfigError
-    from splitfed.serving.build import make_runtime
     from splitfed.serving.spec import ModelSpec
 
     parser = build_parser()
@@ -153,5 +153,5 @@ def test_compile_reaches_the_runtime_from_the_cli_the_admin_api_and_a_spec(aot_e
     with pytest.raises(ConfigError, match="compile of model"):
         ModelSpec(model="gpt2", compile="yes")
     assert not spec_from_proto(spec_to_proto(ModelSpec(model="gpt2"))).compile
-    trunk = split_model(tiny_model("gpt2"), cuts=(1, 3)).trunk
-    assert make_runtime(trunk, compile=True).compiled
+    # make_runtime(trunk, compile=True) gives a compiled runtime: test_a_compiled_trunk_decodes_eagerly builds its
+    # runtime so (the blocks' compile takes seconds; one test pays it)
