@@ -59,7 +59,8 @@ def main() -> int:
     parser = build_parser()
     args = parser.parse_args()
 
-    from splitfed.models.llm import NAMED_LLMS, load_parts, model_dir, parts_nbytes
+    from splitfed.models.llm import NAMED_LLMS, model_dir
+    from splitfed.models.partload import load_parts, parts_nbytes
 
     if args.cuts:
         a, b = (int(x) for x in args.cuts.split(","))

@@ -89,10 +89,10 @@ def _free_port() -> int:
 @pytest.fixture
 def trunk(llama: Path) -> Iterator[Any]:
     """The tiny Llama's trunk on a server that batches decode steps arriving within 50 ms."""
-    from splitfed.models import llm
+    from splitfed.models import partload
     from splitfed.channel.server.trunkserver import TrunkServer
 
-    parts = llm.load_parts(str(llama), CUTS, ("trunk",))
+    parts = partload.load_parts(str(llama), CUTS, ("trunk",))
     server = TrunkServer(parts.trunk.requires_grad_(False), insecure=True, model_name=str(llama), cuts=CUTS,
                          batch_window_ms=50).start()
     yield server
@@ -269,7 +269,7 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endf
 
 def test_a_failed_answer_shows_its_error_on_its_turn_and_the_next_turn_answers(llama: Path) -> None:
     sync_playwright = _browser_or_skip()
-    from splitfed.models import llm
+    from splitfed.models import partload
     from splitfed.channel.server.trunkserver import TrunkServer
     from splitfed.chat import serve_page
     from splitfed.chat.engine import ChatEngine, Connection
@@ -277,7 +277,7 @@ def test_a_failed_answer_shows_its_error_on_its_turn_and_the_next_turn_answers(l
 
     # Prepare: a server whose sessions hold at most 80 positions (a long message's answer is refused), a page
     # whose tokenizer has a chat template (the whole conversation makes the prompt)
-    parts = llm.load_parts(str(llama), CUTS, ("trunk",))
+    parts = partload.load_parts(str(llama), CUTS, ("trunk",))
     server = TrunkServer(parts.trunk.requires_grad_(False), insecure=True, model_name=str(llama), cuts=CUTS,
                          session_limits=SessionLimits(max_length=80)).start()
     engine = ChatEngine(str(llama), Connection(server.address, insecure=True, model=str(llama)), max_new_tokens=16)

@@ -39,7 +39,8 @@ def test_smollm2_lora_with_client_cuts_lowers_perplexity(tmp_path: Path) -> None
 
     from splitfed.config import RunConfig
     from splitfed.data import batches
-    from splitfed.models.llm import load_parts, model_dir
+    from splitfed.models.llm import model_dir
+    from splitfed.models.partload import load_parts
     from splitfed.client.training import evaluate
     from splitfed.workload import load_splits
 

@@ -14,7 +14,8 @@ from conftest import batch_for
 from llm_fixtures import VOCAB, save_tiny
 
 from splitfed.errors import ModelLoadError
-from splitfed.models.llm import CheckpointReader, load_model, load_parts, load_tokenizer, model_dir, parts_nbytes
+from splitfed.models.llm import load_model, load_tokenizer, model_dir
+from splitfed.models.partload import CheckpointReader, load_parts, parts_nbytes
 from splitfed.models.lora import adapter_state, apply_lora, load_adapter_state, lora_config
 from splitfed.split import SplitModel, split_model
 
@@ -155,7 +156,7 @@ def test_lora_run_exports_a_model_with_the_split_models_logits(tmp_path: Path, a
 PEAK_RSS_SCRIPT = r"""
 import json, resource, sys
 import torch
-from splitfed.models.llm import load_parts, parts_nbytes
+from splitfed.models.partload import load_parts, parts_nbytes
 def rss_kb():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):

@@ -76,7 +76,7 @@ def _reference(llama_dir: Path, ids: torch.Tensor, new: int) -> torch.Tensor:
 
 
 def _generate(address: str, llama_dir: Path, ids: torch.Tensor, new: int) -> torch.Tensor:
-    from splitfed.models.llm import load_parts
+    from splitfed.models.partload import load_parts
 
     parts = load_parts(str(llama_dir), (1, 3), ("bottom", "top"))
     with TrunkClient(address, insecure=True, model="llm") as client, \

@@ -87,6 +87,7 @@ class ChatEngine:
     def __init__(self, model: str, connection: Connection, *, cuts: tuple[int, int] | None = None,
                  max_new_tokens: int = 256) -> None:
         from splitfed.models import llm
+        from splitfed.models.partload import load_parts
 
         self.model = model
         self.connection = connection
@@ -106,7 +107,7 @@ class ChatEngine:
         elif cuts is None:
             raise ConfigError(f"the trunk server at {connection.address} does not say its cuts; pass --cuts A,B")
         self.cuts = (int(cuts[0]), int(cuts[1]))
-        parts = llm.load_parts(model, self.cuts, ("bottom", "top"))
+        parts = load_parts(model, self.cuts, ("bottom", "top"))
         self.bottom, self.top = parts.bottom.eval(), parts.top.eval()
         self.tokenizer = llm.load_tokenizer(model)
         config = llm.load_config(model)

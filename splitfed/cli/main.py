@@ -151,6 +151,7 @@ class _TextStream:
 
 def _generate(args: argparse.Namespace) -> int:
     from splitfed.models import llm
+    from splitfed.models.partload import load_parts
     from splitfed.channel.client.trunk import TrunkClient
     from splitfed.channel.server.trunkserver import TrunkServer
     from splitfed.client.generation import RemoteSession, generate
@@ -167,7 +168,7 @@ def _generate(args: argparse.Namespace) -> int:
                          else (1, max(n - 1, 2)))
     # With a remote trunk the client reads only its own parts' weights.
     roles = ("bottom", "top") if args.trunk else ("bottom", "trunk", "top")
-    parts = llm.load_parts(args.model, cuts, roles)
+    parts = load_parts(args.model, cuts, roles)
     for role in roles:
         getattr(parts, role).eval()
     tokenizer = llm.load_tokenizer(args.model)

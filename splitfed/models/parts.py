@@ -84,7 +84,7 @@ def build_parts(cfg: RunConfig, roles: Iterable[str] = ALL_ROLES) -> SplitModel:
     elif cfg.model in NAMED:
         split = split_model(build_model(cfg.model, seed=cfg.seed), cuts)
     else:
-        from splitfed.models.llm import load_parts
+        from splitfed.models.partload import load_parts
 
         split = load_parts(cfg.model, cuts, roles, **config_overrides(cfg))
     lora = lora_setup(cfg, split)

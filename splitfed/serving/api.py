@@ -60,6 +60,7 @@ class RemoteLM:
 
     def __init__(self, client: TrunkClient, source: str | None = None) -> None:
         from splitfed.models import llm
+        from splitfed.models.partload import load_parts
 
         info = client.info()
         self.client = client
@@ -67,7 +68,7 @@ class RemoteLM:
         if not self.source:
             raise ConfigError("the server does not name its model: give source= (a named model, folder or hub id)")
         self.cuts = (int(info.cuts[0]), int(info.cuts[1])) if len(info.cuts) == 2 else None
-        parts = llm.load_parts(self.source, self.cuts, ("bottom", "top"))
+        parts = load_parts(self.source, self.cuts, ("bottom", "top"))
         self.bottom, self.top = parts.bottom.eval(), parts.top.eval()
         self.tokenizer = llm.load_tokenizer(self.source)
         config = llm.load_config(self.source)
