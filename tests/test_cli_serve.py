@@ -8,6 +8,7 @@ import subprocess
 import sys
 import uuid
 
+import pytest
 import torch
 
 from splitfed.channel.client.trunk import TrunkClient
@@ -59,6 +60,7 @@ def _free_ports(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports")
 
 
+@pytest.mark.slow  # CI: replicas' global sync steps: test_replicas.py; the router over them: test_router_training.py
 def test_serve_replicas_take_global_sync_steps() -> None:
     """`splitfed serve --replicas 2`: one address (the router's) in front of both replicas, which also listen on
     --port + 1 + r; the router puts two clients on different replicas, and a sync step waits for the clients of
