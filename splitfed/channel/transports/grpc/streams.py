@@ -29,6 +29,18 @@ def stream_threshold(client: Any) -> int:
     return min(threshold, BULK_MIN_BYTES) if client.bulk.wanted else threshold
 
 
+#: Statuses a server answers about a call's request itself (its tensors, ids, identity), not about the way it came.
+REQUEST_REFUSALS = frozenset({"INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "FAILED_PRECONDITION",
+                              "RESOURCE_EXHAUSTED", "UNAUTHENTICATED", "PERMISSION_DENIED", "OUT_OF_RANGE"})
+
+
+def link_failed(error: ChannelError, closed: bool) -> bool:
+    """Whether a streamed call that failed with ``error`` over a bulk link (``closed``: the link is closed now) shows
+    the link failing: it broke or closed, the call found no link on the server (UNAVAILABLE) or another client's
+    (PERMISSION_DENIED naming the link), its bytes did not come in time; not when the server refused the request."""
+    return closed or error.code not in REQUEST_REFUSALS or "bulk link" in str(error)
+
+
 def stream_call(client: Any, name: str, fn: Callable[..., Iterator[pb.Frame]], header: pb.Frame, field: str,
                 encs: list[EncodedTensor], reply_field: str, extra: Sequence[tuple[str, str]] = (),
                 alloc: Callable[[int], Any] | None = None) -> Any:
@@ -38,7 +50,8 @@ def stream_call(client: Any, name: str, fn: Callable[..., Iterator[pb.Frame]], h
     what the first attempt left (a saved forward, a remembered backward):
     a retried gradient is never applied twice. The reply's bytes gather in what ``alloc`` gives (pinned
     memory for a caller on a GPU), else in numpy's memory. An attempt whose bulk link fails gives the link up;
-    the retry streams over gRPC.
+    the retry streams over gRPC. A request the server refused over a working link (a malformed tensor, an unknown
+    id) keeps the link: the next calls still take it.
     """
     policy, bulk = client.retry, client.bulk
     attempt, delay = 0, policy.initial_backoff_s
@@ -58,7 +71,7 @@ def stream_call(client: Any, name: str, fn: Callable[..., Iterator[pb.Frame]], h
             error = exc
         except BulkLinkError as exc:
             error = ChannelError(f"{name} to trunk server {client.address} lost its bulk link: {exc}", "UNAVAILABLE")
-        if link is not None:
+        if link is not None and link_failed(error, link.closed is not None):
             bulk.give_up(f"{name} failed over it ({error})")
         attempt += 1
         if (error.code not in policy.retryable_codes or attempt >= max(policy.max_attempts, 1)
@@ -70,4 +83,4 @@ def stream_call(client: Any, name: str, fn: Callable[..., Iterator[pb.Frame]], h
         delay = min(delay * policy.backoff_multiplier, policy.max_backoff_s)
 
 
-__all__ = ["stream_call", "stream_threshold"]
+__all__ = ["REQUEST_REFUSALS", "link_failed", "stream_call", "stream_threshold"]
