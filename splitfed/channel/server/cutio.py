@@ -116,7 +116,7 @@ class CutIO:
                 gather.feed(frame)
         if gather is None:
             Gather(None, field, self.limits.max_tensor_bytes)  # raises: nothing came
-        if gather.bulk is not None:
+        if gather.bulk is not None and gather.total:  # a header that declares no bytes waits for none
             await self._bulk_take(client, gather, context)
         return gather.done()
 
