@@ -51,12 +51,34 @@ def _trunk_plus_one(out: Path) -> dict[str, torch.Tensor]:
     return {k: v + 1.0 for k, v in fresh.runtime.trunk.state_dict().items() if v.is_floating_point()}
 
 
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, int, str]]:
+    """One process per step of STEPS, each dying there in a run folder of its own; started together (each spends
+    its seconds importing), awaited together. By step: the output folder, the exit code and the stderr."""
+    base = tmp_path_factory.mktemp("crashed")
+    started = {}
+    try:
+        for step in STEPS:
+            err = open(base / f"{step}.stderr", "w")  # a file, not a pipe: no child waits on a full pipe
+            started[step] = subprocess.Popen([sys.executable, "-c", CRASH, str(base / step / "outputs"), step,
+                                              str(ROOT / "tests")], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+            err.close()
+        for proc in started.values():
+            proc.wait(300)
+    finally:
+        for proc in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+    return {step: (base / step / "outputs", proc.returncode, (base / f"{step}.stderr").read_text())
+            for step, proc in started.items()}
+
+
 @pytest.mark.parametrize("step", STEPS)
-def test_a_process_killed_inside_checkpoint_leaves_a_usable_checkpoint(tmp_path: Path, step: str) -> None:
-    out = tmp_path / "outputs"
-    proc = subprocess.run([sys.executable, "-c", CRASH, str(out), step, str(ROOT / "tests")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]  # it died at the hook, not after
+def test_a_process_killed_inside_checkpoint_leaves_a_usable_checkpoint(crashed: dict[str, tuple[Path, int, str]],
+                                                                       step: str) -> None:
+    out, returncode, stderr = crashed[step]
+    assert returncode == 0, stderr[-3000:]  # it died at the hook, not after
     runner = _runner(out)
     # Before the switch the round-1 checkpoint is current and whole; from the switch on, round 2's.
     expected_round = 2 if step == "switched" else 1
