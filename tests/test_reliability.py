@@ -7,13 +7,17 @@ import multiprocessing as mp
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import pytest
 import torch
 from conftest import batch_for, tiny_model
 
-from splitfed.channel.client.trunk import RemoteTrunk, RetryPolicy, TrunkClient
+from splitfed.channel.client.remote import RemoteTrunk
+
+from splitfed.channel.client.trunk import RetryPolicy, TrunkClient
 from splitfed.errors import ChannelError
 from splitfed.split import CutState, SplitModel, split_model
 from splitfed.trunk.aggregation.modes import make_aggregator
@@ -96,17 +100,49 @@ def _dying_client(address: str, ready, hidden: torch.Tensor) -> None:
     time.sleep(600)
 
 
-@pytest.mark.parametrize("mode", ["sync", "quorum", "async"])
-def test_a_client_killed_mid_step_does_not_block_the_others(trunk_server, mode: str) -> None:
+def _dying_client_when_told(orders, ready) -> None:  # type: ignore[no-untyped-def]
+    """Waits for its server's address and its hidden states, then dies as :func:`_dying_client` does."""
+    address, hidden = orders.get()
+    _dying_client(address, ready, hidden)
+
+
+KILLED_MODES = ("sync", "quorum", "async")
+
+
+@pytest.fixture(scope="module")
+def doomed() -> Iterator[Callable[[str, torch.Tensor], Any]]:
+    """One client process per test of :data:`KILLED_MODES`, all started at once when the first test asks (each
+    spends its seconds importing, side by side); ``doomed(address, hidden)`` hands the next its server and
+    returns it once its forward is in."""
+    ctx = mp.get_context("spawn")
+    spares = []
+    for _ in KILLED_MODES:
+        orders, ready = ctx.Queue(), ctx.Event()
+        proc = ctx.Process(target=_dying_client_when_told, args=(orders, ready), daemon=True)
+        proc.start()
+        spares.append((proc, orders, ready))
+    left = list(spares)
+
+    def take(address: str, hidden: torch.Tensor) -> Any:
+        proc, orders, ready = left.pop(0)
+        orders.put((address, hidden))
+        assert ready.wait(120)
+        return proc
+
+    yield take
+    for proc, _, _ in spares:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+
+
+@pytest.mark.parametrize("mode", KILLED_MODES)
+def test_a_client_killed_mid_step_does_not_block_the_others(trunk_server, doomed, mode: str) -> None:
     split = split_model(tiny_model("llama").train(), cuts=(1, 3))
     agg = make_aggregator(mode, quorum=2, max_staleness=4, timeout=1.0)
     server = trunk_server(split.trunk, aggregator=agg, store_limits=StoreLimits(ttl_s=1.5, done_ttl_s=1.5))
-    ctx = mp.get_context("spawn")
-    ready = ctx.Event()
     hidden = torch.randn(2, 5, 32)
-    proc = ctx.Process(target=_dying_client, args=(server.address, ready, hidden), daemon=True)
-    proc.start()
-    assert ready.wait(60)
+    proc = doomed(server.address, hidden)
     assert server.runtime.store.bytes_held > 0
     proc.kill()  # mid-step: its forward is saved, its backward will never come
     proc.join(10)
