@@ -1,0 +1,132 @@
+"""One conformance suite over every way a tensor crosses the cut: each test runs over gRPC, shared-memory regions
+(over gRPC), direct calls, bulk links and front-end processes, and checks that the calls went that way. A transport
+added later gets every test by adding one line to ``TRANSPORTS``.
+
+What each checks: split steps compute exactly what plain PyTorch computes (outputs, input gradients, the trunk's
+weights after its optimizer's steps); a step id used twice is refused; a backward for an unknown step, or with a
+gradient of the wrong shape, is refused with the status the hostile-input catalogue names (docs/bad_inputs.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from splitfed.channel.client.trunk import TrunkClient
+from splitfed.channel.server.trunkserver import TrunkServer
+from splitfed.channel.transports.shm import lane as shared
+from splitfed.channel.wire.limits import ChannelLimits
+from splitfed.errors import ChannelError
+from splitfed.split import CutState
+from splitfed.split.sequential import split_sequential
+
+LR = 0.01
+ROWS, HIDDEN = 6, 16
+
+
+@dataclass(frozen=True)
+class Transport:
+    """A way across the cut: the server's and the client's settings, and how to tell the calls went that way."""
+
+    server: dict[str, Any] = field(default_factory=dict)
+    client: dict[str, Any] = field(default_factory=dict)
+    went: Callable[[TrunkServer, TrunkClient], int] = lambda server, client: 0
+
+
+TRANSPORTS: dict[str, Transport] = {
+    "grpc": Transport({}, {"shared_memory": "off"}, lambda s, c: c.calls - c.shared.calls - c.bulk.calls),
+    "shm": Transport({"direct_calls": False}, {}, lambda s, c: c.shared.calls - c.shared.direct_calls),
+    "direct": Transport({}, {}, lambda s, c: c.shared.direct_calls),
+    "bulk": Transport({"bulk_connections": 2},
+                      {"shared_memory": "off", "bulk_connections": 2,
+                       "limits": ChannelLimits(stream_threshold_bytes=256)}, lambda s, c: c.bulk.calls),
+    "frontend": Transport({"frontends": 1}, {"shared_memory": "off"},
+                          lambda s, c: s.frontends.listener.stats["calls"]),
+}
+
+
+def _trunk() -> nn.Module:
+    torch.manual_seed(0)
+    return split_sequential(nn.Sequential(nn.Linear(8, HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
+                                          nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, 4)), 1, 4)[1]
+
+
+@dataclass
+class Channel:
+    name: str
+    transport: Transport
+    server: TrunkServer
+    client: TrunkClient
+    reference: nn.Module  # the trunk as it was when the server started
+
+    def went(self) -> int:
+        return self.transport.went(self.server, self.client)
+
+
+@pytest.fixture(scope="module", params=sorted(TRANSPORTS))
+def channel(request: pytest.FixtureRequest) -> Iterator[Channel]:
+    saved, shared.MIN_REGION_TENSOR_BYTES = shared.MIN_REGION_TENSOR_BYTES, 1  # small tensors go by region too
+    transport = TRANSPORTS[request.param]
+    trunk = _trunk()
+    server = TrunkServer(copy.deepcopy(trunk), insecure=True, lr=LR, **transport.server).start()
+    client = TrunkClient(server.address, insecure=True, **transport.client)
+    try:
+        yield Channel(request.param, transport, server, client, trunk)
+    finally:
+        client.close()
+        server.stop(grace=0)
+        shared.MIN_REGION_TENSOR_BYTES = saved
+
+
+def test_split_steps_compute_what_plain_pytorch_computes(channel: Channel) -> None:
+    trunk = copy.deepcopy(channel.server.runtime.trunk)  # the weights now: the module's earlier tests stepped too
+    opt = torch.optim.SGD(trunk.parameters(), lr=LR)
+    before = channel.went()
+    torch.manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(ROWS, HIDDEN)
+        act = uuid.uuid4().hex
+        out, _ = channel.client.forward(CutState(x), activation_id=act)
+        x_ref = x.clone().requires_grad_(True)
+        want = trunk(CutState(x_ref)).hidden
+        assert torch.equal(out, want.detach())
+        grad = channel.client.backward(act, out * 0.5).grad
+        opt.zero_grad()
+        want.backward(out * 0.5)
+        opt.step()
+        assert torch.equal(grad, x_ref.grad)
+    for p, q in zip(channel.server.runtime.trunk.parameters(), trunk.parameters()):
+        assert torch.equal(p, q)
+    assert channel.went() >= before + 6, f"the calls did not go over {channel.name}"
+
+
+def test_a_step_id_used_twice_is_refused(channel: Channel) -> None:
+    act = uuid.uuid4().hex
+    channel.client.forward(CutState(torch.randn(ROWS, HIDDEN)), activation_id=act)
+    with pytest.raises(ChannelError) as info:
+        channel.client.forward(CutState(torch.randn(ROWS, HIDDEN)), activation_id=act)
+    assert info.value.code == "ALREADY_EXISTS"
+    channel.client.backward(act, torch.zeros(ROWS, HIDDEN))  # the first forward's step still completes
+
+
+@pytest.mark.parametrize(("case", "code"), [("unknown-step", "NOT_FOUND"), ("grad-shape", "INVALID_ARGUMENT")])
+def test_a_bad_backward_is_refused_and_the_channel_serves_on(channel: Channel, case: str, code: str) -> None:
+    act = uuid.uuid4().hex
+    channel.client.forward(CutState(torch.randn(ROWS, HIDDEN)), activation_id=act)
+    with pytest.raises(ChannelError) as info:
+        if case == "unknown-step":
+            channel.client.backward(uuid.uuid4().hex, torch.ones(ROWS, HIDDEN))
+        else:
+            channel.client.backward(act, torch.ones(ROWS + 1, HIDDEN))
+    assert info.value.code == code
+    if case == "unknown-step":
+        channel.client.backward(act, torch.zeros(ROWS, HIDDEN))
+    out, _ = channel.client.forward(CutState(torch.randn(ROWS, HIDDEN)), train=False)
+    assert out.shape == (ROWS, HIDDEN)
