@@ -296,7 +296,7 @@ def compression(repeat: int = 6, device: str = "cpu") -> dict[str, float]:
     (data, scales, indices).
     """
     from bench.split_step import _trunk_server
-    from splitfed.channel.client.trunk import RemoteTrunk
+    from splitfed.channel.client.remote import RemoteTrunk
     from splitfed.codec.compression import WireCompression
     from splitfed.split import SplitModel, split_model
 

@@ -115,7 +115,7 @@ def _client_optimizer(model: SplitModel, setting: Setting) -> torch.optim.Optimi
 def train_setting(parts: Any, setting: Setting, data: Any, kind: str, steps: int, batch_size: int,
                   seed: int) -> dict[str, float]:
     """Train bottom+top on ``data`` against a trunk server on loopback, with ``setting``'s privacy."""
-    from splitfed.channel.client.trunk import RemoteTrunk
+    from splitfed.channel.client.remote import RemoteTrunk
     from splitfed.channel.server.trunkserver import TrunkServer
     from splitfed.errors import ChannelError, TensorValueError
     from splitfed.client.training import train

@@ -90,7 +90,7 @@ def split_step_ratio(repeat: int = 10, device: str = "cpu", micro_batches: tuple
     trunk's) and ``unsplit_step_host_syncs`` count the host's reads of the device in one step
     (:mod:`bench.host_syncs`).
     """
-    from splitfed.channel.client.trunk import RemoteTrunk
+    from splitfed.channel.client.remote import RemoteTrunk
     from splitfed.split import SplitModel, split_model
 
     cuts, settings = _cuts(), dict(SPLIT_STEP)

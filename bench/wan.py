@@ -158,7 +158,7 @@ def client(model: str, compressions: Sequence[str], dev: str, rate_bps: float | 
            quick: bool, micro_batches: Sequence[int] = (1,)) -> dict[str, Any]:
     """Time split steps against the trunk server, the settings (compression x micro-batches) interleaved step by
     step."""
-    from splitfed.channel.client.trunk import RemoteTrunk
+    from splitfed.channel.client.remote import RemoteTrunk
     from splitfed.codec.compression import WireCompression
     from splitfed.split import SplitModel, split_model
 

@@ -18,7 +18,8 @@ from splitfed.channel.transports.bulk import links as bulk
 from splitfed.channel.wire import split_channel_pb2 as pb
 from splitfed.channel.wire import split_channel_pb2_grpc as pb_grpc
 from splitfed.channel.transports.bulk.links import BulkLink, hello, segment, stripes
-from splitfed.channel.client.trunk import RemoteTrunk, TrunkClient
+from splitfed.channel.client.remote import RemoteTrunk
+from splitfed.channel.client.trunk import TrunkClient
 from splitfed.channel.wire.framing import HELLO_LIMITS, pieces, recv_frame, send_frame
 from splitfed.channel.wire.limits import CLIENT_ID_KEY, ChannelLimits
 from splitfed.channel.wire.messages import encode_state, frames

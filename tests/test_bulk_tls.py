@@ -22,7 +22,8 @@ from splitfed.channel.wire import split_channel_pb2_grpc as pb_grpc
 from splitfed.channel.transports.bulk.links import hello
 from splitfed.channel.wire.framing import send_frame
 from splitfed.channel.security.bulktls import BulkTLS, server_context
-from splitfed.channel.client.trunk import RemoteTrunk, TrunkClient
+from splitfed.channel.client.remote import RemoteTrunk
+from splitfed.channel.client.trunk import TrunkClient
 from splitfed.channel.wire.limits import CLIENT_ID_KEY, ChannelLimits
 from splitfed.channel.security.credentials import channel_credentials, server_credentials
 from splitfed.errors import ConfigError

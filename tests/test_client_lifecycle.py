@@ -12,7 +12,8 @@ import pytest
 import torch
 from doc_blocks import ROOT, python_blocks
 
-from splitfed.channel.client.trunk import LEAVE_TIMEOUT_S, RemoteTrunk, TrunkClient
+from splitfed.channel.client.remote import RemoteTrunk
+from splitfed.channel.client.trunk import LEAVE_TIMEOUT_S, TrunkClient
 from splitfed.channel.server.trunkserver import TrunkServer
 from splitfed.errors import ChannelError, SplitError
 from splitfed.models.catalog import build_model, mnist_cnn

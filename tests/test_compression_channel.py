@@ -20,7 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_channel import _assert_unchanged, _trunk_snapshot
 
 from splitfed.channel.wire import split_channel_pb2 as pb
-from splitfed.channel.client.trunk import RemoteTrunk, TrunkClient
+from splitfed.channel.client.remote import RemoteTrunk
+from splitfed.channel.client.trunk import TrunkClient
 from splitfed.channel.server.trunkserver import CLIENT_ID_KEY, SERVICE_NAME, ChannelLimits, TrunkServer
 from splitfed.channel.wire.split_channel_pb2_grpc import SplitChannelStub
 from splitfed.channel.wire.messages import to_proto

@@ -13,7 +13,8 @@ import pytest
 import torch
 from conftest import batch_for, tiny_model
 
-from splitfed.channel.client.trunk import RemoteTrunk, TrunkClient
+from splitfed.channel.client.remote import RemoteTrunk
+from splitfed.channel.client.trunk import TrunkClient
 from splitfed.split import SplitModel, split_model
 from splitfed.trunk.compute.runtime import TrunkRuntime
 

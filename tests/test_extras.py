@@ -32,7 +32,7 @@ def _run(code: str, blocked: tuple[str, ...] = EXTRAS) -> subprocess.CompletedPr
 def test_client_app_remote_trunk_and_trunk_server_import_without_any_extra() -> None:
     result = _run("""
         import apps.client_app, apps.server_app
-        from splitfed.channel.client.trunk import RemoteTrunk
+        from splitfed.channel.client.remote import RemoteTrunk
         from splitfed.channel.server.trunkserver import TrunkServer
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED and sys.modules[m] is not None)
         print("loaded:", loaded)

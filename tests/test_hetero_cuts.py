@@ -202,7 +202,7 @@ def _reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict
 
 
 def _client(address: str, cut: tuple[int, int], start: threading.Barrier, out: dict, model: nn.Module) -> None:
-    from splitfed.channel.client.trunk import RemoteTrunk
+    from splitfed.channel.client.remote import RemoteTrunk
 
     split = split_model(model, cut)
     remote = RemoteTrunk(address, insecure=True, client_id=f"client-{cut[0]}", cut=cut)

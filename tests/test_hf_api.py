@@ -17,7 +17,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
 )
 
-from splitfed.channel.client.trunk import RemoteTrunk
+from splitfed.channel.client.remote import RemoteTrunk
 from splitfed.errors import SplitError
 from splitfed.split import SplitModel, split_model
 

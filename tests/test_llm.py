@@ -85,7 +85,7 @@ def test_unknown_local_folder_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "gemma"])
 def test_lora_trains_only_adapters_on_every_part_over_grpc(tmp_path: Path, arch: str, trunk_server) -> None:
-    from splitfed.channel.client.trunk import RemoteTrunk
+    from splitfed.channel.client.remote import RemoteTrunk
 
     folder = save_tiny(arch, tmp_path / arch)
     client = load_parts(str(folder), (1, 3), ("bottom", "top"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import ARCHS, batch_for, tiny_cnn, tiny_model
 
-from splitfed.channel.client.trunk import RemoteTrunk
+from splitfed.channel.client.remote import RemoteTrunk
 from splitfed.optim import make_optimizer
 from splitfed.split import SplitModel, causal_lm_loss, classification_loss, split_model
 from splitfed.split.microbatch import resolve_micro_batches, split_batch
@@ -220,7 +220,7 @@ def test_run_config_micro_batches_reach_the_client_model() -> None:
     big = {"micro-batches": "auto", "batch-size": 16, "max-seq-len": 2 * (1 << 20) // (4 * hidden)}
     assert micro_batches(RunConfig.from_mapping(big), split) == 4  # 2 MiB per example, 16 examples
     assert micro_batches(RunConfig.from_mapping({"micro-batches": "auto", "batch-size": 2}), split) == 1
-    from splitfed.channel.client.trunk import RemoteTrunk
+    from splitfed.channel.client.remote import RemoteTrunk
 
     on_host, remote = RemoteTrunk("127.0.0.1:1", insecure=True), RemoteTrunk("10.0.0.1:1", insecure=True)
     assert micro_batches(RunConfig.from_mapping(big), split, on_host) == 1  # the cut goes through shared memory

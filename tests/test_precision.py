@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import batch_for, tiny_model
 
-from splitfed.channel.client.trunk import RemoteTrunk
+from splitfed.channel.client.remote import RemoteTrunk
 from splitfed.data import Batch
 from splitfed.split import SplitModel, split_model
 from splitfed.client.training import train

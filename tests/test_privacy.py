@@ -131,7 +131,7 @@ def test_dp_sgd_noise_has_the_configured_scale() -> None:
 
 
 def test_dp_sgd_through_the_remote_trunk_uses_the_server_gradient(trunk_server) -> None:
-    from splitfed.channel.client.trunk import RemoteTrunk
+    from splitfed.channel.client.remote import RemoteTrunk
     from splitfed.client.training import train
 
     # Prepare: manual per-example gradients with the trunk local, before the server holds it.

@@ -16,7 +16,6 @@ import torch
 from conftest import batch_for, tiny_model
 
 from splitfed.channel.client.remote import RemoteTrunk
-
 from splitfed.channel.client.trunk import RetryPolicy, TrunkClient
 from splitfed.errors import ChannelError
 from splitfed.split import CutState, SplitModel, split_model

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from splitfed.channel.client.trunk import RemoteTrunk
+from splitfed.channel.client.remote import RemoteTrunk
 from splitfed.channel.routing import Router
 from splitfed.channel.security.policy import ServerTransport
 from splitfed.config import RunConfig

@@ -37,7 +37,7 @@ def test_trunk_servers_stopping_or_left_running_write_nothing_to_stderr(tmp_path
         "import os, torch\n"
         "assert 'GRPC_VERBOSITY' not in os.environ\n"
         "from splitfed import SplitModel, split_model\n"
-        "from splitfed.channel.client.trunk import RemoteTrunk\n"
+        "from splitfed.channel.client.remote import RemoteTrunk\n"
         "from splitfed.channel.server.trunkserver import TrunkServer\n"
         "from splitfed.models.catalog import mnist_cnn\n"
         "parts = split_model(mnist_cnn(), (3, 6))\n"

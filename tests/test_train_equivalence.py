@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import ARCHS, batch_for, tiny_cnn, tiny_config, tiny_model
 
-from splitfed.channel.client.trunk import RemoteTrunk
+from splitfed.channel.client.remote import RemoteTrunk
 from splitfed.optim import make_optimizer
 from splitfed.split import SplitModel, split_model
 

@@ -12,7 +12,7 @@ from splitfed.codec import transfer
 from splitfed.channel.client import trunk as client_module
 from splitfed.channel.wire import fastwire
 from splitfed.channel.wire import messages as wire
-from splitfed.channel.client.trunk import RemoteTrunk
+from splitfed.channel.client.remote import RemoteTrunk
 from splitfed.codec.tensors import EncodedTensor
 from splitfed.split import SplitModel, split_model
 from splitfed.codec.transfer import Staging

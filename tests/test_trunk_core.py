@@ -20,7 +20,8 @@ from torch import nn
 
 from splitfed.channel.security.tokens import TokenIssuer
 from splitfed.channel.wire import split_channel_pb2 as pb
-from splitfed.channel.client.trunk import RemoteTrunk, RetryPolicy, TrunkClient
+from splitfed.channel.client.remote import RemoteTrunk
+from splitfed.channel.client.trunk import RetryPolicy, TrunkClient
 from splitfed.channel.server.trunkserver import SERVICE_NAME, ChannelLimits, TrunkServer
 from splitfed.errors import ChannelError, ResourceExhaustedError
 from splitfed.split import CutState, split_model

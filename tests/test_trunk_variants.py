@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import tiny_cnn
 
-from splitfed.channel.client.trunk import RemoteTrunk
+from splitfed.channel.client.remote import RemoteTrunk
 from splitfed.split import SplitModel, split_model
 from splitfed.trunk.aggregation.percopy import PerClientAggregator
 from splitfed.trunk.aggregation.turns import SequentialAggregator, turn_order

@@ -69,14 +69,15 @@ def _client_model(cfg: RunConfig, state: Mapping[str, torch.Tensor], trunk: nn.M
 
 def connect_trunk(cfg: RunConfig, address: str, token: str | None, client_id: str,
                   ca_pem: str | None = None) -> nn.Module:
-    """A :class:`~splitfed.channel.client.trunk.RemoteTrunk` to the run's trunk server.
+    """A :class:`~splitfed.channel.client.remote.RemoteTrunk` to the run's trunk server.
 
     TLS pinned to ``ca_pem`` (the CA the server sent), else TLS verified with ``tls-root-ca`` when the run has
     ``tls-cert``; plaintext only to a loopback address unless ``trunk-allow-plaintext-remote``. Over TLS the
     client presents ``tls-client-cert``/``tls-client-key`` (required when the run sets ``tls-client-ca``; pass
     the node's view of the config, :meth:`RunConfig.for_node`).
     """
-    from splitfed.channel.client.trunk import RemoteTrunk, RetryPolicy
+    from splitfed.channel.client.remote import RemoteTrunk
+    from splitfed.channel.client.trunk import RetryPolicy
     from splitfed.codec.compression import WireCompression
 
     from splitfed.channel.security.policy import client_bulk_tls, client_credentials

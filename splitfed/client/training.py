@@ -2,7 +2,7 @@
 
 Plain torch: the loop is ``loss.backward(); optimizer.step()``; the remote
 trunk's forward and backward travel inside autograd (see
-:class:`~splitfed.channel.client.trunk.RemoteTrunk`).
+:class:`~splitfed.channel.client.remote.RemoteTrunk`).
 """
 
 from __future__ import annotations

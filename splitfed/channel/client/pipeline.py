@@ -46,7 +46,7 @@ def staging_for(remote: Any, device: torch.device) -> Staging:
 
 
 class RemotePipeline:
-    """One step's micro-batches in flight to a :class:`~splitfed.channel.client.trunk.RemoteTrunk`.
+    """One step's micro-batches in flight to a :class:`~splitfed.channel.client.remote.RemoteTrunk`.
 
     Args:
         remote: the remote trunk.

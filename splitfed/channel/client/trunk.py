@@ -390,8 +390,4 @@ class TrunkClient:
         self.close()
 
 
-# The module that wraps a TrunkClient for autograd; imported here so that ``from splitfed.channel.client.trunk import
-# RemoteTrunk`` keeps working.
-from splitfed.channel.client.remote import RemoteTrunk  # noqa: E402
-
-__all__ = ["PART_OUTCOME", "BackwardReply", "RemoteTrunk", "RetryPolicy", "TrunkClient"]
+__all__ = ["PART_OUTCOME", "BackwardReply", "RetryPolicy", "TrunkClient"]
