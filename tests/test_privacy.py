@@ -465,7 +465,7 @@ def test_server_side_central_dp_clips_and_noises_the_client_parts(tmp_path) -> N
     final = result.arrays.to_torch_state_dict()
     noise = torch.cat([(final[k] - mean[k]).flatten() for k in initial])
     assert float(noise.std()) == pytest.approx(sigma * clip / 2, rel=0.05)  # Flower's stdv: sigma * C / clients
-    assert result.train_metrics_clientapp[1]["train-steps"] == 2 * 3
+    assert result.train_metrics_clientapp[1]["num-examples"] == 2 * 3 * 32  # both clients took their 3 steps
 
 
 def test_client_side_central_dp_clips_on_the_client(tmp_path) -> None:
