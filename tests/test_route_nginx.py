@@ -1,5 +1,5 @@
 """`splitfed route --proxy nginx` with the real nginx: split steps and a generation session through it, calls by
-model, the clients' token, TLS towards clients and servers, failover to the other server, and `--check`."""
+model, the clients' token, TLS towards clients and servers, failover to the other server, retries marked, `--check`."""
 
 from __future__ import annotations
 
@@ -171,3 +171,26 @@ def test_check_prints_a_configuration_nginx_accepts(tmp_path: Path, servers: lis
     assert main(["route", "--proxy", "nginx", "--check", "--insecure", "--backend-token-file", str(tmp_path / "t"),
                  f"--backend={servers[0].address}"]) != 0
     assert "the Python router only" in capsys.readouterr().err
+
+
+def test_a_retried_call_reaches_the_server_marked_as_a_retry(tmp_path: Path) -> None:
+    from test_router import _Recorder
+
+    from splitfed.channel.wire.limits import CLIENT_ID_KEY
+
+    # Prepare: the server answers the first attempt UNAVAILABLE; the client's gRPC retries it (its retry policy)
+    backend = _Recorder().start()
+    proxy = NginxProxy(NginxSettings(port=_free_port()), discover([backend.address]), tmp_path).start()
+    try:
+        client = TrunkClient(proxy.address, insecure=True, client_id="c1")
+        backend.fail_next = True
+        # Execute
+        assert client.info().model == "rec"
+        # Assert: gRPC's own attempt count passed through nginx as it is (the servicer reads it), the first attempt
+        # without it
+        attempts = [seen["metadata"] for seen in backend.seen if seen["metadata"].get(CLIENT_ID_KEY) == "c1"]
+        assert [a.get("grpc-previous-rpc-attempts") for a in attempts] == [None, "1"]
+        client.close()
+    finally:
+        proxy.stop()
+        backend.stop()
