@@ -22,6 +22,7 @@ pooled buffer held before.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
 import logging
@@ -63,6 +64,9 @@ MIN_STRIPE_BYTES = 256 << 10
 BULK_MIN_BYTES = 256 << 10
 #: A transfer nobody took within this long is dropped (its sender's call has failed or moved on).
 TRANSFER_TTL_S = 120.0
+#: Taken transfers whose ids a link remembers, so that a call naming one again fails at once instead of waiting for
+#: bytes that went to an earlier attempt.
+TAKEN_KEPT = 4096
 
 
 def stripes(total: int, connections: int) -> list[tuple[int, int]]:
@@ -142,6 +146,8 @@ class BulkLink:
         self._lock = threading.Lock()
         self._transfers: dict[int, _Transfer] = {}
         self._pending = 0
+        #: Transfers taken lately (each id is used once: a call that names one again is a replay of its header).
+        self._taken: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._ids = itertools.count(1)
         self._senders = [concurrent.futures.ThreadPoolExecutor(1, f"splitfed-bulk-send-{i}")
                          for i in range(len(self.out_socks))]
@@ -272,6 +278,11 @@ class BulkLink:
         came yet); :meth:`taken` must follow, whatever happens."""
         if self.closed is not None:
             raise BulkLinkError(f"bulk link {self.name} is closed: {self.closed}")
+        with self._lock:
+            replayed = transfer in self._taken
+        if replayed:  # e.g. gRPC retried the call's header on its own: its bytes went to the first attempt
+            raise BulkLinkError(f"transfer {transfer} of bulk link {self.name} was taken by an earlier attempt of its "
+                                "call; a retry sends its bytes again, in a new transfer or over gRPC")
         try:
             return self._entry(transfer, total).done
         except BulkLinkError as exc:
@@ -284,6 +295,9 @@ class BulkLink:
             entry = self._transfers.pop(transfer, None)
             if entry is not None:
                 self._pending -= entry.total
+            self._taken[transfer] = None
+            while len(self._taken) > TAKEN_KEPT:
+                self._taken.popitem(last=False)
         if entry is not None:
             _settle(entry.done, error=BulkLinkError(f"transfer {transfer} was given up"))
 
