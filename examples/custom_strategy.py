@@ -32,9 +32,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, Metadata, Metr
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
-from apps.server_app import run  # noqa: E402
+from splitfed.apps.server_app import run  # noqa: E402
 from splitfed.config import RunConfig  # noqa: E402
-from strategies.metrics import aggregate_split_metrics  # noqa: E402
+from splitfed.strategies.metrics import aggregate_split_metrics  # noqa: E402
 
 
 class ClippedFedAvg(FedAvg):

@@ -91,7 +91,7 @@ app = ClientApp()
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """The project's train handler, on a node whose ``cuts`` the policy set."""
-    from apps import client_app
+    from splitfed.apps import client_app
 
     context.node_config.update(POLICY.node_config(context.node_config))
     return client_app.train(msg, context)
@@ -100,7 +100,7 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """The project's evaluate handler, on a node whose ``cuts`` the policy set."""
-    from apps import client_app
+    from splitfed.apps import client_app
 
     context.node_config.update(POLICY.node_config(context.node_config))
     return client_app.evaluate(msg, context)

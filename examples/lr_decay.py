@@ -22,9 +22,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
-from apps.server_app import run  # noqa: E402
+from splitfed.apps.server_app import run  # noqa: E402
 from splitfed.config import RunConfig  # noqa: E402
-from strategies.metrics import aggregate_split_metrics  # noqa: E402
+from splitfed.strategies.metrics import aggregate_split_metrics  # noqa: E402
 
 #: The factor the lr is multiplied by every round.
 DECAY = 0.5

@@ -19,8 +19,8 @@ from flwr.serverapp.strategy import FedAdam, Result
 
 from splitfed.client.round import client_evaluate
 from splitfed.workload import load_splits
-from strategies.metrics import aggregate_split_metrics
-from strategies.run import splitfed_run
+from splitfed.strategies.metrics import aggregate_split_metrics
+from splitfed.strategies.run import splitfed_run
 
 app = ServerApp()
 
