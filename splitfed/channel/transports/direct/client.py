@@ -10,6 +10,7 @@ the client's :class:`~splitfed.channel.wire.retry.RetryPolicy` and retry budget,
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import threading
@@ -103,19 +104,24 @@ class DirectLink:
         if self.retry is None:
             return self._attempt(name, request, timeout)
         assert self.budget is not None
-        return retrying(lambda left: self._attempt(name, request, left), self.retry, self.budget,
+        attempts = itertools.count()
+        return retrying(lambda left: self._attempt(name, request, left, next(attempts)), self.retry, self.budget,
                         f"{name} to trunk server {self.address} over the direct-call socket", timeout)
 
-    def _attempt(self, name: str, request: fastwire.Parsed, timeout: float | None) -> fastwire.Parsed:
-        """One attempt of :meth:`call`."""
+    def _attempt(self, name: str, request: fastwire.Parsed, timeout: float | None, retry: int = 0
+                 ) -> fastwire.Parsed:
+        """One attempt of :meth:`call`; ``retry``: how many came before it (the engine answers a retry from what the
+        first attempt left, as it answers gRPC's retries, so a call whose reply was lost is never applied twice)."""
         sock = self._take()
         with self._lock:
             self._ids += 1
             call_id = self._ids
         try:
             sock.settimeout(None if timeout is None else timeout + _GRACE_S)
-            send_frame(sock, {"id": call_id, "method": f"/{SERVICE_NAME}/{name}", "timeout": timeout},
-                       [fastwire.serialize(request.header, request.tensors)])
+            header = {"id": call_id, "method": f"/{SERVICE_NAME}/{name}", "timeout": timeout}
+            if retry:
+                header["retry"] = retry
+            send_frame(sock, header, [fastwire.serialize(request.header, request.tensors)])
             reply, body = recv_frame(sock, self._limits)
             if int_field(reply, "id") != call_id:
                 raise ConnectionError(f"a direct-call reply for call {reply.get('id')!r} came to call {call_id}")

@@ -95,7 +95,12 @@ class DirectListener(EngineListener):
                                     or timeout <= 0):
             return {"code": grpc.StatusCode.INVALID_ARGUMENT.name,
                     "details": f"a direct call's timeout must be a positive number of seconds, got {timeout!r}"}
-        header["md"] = admitted.metadata
+        retry = header.get("retry", 0)
+        if not isinstance(retry, int) or isinstance(retry, bool) or retry < 0:
+            return {"code": grpc.StatusCode.INVALID_ARGUMENT.name,
+                    "details": f"a direct call's retry must be the number of attempts before it, got {retry!r}"}
+        # A retry is answered from what its first attempt left (a saved forward, a remembered backward), as over gRPC.
+        header["md"] = admitted.metadata + ((RETRY_KEYS[1], str(retry)),) if retry else admitted.metadata
         header["peer"] = admitted.peer
         return None
 
