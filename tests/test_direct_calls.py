@@ -49,8 +49,9 @@ def _steps(client: TrunkClient, n: int = 3) -> list[torch.Tensor]:
     return seen
 
 
-@pytest.mark.parametrize("frontends", [0, 1])
-def test_direct_calls_compute_what_grpc_calls_compute(trunk_server, frontends: int) -> None:
+def test_direct_calls_through_front_ends_compute_what_grpc_calls_compute(trunk_server) -> None:
+    # Without front-ends, direct calls and gRPC calls against the unsplit model: tests/conformance/test_exactness.py.
+    frontends = 1
     trunk = _trunk()
     direct = trunk_server(copy.deepcopy(trunk), frontends=frontends)
     grpc_only = trunk_server(copy.deepcopy(trunk), frontends=frontends, direct_calls=False)
