@@ -51,7 +51,8 @@ def servers() -> Iterator[list[TrunkServer]]:
     """Two tiny Llama trunk servers (model "llama") and one CNN trunk server (model "cnn")."""
     started = [TrunkServer(split_model(tiny_model("llama"), (1, 3)).trunk, insecure=True, model_name="llama").start()
                for _ in range(2)]
-    started.append(TrunkServer(split_model(tiny_cnn(), (3, 6)).trunk, insecure=True, model_name="cnn").start())
+    started.append(TrunkServer(split_model(tiny_cnn(), (3, 6)).trunk, insecure=True, model_name="cnn",
+                               aggregator=make_aggregator("async")).start())
     yield started
     for s in started:
         s.stop(grace=0)

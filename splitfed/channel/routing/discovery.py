@@ -12,12 +12,14 @@ Concurrency: one call runs its own event loop (``asyncio.run``) and must not be 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from splitfed.channel.routing import backends as _backends
 from splitfed.channel.routing.backends import Backend
 from splitfed.errors import ConfigError
 
@@ -79,4 +81,16 @@ def discover(addresses: Sequence[str], models: Iterable[str] = (), *,
         raise ConfigError("give at least one trunk server (--backend HOST:PORT)")
     if len(set(addresses)) != len(addresses):
         raise ConfigError(f"a trunk server is listed twice: {list(addresses)}")
-    return asyncio.run(_discover(list(addresses), models, credentials, options, timeout_s))
+    quiet = _BelowWarning()  # a backend "coming up" at every look is no news: the caller logs what changed
+    _backends.log.addFilter(quiet)
+    try:
+        return asyncio.run(_discover(list(addresses), models, credentials, options, timeout_s))
+    finally:
+        _backends.log.removeFilter(quiet)
+
+
+class _BelowWarning(logging.Filter):
+    """Drops the backends' INFO and DEBUG records while servers are asked."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
