@@ -5,6 +5,7 @@ direct calls, the front-ends' engine link): each closes a connection that sends 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import tempfile
@@ -248,7 +249,8 @@ def test_every_link_closes_a_connection_that_sends_a_bad_frame_and_serves_on(lin
     with _connect(links, link.removesuffix("-admitted"), link.endswith("-admitted")) as sock:
         if case == "truncated":
             sock.sendall(TRUNCATED)
-            sock.shutdown(socket.SHUT_WR)
+            with contextlib.suppress(OSError):  # a first frame with a body: the listener may have closed already
+                sock.shutdown(socket.SHUT_WR)
         else:
             sock.sendall(BAD_FRAMES[case])
         assert _closed(sock)
