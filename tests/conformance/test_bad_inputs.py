@@ -15,6 +15,7 @@ import torch
 
 from splitfed.channel.security.tokens import TokenIssuer
 from splitfed.channel.wire import split_channel_pb2 as pb
+from splitfed.channel.wire.retry import RetryPolicy
 from splitfed.errors import ChannelError
 from splitfed.split import CutState
 
@@ -139,8 +140,8 @@ def test_bad_input_gets_a_precise_status_and_the_server_serves_on(conn: Conn, ca
     t = conn.transport
     conn.snap = snapshot(conn.server)
     # Execute: the bad request, sent this transport's way.
-    sender = t.open_client(conn.server, client_id="breaker") if case.breaks_link and t.carriage == "stream" \
-        else conn.client
+    sender = t.open_client(conn.server, client_id="breaker", retry=RetryPolicy(initial_backoff_s=0.01)) \
+        if case.breaks_link and t.carriage == "stream" else conn.client
     with pytest.raises(ChannelError) as info:
         case.action(conn, lambda method, header, encs: t.send(sender, method, header, encs))
     if sender is not conn.client:
