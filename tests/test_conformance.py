@@ -3,8 +3,9 @@
 added later gets every test by adding one line to ``TRANSPORTS``.
 
 What each checks: split steps compute exactly what plain PyTorch computes (outputs, input gradients, the trunk's
-weights after its optimizer's steps); a step id used twice is refused; a backward for an unknown step, or with a
-gradient of the wrong shape, is refused with the status the hostile-input catalogue names (docs/bad_inputs.md).
+weights after its optimizer's steps); a step id used twice is refused; a backward for an unknown step, with a gradient
+of the wrong shape, sent twice, after an evaluation-only forward or for another client's step is refused with the
+status the hostile-input catalogue names (docs/bad_inputs.md), and the channel serves on.
 """
 
 from __future__ import annotations
@@ -116,17 +117,31 @@ def test_a_step_id_used_twice_is_refused(channel: Channel) -> None:
     channel.client.backward(act, torch.zeros(ROWS, HIDDEN))  # the first forward's step still completes
 
 
-@pytest.mark.parametrize(("case", "code"), [("unknown-step", "NOT_FOUND"), ("grad-shape", "INVALID_ARGUMENT")])
+BAD_BACKWARDS = [("unknown-step", "NOT_FOUND"), ("grad-shape", "INVALID_ARGUMENT"), ("twice", "FAILED_PRECONDITION"),
+                 ("after-eval-forward", "NOT_FOUND"), ("another-clients-step", "PERMISSION_DENIED")]
+
+
+@pytest.mark.parametrize(("case", "code"), BAD_BACKWARDS)
 def test_a_bad_backward_is_refused_and_the_channel_serves_on(channel: Channel, case: str, code: str) -> None:
     act = uuid.uuid4().hex
-    channel.client.forward(CutState(torch.randn(ROWS, HIDDEN)), activation_id=act)
-    with pytest.raises(ChannelError) as info:
-        if case == "unknown-step":
-            channel.client.backward(uuid.uuid4().hex, torch.ones(ROWS, HIDDEN))
-        else:
-            channel.client.backward(act, torch.ones(ROWS + 1, HIDDEN))
-    assert info.value.code == code
-    if case == "unknown-step":
+    channel.client.forward(CutState(torch.randn(ROWS, HIDDEN)), activation_id=act, train=case != "after-eval-forward")
+    if case == "twice":
         channel.client.backward(act, torch.zeros(ROWS, HIDDEN))
+    other = TrunkClient(channel.server.address, insecure=True, client_id="mallory", **channel.transport.client) \
+        if case == "another-clients-step" else channel.client
+    try:
+        with pytest.raises(ChannelError) as info:
+            if case == "unknown-step":
+                channel.client.backward(uuid.uuid4().hex, torch.ones(ROWS, HIDDEN))
+            elif case == "grad-shape":
+                channel.client.backward(act, torch.ones(ROWS + 1, HIDDEN))
+            else:
+                other.backward(act, torch.ones(ROWS, HIDDEN))
+    finally:
+        if other is not channel.client:
+            other.close()
+    assert info.value.code == code
+    if case in ("unknown-step", "grad-shape", "another-clients-step"):
+        channel.client.backward(act, torch.zeros(ROWS, HIDDEN))  # the step's own backward still completes
     out, _ = channel.client.forward(CutState(torch.randn(ROWS, HIDDEN)), train=False)
     assert out.shape == (ROWS, HIDDEN)
