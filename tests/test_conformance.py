@@ -1,6 +1,7 @@
-"""One conformance suite over every way a tensor crosses the cut: each test runs over gRPC, shared-memory regions
-(over gRPC), direct calls, bulk links and front-end processes, and checks that the calls went that way. A transport
-added later gets every test by adding one line to ``TRANSPORTS``.
+"""One conformance suite over every way a tensor crosses the cut: each test runs over gRPC (plaintext and TLS),
+shared-memory regions (over gRPC), direct calls, bulk links (plaintext and TLS) and front-end processes, and checks
+that the calls went that way. A transport added later gets every test by adding one line to ``TRANSPORTS``; CUDA IPC
+(a GPU's regions) is not in it yet.
 
 What each checks: split steps compute exactly what plain PyTorch computes (outputs, input gradients, the trunk's
 weights after its optimizer's steps); a step id used twice is refused; a backward for an unknown step, with a gradient
@@ -13,14 +14,18 @@ from __future__ import annotations
 import copy
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from pki import Pki, make_pki
 from torch import nn
 
 from splitfed.channel.client.trunk import TrunkClient
+from splitfed.channel.security.bulktls import BulkTLS, server_context
+from splitfed.channel.security.credentials import channel_credentials, server_credentials
 from splitfed.channel.server.trunkserver import TrunkServer
 from splitfed.channel.transports.shm import lane as shared
 from splitfed.channel.wire.limits import ChannelLimits
@@ -32,23 +37,52 @@ LR = 0.01
 ROWS, HIDDEN = 6, 16
 
 
+Settings = Callable[[Pki], dict[str, Any]]
+
+
 @dataclass(frozen=True)
 class Transport:
-    """A way across the cut: the server's and the client's settings, and how to tell the calls went that way."""
+    """A way across the cut: the server's and the client's settings (given the run's certificates), and how to tell
+    the calls went that way."""
 
-    server: dict[str, Any] = field(default_factory=dict)
-    client: dict[str, Any] = field(default_factory=dict)
-    went: Callable[[TrunkServer, TrunkClient], int] = lambda server, client: 0
+    server: Settings
+    client: Settings
+    went: Callable[[TrunkServer, TrunkClient], int]
+
+
+def _pem(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+def _tls_server(p: Pki, **more: Any) -> dict[str, Any]:
+    return {"insecure": False, "credentials": server_credentials(p.cert("server"), p.key("server")), **more}
+
+
+def _tls_client(p: Pki, **more: Any) -> dict[str, Any]:
+    return {"credentials": channel_credentials(p.cert("ca")), "shared_memory": "off", **more}
+
+
+def _bulk_client(**more: Any) -> dict[str, Any]:
+    return {"shared_memory": "off", "bulk_connections": 2, "limits": ChannelLimits(stream_threshold_bytes=256), **more}
+
+
+def _over_grpc(server: TrunkServer, client: TrunkClient) -> int:
+    return client.calls - client.shared.calls - client.bulk.calls
 
 
 TRANSPORTS: dict[str, Transport] = {
-    "grpc": Transport({}, {"shared_memory": "off"}, lambda s, c: c.calls - c.shared.calls - c.bulk.calls),
-    "shm": Transport({"direct_calls": False}, {}, lambda s, c: c.shared.calls - c.shared.direct_calls),
-    "direct": Transport({}, {}, lambda s, c: c.shared.direct_calls),
-    "bulk": Transport({"bulk_connections": 2},
-                      {"shared_memory": "off", "bulk_connections": 2,
-                       "limits": ChannelLimits(stream_threshold_bytes=256)}, lambda s, c: c.bulk.calls),
-    "frontend": Transport({"frontends": 1}, {"shared_memory": "off"},
+    "grpc": Transport(lambda p: {}, lambda p: {"shared_memory": "off"}, _over_grpc),
+    "grpc-tls": Transport(_tls_server, _tls_client, _over_grpc),
+    "shm": Transport(lambda p: {"direct_calls": False}, lambda p: {},
+                     lambda s, c: c.shared.calls - c.shared.direct_calls),
+    "direct": Transport(lambda p: {}, lambda p: {}, lambda s, c: c.shared.direct_calls),
+    "bulk": Transport(lambda p: {"bulk_connections": 2}, lambda p: _bulk_client(), lambda s, c: c.bulk.calls),
+    "bulk-tls": Transport(
+        lambda p: _tls_server(p, bulk_connections=2,
+                              bulk_tls=server_context(_pem(p.cert("server")), _pem(p.key("server")))),
+        lambda p: _tls_client(p, **_bulk_client(bulk_tls=BulkTLS.client(_pem(p.cert("ca"))))),
+        lambda s, c: c.bulk.calls),
+    "frontend": Transport(lambda p: {"frontends": 1}, lambda p: {"shared_memory": "off"},
                           lambda s, c: s.frontends.listener.stats["calls"]),
 }
 
@@ -65,21 +99,30 @@ class Channel:
     transport: Transport
     server: TrunkServer
     client: TrunkClient
-    reference: nn.Module  # the trunk as it was when the server started
+    client_settings: dict[str, Any]
 
     def went(self) -> int:
         return self.transport.went(self.server, self.client)
 
 
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"), nodes=1)
+
+
+def _secure(settings: dict[str, Any]) -> dict[str, Any]:
+    return settings if "credentials" in settings else {"insecure": True, **settings}
+
+
 @pytest.fixture(scope="module", params=sorted(TRANSPORTS))
-def channel(request: pytest.FixtureRequest) -> Iterator[Channel]:
+def channel(request: pytest.FixtureRequest, pki: Pki) -> Iterator[Channel]:
     saved, shared.MIN_REGION_TENSOR_BYTES = shared.MIN_REGION_TENSOR_BYTES, 1  # small tensors go by region too
     transport = TRANSPORTS[request.param]
-    trunk = _trunk()
-    server = TrunkServer(copy.deepcopy(trunk), insecure=True, lr=LR, **transport.server).start()
-    client = TrunkClient(server.address, insecure=True, **transport.client)
+    server = TrunkServer(_trunk(), lr=LR, **_secure(transport.server(pki))).start()
+    settings = _secure(transport.client(pki))
+    client = TrunkClient(server.address, **settings)
     try:
-        yield Channel(request.param, transport, server, client, trunk)
+        yield Channel(request.param, transport, server, client, settings)
     finally:
         client.close()
         server.stop(grace=0)
@@ -127,7 +170,7 @@ def test_a_bad_backward_is_refused_and_the_channel_serves_on(channel: Channel, c
     channel.client.forward(CutState(torch.randn(ROWS, HIDDEN)), activation_id=act, train=case != "after-eval-forward")
     if case == "twice":
         channel.client.backward(act, torch.zeros(ROWS, HIDDEN))
-    other = TrunkClient(channel.server.address, insecure=True, client_id="mallory", **channel.transport.client) \
+    other = TrunkClient(channel.server.address, client_id="mallory", **channel.client_settings) \
         if case == "another-clients-step" else channel.client
     try:
         with pytest.raises(ChannelError) as info:
