@@ -54,7 +54,7 @@ def _forward(*encs):
 def _saved(conn: Conn) -> str:
     """A training forward over the transport, its backward pending; returns its activation id."""
     act = uuid.uuid4().hex
-    conn.client.forward(CutState(hidden()), activation_id=act)
+    conn.client.forward(CutState(hidden().to(conn.transport.device)), activation_id=act)
     return act
 
 
@@ -72,7 +72,7 @@ def _duplicate(conn, send):
 
 def _twice(conn, send):
     act = _saved(conn)
-    conn.client.backward(act, torch.zeros(ROWS, TOKENS, HIDDEN))
+    conn.client.backward(act, torch.zeros(ROWS, TOKENS, HIDDEN, device=conn.transport.device))
     conn.snap = snapshot(conn.server)  # the first backward legitimately stepped the trunk
     send("Backward", pb.BackwardRequest(activation_id=act), [tensor("grad", torch.zeros(ROWS, TOKENS, HIDDEN))])
 
@@ -81,7 +81,7 @@ def _foreign(conn, send):
     other = conn.transport.open_client(conn.server, client_id="mallory")
     try:
         act = uuid.uuid4().hex
-        other.forward(CutState(hidden()), activation_id=act)
+        other.forward(CutState(hidden().to(conn.transport.device)), activation_id=act)
         send("Backward", pb.BackwardRequest(activation_id=act), [tensor("grad", torch.zeros(ROWS, TOKENS, HIDDEN))])
     finally:
         other.close()
@@ -159,7 +159,7 @@ def test_bad_input_gets_a_precise_status_and_the_server_serves_on(conn: Conn, ca
     # A well-formed step over the same transport still applies.
     version, went = conn.server.runtime.version, conn.went()
     act = _saved(conn)
-    reply = conn.client.backward(act, torch.zeros(ROWS, TOKENS, HIDDEN))
+    reply = conn.client.backward(act, torch.zeros(ROWS, TOKENS, HIDDEN, device=conn.transport.device))
     assert reply.outcome == "APPLIED" and conn.server.runtime.version == version + 1
     assert conn.went() == went + 2, f"the healthy step did not go over {t.name}"
 
@@ -182,7 +182,7 @@ def test_a_wrong_token_is_refused_whichever_way_the_call_would_go(transport: Tra
         assert unchanged(server, snap) and serving(server)
         act, went = uuid.uuid4().hex, transport.went(server, good)
         out, _ = good.forward(CutState(hidden().to(transport.device)), activation_id=act)
-        assert good.backward(act, torch.zeros_like(out)).outcome == "APPLIED"
+        assert good.backward(act, torch.zeros_like(out, device=transport.device)).outcome == "APPLIED"
         assert transport.went(server, good) == went + 2, f"the good client's calls did not go over {transport.name}"
     finally:
         for client in (good, forged, anonymous):

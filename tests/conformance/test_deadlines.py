@@ -32,12 +32,12 @@ def test_a_gradient_whose_call_passed_its_deadline_still_closes_the_step_of_the_
         # Execute: "a"'s gradient waits for "b" and its call passes its deadline.
         start = time.monotonic()
         with pytest.raises(ChannelError) as info:
-            gives_up.backward(act, torch.ones_like(out) * 0.01)
+            gives_up.backward(act, torch.ones_like(out, device=transport.device) * 0.01)
         assert info.value.code == "DEADLINE_EXCEEDED" and time.monotonic() - start < 10
         # Assert: the step closes over both gradients ("a"'s stayed in it), and "b" is told it applied.
         act_b = uuid.uuid4().hex
         out_b, _ = stays.forward(CutState(hidden().to(transport.device)), activation_id=act_b)
-        reply = stays.backward(act_b, torch.ones_like(out_b) * 0.01)
+        reply = stays.backward(act_b, torch.ones_like(out_b, device=transport.device) * 0.01)
         assert reply.outcome == "APPLIED"
         stats = server.runtime.aggregator.stats
         assert stats["steps"] == 1 and stats["applied"] == 2 and server.runtime.version == 1

@@ -76,7 +76,7 @@ def _steps(transport: Transport, interceptors: list) -> tuple[list[torch.Tensor]
         for _ in range(STEPS):
             act = uuid.uuid4().hex
             out, _ = client.forward(CutState(hidden().to(transport.device)), activation_id=act)
-            seen += [out, client.backward(act, out * 0.5).grad]
+            seen += [out, client.backward(act, (out * 0.5).to(transport.device)).grad]
         return seen, server, transport.went(server, client)
     finally:
         client.close()
@@ -103,10 +103,10 @@ def test_a_retried_call_is_applied_once(transport: Transport) -> None:
 def test_a_step_id_used_twice_is_refused_and_the_first_step_completes(conn: Conn) -> None:
     act = uuid.uuid4().hex
     version, went = conn.server.runtime.version, conn.went()
-    out, _ = conn.client.forward(CutState(hidden()), activation_id=act)
+    out, _ = conn.client.forward(CutState(hidden().to(conn.transport.device)), activation_id=act)
     with pytest.raises(ChannelError) as info:
-        conn.client.forward(CutState(hidden()), activation_id=act)
+        conn.client.forward(CutState(hidden().to(conn.transport.device)), activation_id=act)
     assert info.value.code == "ALREADY_EXISTS"
-    reply = conn.client.backward(act, torch.zeros(ROWS, TOKENS, HIDDEN))
+    reply = conn.client.backward(act, torch.zeros(ROWS, TOKENS, HIDDEN, device=conn.transport.device))
     assert reply.outcome == "APPLIED" and conn.server.runtime.version == version + 1
     assert conn.went() == went + 2

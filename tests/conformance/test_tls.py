@@ -58,7 +58,7 @@ def test_a_tls_server_carries_the_transport_and_refuses_plaintext(transport: Tra
         act = uuid.uuid4().hex
         out, _ = client.forward(CutState(x), activation_id=act)
         assert torch.equal(out.to(x.device), reference(CutState(x)).hidden.detach())
-        assert client.backward(act, torch.zeros_like(out)).outcome == "APPLIED"
+        assert client.backward(act, torch.zeros_like(out, device=x.device)).outcome == "APPLIED"
         assert transport.went(server, client) == 2, f"the calls did not go over {transport.name}"
         if transport.client.get("bulk_connections"):
             assert all(isinstance(s, ssl.SSLSocket) for s in client.bulk.link.socks)
