@@ -22,7 +22,9 @@ def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 
 def test_split_steps_over_the_transport_equal_the_unsplit_model(transport: Transport) -> None:
-    # Prepare: the unsplit model and its split twin, whose trunk a server of this transport holds.
+    # Prepare: the unsplit model and its split twin, whose trunk a server of this transport holds. On the CPU the
+    # two are bit for bit the same; a GPU may pick other kernels for the parts' shapes.
+    tolerance = 0.0 if transport.device == "cpu" else 1e-6
     net = model().to(transport.device)
     ref = copy.deepcopy(net)
     split = split_model(net, CUTS)
@@ -43,9 +45,9 @@ def test_split_steps_over_the_transport_equal_the_unsplit_model(transport: Trans
             want.backward()
             ref_opt.step()
             ref_opt.zero_grad()
-            assert torch.equal(loss.detach(), want.detach())
+            assert (loss.detach() - want.detach()).abs().item() <= tolerance
         # Assert: the same weights everywhere (the trunk's are the server's), every call over the transport.
-        assert _max_diff(net, ref) == 0.0
+        assert _max_diff(net, ref) <= tolerance
         assert server.runtime.version == STEPS
         assert transport.went(server, remote.client) == 2 * STEPS, f"the calls did not all go over {transport.name}"
     finally:
