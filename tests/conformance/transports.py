@@ -25,7 +25,7 @@ from splitfed.channel.transports.shm.slices import ClientRegion, Slice
 from splitfed.channel.wire import fastwire
 from splitfed.channel.wire import split_channel_pb2 as pb
 from splitfed.channel.wire.limits import SERVICE_NAME, ChannelLimits
-from splitfed.codec.tensors import EncodedTensor, RegionRef, WireDType, encode
+from splitfed.codec.tensors import EncodedTensor, RegionRef, encode
 from splitfed.split import split_model
 
 #: Rows, tokens and width of the cut's hidden state (the tiny Llama of tests/conftest.py, blocks [1, 3) served).
@@ -201,5 +201,5 @@ def unchanged(server: TrunkServer, snap: tuple[dict[str, torch.Tensor], int]) ->
     return server.runtime.version == version and all(torch.equal(weights[k], now[k]) for k in weights)
 
 
-__all__ = ["BULK_LIMITS", "HIDDEN", "LIMITS", "ROWS", "TOKENS", "TRANSPORTS", "Transport", "WireDType", "by_name",
-           "hidden", "model", "serving", "snapshot", "tensor", "trunk", "unchanged"]
+__all__ = ["BULK_LIMITS", "CUTS", "HIDDEN", "LIMITS", "ROWS", "TOKENS", "TRANSPORTS", "Transport", "by_name", "hidden",
+           "model", "serving", "snapshot", "tensor", "trunk", "unchanged"]
