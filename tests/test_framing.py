@@ -96,6 +96,22 @@ def test_string_fields_are_short_strings() -> None:
             framing.str_field(bad, "t")
 
 
+def test_an_integer_header_round_trips_and_refuses_other_bytes() -> None:
+    header = framing.IntHeader("transfer", "total", "offset")
+    assert header.decode(bytearray(header.encode(7, 1 << 40, 3))) == (7, 1 << 40, 3)
+    for bad in (b"", header.encode(1, 2, 3)[:-1], b"\x01" + header.encode(1, 2, 3)[1:], b'{"transfer":1}'):
+        with pytest.raises(FrameError, match="not the"):
+            header.decode(bad)
+    a, b = socket.socketpair()
+    with a, b:
+        framing.send_frame(a, header.encode(1, 2, 3), [b"xy"])
+        assert framing.recv_head(b, LIMITS, header) == ((1, 2, 3), 2)
+        framing.recv_into(b, memoryview(bytearray(2)))  # the body
+        framing.send_frame(a, {"transfer": 1, "pad": "x" * 20}, [b"xy"])  # a JSON header where integers are due
+        with pytest.raises(FrameError, match="is not the 25-byte header"):
+            framing.recv_head(b, LIMITS, header)
+
+
 # -- asyncio connections ------------------------------------------------------------------------------------------
 async def _echo_server(path: str, limits: FrameLimits, first: FrameLimits | None = None,
                        seen: list | None = None) -> asyncio.AbstractServer:
@@ -282,7 +298,7 @@ def test_an_unknown_transfer_id_holds_no_more_than_the_links_limits(links: dict)
     a, b = socket.socketpair()
     with a, b:
         link = bulk.BulkLink(uuid.uuid4().hex, [b], alloc=alloc, max_bytes=1 << 20).start()
-        head = framing.encode_header(bulk.segment(12345, 2 << 20, 0))
+        head = bulk.segment(12345, 2 << 20, 0)
         a.sendall(framing.LENGTHS.pack(len(head), 2 << 20) + head)  # a stripe above the largest transfer
         assert _closed(a) and link.closed is not None and "above this end's limits" in link.closed
     assert allocated == []

@@ -11,7 +11,7 @@ way under the same transfer number.
 A connection carries frames (:mod:`splitfed.channel.wire.framing`, the stream protocol of every socket link): first
 its hello (:func:`hello`: the protocol, the ticket and the connection's index; see
 :mod:`splitfed.channel.transports.bulk.hub`), answered by :data:`ADMITTED`, then segments, each a frame whose header names the
-transfer, its total bytes and the segment's offset (:func:`segment`) and whose body is the segment's bytes, read
+transfer, its total bytes and the segment's offset (:func:`segment`, an integer header: a link sends many) and whose body is the segment's bytes, read
 straight into the transfer's buffer. A transfer of ``total`` bytes is cut into the stripes :func:`stripes` gives;
 connection ``i`` carries stripe ``i`` and nothing else. Sizes and headers are checked by the framing; beyond them
 a receiver refuses (and closes the link on) a segment that is not exactly its connection's stripe, a stripe sent
@@ -37,7 +37,7 @@ import numpy as np
 from splitfed.channel.wire.framing import (
     HELLO_LIMITS,
     FrameLimits,
-    int_field,
+    IntHeader,
     recv_frame,
     recv_head,
     recv_into,
@@ -56,8 +56,8 @@ PROTOCOL = "splitfed-bulk/2"
 TICKET_BYTES = 32
 #: The server's answer once a connection is attached.
 ADMITTED = {"admitted": True}
-#: The largest header of a segment frame.
-SEGMENT_HEADER_BYTES = 256
+#: A segment frame's header (an :class:`~splitfed.channel.wire.framing.IntHeader`: a link sends many).
+SEGMENT = IntHeader("transfer", "total", "offset")
 #: A transfer is cut into at most one stripe per connection, each at least this large.
 MIN_STRIPE_BYTES = 256 << 10
 #: Above this many bytes a client with a bulk link streams its calls over it, whatever its unary threshold.
@@ -84,9 +84,9 @@ def hello(ticket: bytes, index: int) -> dict[str, object]:
     return {"protocol": PROTOCOL, "ticket": ticket.hex(), "index": index}
 
 
-def segment(transfer: int, total: int, offset: int) -> dict[str, int]:
+def segment(transfer: int, total: int, offset: int) -> bytes:
     """The header of a segment frame: bytes ``offset..`` (the frame's body) of ``transfer``, ``total`` in all."""
-    return {"transfer": transfer, "total": total, "offset": offset}
+    return SEGMENT.encode(transfer, total, offset)
 
 
 def _settle(future: concurrent.futures.Future[Any], result: Any = None, error: BaseException | None = None) -> None:
@@ -196,7 +196,7 @@ class BulkLink:
                                                        pieces))
         return futures
 
-    def _write(self, index: int, header: dict[str, int], pieces: list[memoryview]) -> None:
+    def _write(self, index: int, header: bytes, pieces: list[memoryview]) -> None:
         sock = self.out_socks[index]
         try:
             send_frame(sock, header, pieces)
@@ -244,12 +244,10 @@ class BulkLink:
                                                         f"{TRANSFER_TTL_S:.0f}s"))
 
     def _read(self, index: int) -> None:
-        sock, limits = self.socks[index], FrameLimits(max_body=self.max_bytes, max_header=SEGMENT_HEADER_BYTES)
+        sock, limits = self.socks[index], FrameLimits(max_body=self.max_bytes, max_header=64)
         try:
-            while (got := recv_head(sock, limits)) is not None:
-                header, length = got
-                transfer, total = int_field(header, "transfer"), int_field(header, "total")
-                offset = int_field(header, "offset")
+            while (got := recv_head(sock, limits, SEGMENT)) is not None:
+                (transfer, total, offset), length = got
                 expected = stripes(total, len(self.socks))
                 if index >= len(expected) or expected[index] != (offset, length):
                     raise BulkLinkError(f"connection {index} sent bytes {offset}..{offset + length} of transfer "
