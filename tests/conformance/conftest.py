@@ -15,9 +15,10 @@ from splitfed.channel.transports.shm import lane as shared
 from .transports import TRANSPORTS, Transport
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def small_tensors_in_regions() -> Iterator[None]:
-    """The tiny models' cut tensors (a few KiB) cross through regions too (the lane's floor is 64 KiB)."""
+    """The tiny models' cut tensors (a few KiB) cross through regions too (the lane's floor is 64 KiB); per
+    module, so the floor is back for every test outside this suite."""
     saved, shared.MIN_REGION_TENSOR_BYTES = shared.MIN_REGION_TENSOR_BYTES, 1
     yield
     shared.MIN_REGION_TENSOR_BYTES = saved
