@@ -134,6 +134,18 @@ def test_a_ticket_admits_only_its_client_and_only_forward_and_backward(trunk_ser
             _send_frame(sock, {"id": 9, "method": f"/{SERVICE_NAME}/Forward", "timeout": "soon"}, body)
             reply, _ = _recv_frame(sock, 1 << 20)
             assert reply["code"] == "INVALID_ARGUMENT" and "timeout" in reply["details"]
+            for bad in (-1, 1.5, "1", True):
+                _send_frame(sock, {**header, "id": 10, "retry": bad}, body)
+                reply, _ = _recv_frame(sock, 1 << 20)
+                assert reply["code"] == "INVALID_ARGUMENT" and "retry" in reply["details"], bad
+            # The same forward again: as a retry (its reply was lost) it is answered from the saved forward; as a
+            # new call its step id is refused.
+            _send_frame(sock, {**header, "id": 11, "retry": 1}, body)
+            reply, _ = _recv_frame(sock, 1 << 20)
+            assert reply["code"] == "OK" and reply["id"] == 11, reply
+            _send_frame(sock, {**header, "id": 12}, body)
+            reply, _ = _recv_frame(sock, 1 << 20)
+            assert reply["code"] == "ALREADY_EXISTS", reply
         with pytest.raises(ChannelError) as info:
             mallory.backward("act-1", torch.ones(5, 16))
         assert info.value.code == "PERMISSION_DENIED"  # the forward is Alice's

@@ -4,16 +4,18 @@ The transports are the adapters in ``transports.py`` (``TRANSPORTS``); each test
 (or ``conn``, a server of that transport with a client that takes it) and checks that its calls really went that
 way. A transport added later gets every test by adding one line to ``TRANSPORTS``.
 
-| behaviour (module) | grpc | shm | bulk | direct | cuda-ipc |
-| --- | --- | --- | --- | --- | --- |
-| split steps equal the unsplit model (`test_exactness`) | runs | runs | runs | runs | GPU only |
-| hostile-input catalogue, 22 cases, then health, trunk unchanged, a good step over the same transport (`test_bad_inputs`) | runs | runs | runs (a) | runs | GPU only |
-| a wrong or missing token is UNAUTHENTICATED (`test_bad_inputs`) | runs | runs (b) | runs (b) | runs (b) | GPU only |
-| a call whose reply is lost is retried and applied once (`test_retries`) | runs | runs | runs (c) | runs | GPU only |
-| a step id used twice is refused, the first step completes (`test_retries`) | runs | runs | runs | runs | GPU only |
-| a call past its deadline: DEADLINE_EXCEEDED, its gradient still in the sync step (`test_deadlines`) | runs | runs | runs | runs | GPU only |
-| TLS: a TLS server carries the transport; plaintext and untrusting clients refused (`test_tls`) | runs | runs | runs (TLS link) | runs (d) | GPU only |
+| behaviour (module) | grpc | shm | bulk | direct | frontend | cuda-ipc |
+| --- | --- | --- | --- | --- | --- | --- |
+| split steps equal the unsplit model (`test_exactness`) | runs | runs | runs | runs | runs | GPU only |
+| hostile-input catalogue, 23 cases, then health, trunk unchanged, a good step over the same transport (`test_bad_inputs`) | runs | runs | runs (a) | runs | runs | GPU only |
+| a wrong or missing token is UNAUTHENTICATED (`test_bad_inputs`) | runs | runs (b) | runs (b) | runs (b) | runs | GPU only |
+| a call whose reply is lost is retried and applied once (`test_retries`) | runs | runs | runs (c) | runs | runs | GPU only |
+| a step id used twice is refused, the first step completes (`test_retries`) | runs | runs | runs | runs | runs | GPU only |
+| a call past its deadline: DEADLINE_EXCEEDED, its gradient still in the sync step (`test_deadlines`) | runs | runs | runs | runs | runs | GPU only |
+| TLS: a TLS server carries the transport; plaintext and untrusting clients refused (`test_tls`) | runs | runs | runs (TLS link) | runs (d) | runs | GPU only |
 
+The front-end transport: the server's port is served by a front-end process (``frontends=1``), which hands each
+call to the engine over the engine link; its calls are counted on the engine's side, per client.
 "GPU only": CUDA IPC needs client and trunk on one CUDA device; without one its tests skip saying so.
 
 (a) Two cases break a bulk link's own protocol (bytes-vs-shape: the transfer's size disagrees with its header;

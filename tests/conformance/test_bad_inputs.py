@@ -76,6 +76,12 @@ def _twice(conn, send):
     send("Backward", pb.BackwardRequest(activation_id=act), [tensor("grad", torch.zeros(ROWS, TOKENS, HIDDEN))])
 
 
+def _after_eval(conn, send):
+    act = uuid.uuid4().hex
+    conn.client.forward(CutState(hidden().to(conn.transport.device)), activation_id=act, train=False)
+    send("Backward", pb.BackwardRequest(activation_id=act), [tensor("grad", torch.zeros(ROWS, TOKENS, HIDDEN))])
+
+
 def _foreign(conn, send):
     other = conn.transport.open_client(conn.server, client_id="mallory")
     try:
@@ -126,6 +132,7 @@ CASES: list[Case] = [
          lambda conn, send: send("Backward", pb.BackwardRequest(activation_id="never-forwarded"),
                                  [tensor("grad", torch.zeros(ROWS, TOKENS, HIDDEN))])),
     Case("backward-twice", "FAILED_PRECONDITION", "already received", _twice),
+    Case("backward-after-eval-forward", "NOT_FOUND", "no saved forward", _after_eval),
     Case("foreign-activation", "PERMISSION_DENIED", "another client", _foreign),
     Case("grad-shape-differs", "INVALID_ARGUMENT", "differs", _backward_with(torch.zeros(ROWS, TOKENS - 1, HIDDEN))),
     Case("unknown-session", "NOT_FOUND", "session",

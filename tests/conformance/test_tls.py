@@ -38,6 +38,8 @@ def _server_tls(transport: Transport, pki: Pki) -> dict[str, Any]:
     tls: dict[str, Any] = {"credentials": server_credentials(pki.cert("server"), pki.key("server"))}
     if transport.server.get("bulk_connections"):
         tls["bulk_tls"] = server_context(_pem(pki.cert("server")), _pem(pki.key("server")))
+    if transport.server.get("frontends"):  # front-end processes load the PEM files themselves
+        tls["frontend_tls"] = (_pem(pki.key("server")), _pem(pki.cert("server")), None)
     return tls
 
 

@@ -160,6 +160,9 @@ TRANSPORTS: list[Transport] = [
     Transport("direct", {}, {}, lambda s, c: c.shared.direct_calls, carriage="region", direct=True,
               tls="the Unix socket itself carries no TLS (loopback-only by design, in a directory only the server's "
                   "user may enter); the ticket that admits a client comes over the TLS channel"),
+    Transport("frontend", {"frontends": 1, "direct_calls": False}, {"shared_memory": "off"},
+              lambda s, c: s.frontends.listener.step_calls[c.client_id],
+              tls="the front-end process holds the TLS channel; its link to the engine is a Unix socket on the host"),
     Transport("cuda-ipc", {"direct_calls": False}, {"direct_calls": False}, lambda s, c: c.shared.ordered,
               carriage="region", needs="cuda"),
 ]

@@ -20,6 +20,7 @@ import asyncio
 import hmac
 import itertools
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ import grpc
 from splitfed.channel.engine.loop import own_task
 from splitfed.channel.engine.calls import EngineDispatch
 from splitfed.channel.wire.frameconn import FrameConnection, open_unix, serve_unix
+from splitfed.channel.wire.limits import CLIENT_ID_KEY
 from splitfed.channel.wire.framing import (
     HELLO_LIMITS,
     HELLO_TIMEOUT_S,
@@ -58,6 +60,18 @@ async def _within(work: Awaitable[Any], seconds: float) -> Any:
         return await work
 
 
+#: The methods :attr:`EngineListener.step_calls` counts.
+STEP_METHODS = frozenset({"Forward", "Backward", "ForwardStream", "BackwardStream"})
+
+
+def _client_of(metadata: Any) -> str:
+    """The client id a call's metadata (``[[key, value], ...]``) names, or ''."""
+    for pair in metadata if isinstance(metadata, (list, tuple)) else ():
+        if isinstance(pair, (list, tuple)) and len(pair) == 2 and pair[0] == CLIENT_ID_KEY:
+            return str(pair[1])
+    return ""
+
+
 class EngineListener:
     """The engine's end: accepts front-ends on a Unix socket and runs their calls with an :class:`EngineDispatch`."""
 
@@ -69,6 +83,8 @@ class EngineListener:
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.stats: dict[str, int] = {"calls": 0, "front-ends": 0}
+        #: Forward and Backward calls (unary or streamed) answered OK, by the client id their metadata names.
+        self.step_calls: Counter[str] = Counter()
 
     async def start(self) -> None:
         """Listen (on the running event loop)."""
@@ -153,6 +169,8 @@ class EngineListener:
             reply, parts = {"code": grpc.StatusCode.DEADLINE_EXCEEDED.name, "details": "deadline exceeded"}, []
         except asyncio.CancelledError:
             reply, parts = {"code": grpc.StatusCode.CANCELLED.name, "details": "cancelled by the client"}, []
+        if reply.get("code", "OK") == "OK" and str(header.get("method", "")).rsplit("/", 1)[-1] in STEP_METHODS:
+            self.step_calls[_client_of(header.get("md"))] += 1
         reply["id"] = call_id
         reply["parts"] = [len(p) for p in parts]
         try:
