@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -23,11 +24,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def ceiling(device: str = "cpu", clients: int = 4, steps: int = 5, warmup: int = 2, repeat: int = 3,
-            compiled: bool = False, kinds: tuple[str, ...] = ("batched", "sequential")) -> dict[str, float]:
-    """Examples per second of the plain-PyTorch trunk step, batched and sequential (medians of ``repeat``), and on
-    a GPU how busy it was over the timed steps (``<kind>_gpu_util_mean``, percent, :mod:`bench.gpu_util`);
-    ``compiled``: each block ``torch.compile``'d as a server with ``compile`` does (dynamic shapes)."""
+def stepper(device: str = "cpu", clients: int = 4, compiled: bool = False) -> Callable[[bool], None]:
+    """The plain-PyTorch trunk step over ``clients`` clients' rows, as a callable: ``step(batched)`` runs one (one
+    forward and backward over every row when ``batched``, else each client's rows in turn), then the SGD step."""
     from splitfed.split import CutState, split_model
 
     c = core.SPLIT_STEP
@@ -51,6 +50,18 @@ def ceiling(device: str = "cpu", clients: int = 4, steps: int = 5, warmup: int =
             out.backward(g.to(out.dtype))
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def ceiling(device: str = "cpu", clients: int = 4, steps: int = 5, warmup: int = 2, repeat: int = 3,
+            compiled: bool = False, kinds: tuple[str, ...] = ("batched", "sequential")) -> dict[str, float]:
+    """Examples per second of the plain-PyTorch trunk step, batched and sequential (medians of ``repeat``), and on
+    a GPU how busy it was over the timed steps (``<kind>_gpu_util_mean``, percent, :mod:`bench.gpu_util`);
+    ``compiled``: each block ``torch.compile``'d as a server with ``compile`` does (dynamic shapes)."""
+    c = core.SPLIT_STEP
+    dev = torch.device(device)
+    step = stepper(device, clients, compiled)
 
     out: dict[str, float] = {}
     for name, batched in (("batched", True), ("sequential", False)):

@@ -23,6 +23,7 @@ import random
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,10 +57,9 @@ def _sizes(clients: int, vary: bool, rng: random.Random, batches: int = 1) -> li
     return [b - a for a, b in zip([0, *cuts], [*cuts, clients])]
 
 
-def run(device: str = "cpu", clients: int = 8, steps: int = 5, warmup: int = 2, vary: bool = False,
-        profile: bool = False, batches: int = 1, trace: str = "", sync_debug: bool = False,
-        compile_blocks: bool = False) -> dict[str, Any]:
-    """Examples per second of the runtime's sync steps over ``clients`` clients' rows.
+def stepper(device: str = "cpu", clients: int = 8, vary: bool = False, batches: int = 1,
+            compile_blocks: bool = False, seed: int = 0) -> Callable[[], None]:
+    """One sync step of the server's runtime over ``clients`` clients' rows, as a callable (each call one step).
 
     As in a server: each activation and gradient waits in pinned host memory (a client's region) as an
     :class:`~splitfed.trunk.device.transfers.Arrival` until the runtime brings its batch, in the wire's dtype (bf16 with
@@ -86,7 +86,7 @@ def run(device: str = "cpu", clients: int = 8, steps: int = 5, warmup: int = 2, 
     names = [f"c{i}" for i in range(clients)]
     for name in names:
         rt.join(name)
-    rng = random.Random(0)
+    rng = random.Random(seed)
 
     def arrival(name: str, t: torch.Tensor) -> Any:
         return rt.io.stage(name, t, t.dtype, tuple(t.shape), pinned=pin)
@@ -115,6 +115,15 @@ def run(device: str = "cpu", clients: int = 8, steps: int = 5, warmup: int = 2, 
             p.grad_in.result(60)
             p.result.result(60)
 
+    return step
+
+
+def run(device: str = "cpu", clients: int = 8, steps: int = 5, warmup: int = 2, vary: bool = False,
+        profile: bool = False, batches: int = 1, trace: str = "", sync_debug: bool = False,
+        compile_blocks: bool = False) -> dict[str, Any]:
+    """Examples per second of the runtime's sync steps over ``clients`` clients' rows (:func:`stepper`)."""
+    c = core.SPLIT_STEP
+    step = stepper(device, clients, vary, batches, compile_blocks)
     for _ in range(warmup):
         step()
     if device.startswith("cuda"):

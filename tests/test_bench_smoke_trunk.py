@@ -273,3 +273,25 @@ def test_bench_trunk_clients_elsewhere_that_fail_fail_both_sides() -> None:
     assert done.returncode == 1 and "INVALID_ARGUMENT" in done.stderr, done.stderr[-4000:]
     assert server.returncode == 1 and "the clients left after 0 of 4 sync steps" in err, err[-4000:]
     assert "trunk_examples_per_s" not in out
+
+
+def test_bench_kernel_diff_lists_what_the_server_runs_beside_the_ceiling() -> None:
+    results = json.loads(_bench("bench.kernel_diff", "--clients", "2", "--steps", "1", "--config", TINY,
+                                "--json").strip().splitlines()[-1])
+    assert results["kernel_diff_served_cpu_ms"] > 0 and results["kernel_diff_ceiling_cpu_ms"] > 0
+    assert results["kernel_diff_rows"] and all(len(row) == 5 for row in results["kernel_diff_rows"])
+
+
+def test_kernel_diff_sums_each_sides_device_events_per_step_and_puts_the_servers_extra_first() -> None:
+    from bench.kernel_diff import diff, table
+
+    def event(name: str, dur: float, cat: str = "kernel") -> dict:
+        return {"ph": "X", "ts": 0.0, "dur": dur, "name": name, "cat": cat}
+
+    served = table([event("gemm", 100), event("gemm", 100), event("cast", 30), event("cast", 30),
+                    event("Memcpy HtoD", 50, "gpu_memcpy"), event("aten::mm", 999, "cpu_op")], steps=2)
+    ceiling = table([event("gemm", 200), event("gemm", 200)], steps=2)
+    assert served == {"gemm": (1.0, 100.0), "cast": (1.0, 30.0), "Memcpy HtoD": (0.5, 25.0)}
+    rows = diff(served, ceiling)
+    assert [r.name for r in rows] == ["cast", "Memcpy HtoD", "gemm"]  # the server's extra first, its saving last
+    assert rows[0].ceiling_calls == 0 and rows[-1].extra_us == -100.0
