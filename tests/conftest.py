@@ -22,6 +22,16 @@ os.environ.setdefault("SPLITFED_FREEZE_HEAP", "0")
 os.environ.setdefault("SPLITFED_CACHE", tempfile.mkdtemp(prefix="splitfed-cache-"))
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
+#: The most test workers ``-n auto`` (pyproject's addopts) starts: one per core up to this.
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """One worker per core, at most :data:`MAX_WORKERS` (each worker's tests start servers and processes of their
+    own; past four they mostly wait on each other)."""
+    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
+
+
 VOCAB = 97
 ARCHS = ("gpt2", "llama", "qwen2", "qwen3", "gemma", "mistral", "bert")
 

@@ -391,7 +391,7 @@ class Checker:
             return "checked"
         module, rest = args[1], args[2:]
         if module == "pytest":
-            valued = {"-m", "-k", "-p", "-o", "-c", "--timeout", "--rootdir"}  # options whose value follows them
+            valued = {"-m", "-k", "-p", "-o", "-c", "-n", "--dist", "--timeout", "--rootdir"}  # options whose value follows them
             for before, path in zip(["", *rest], rest):
                 if not path.startswith("-") and before not in valued:
                     assert (ROOT / path.split("::")[0]).exists(), f"{shlex.join(argv)}: {path} does not exist"
