@@ -51,6 +51,14 @@ def _wait(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
         time.sleep(0.02)
 
 
+def _serving(address: str) -> bool:
+    """Whether the split channel's service at ``address`` is SERVING (its model loaded)."""
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                                                          timeout=5)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 @pytest.fixture
 def started() -> Iterator[Callable[..., Any]]:
     """Start servers and routers; all stopped after the test (routers first)."""
@@ -244,6 +252,7 @@ def test_a_dead_backend_fails_its_calls_unavailable_and_its_clients_move(started
                             text=True)
     try:
         TrunkClient(f"127.0.0.1:{port}", insecure=True).wait_ready(120)
+        _wait(lambda: _serving(f"127.0.0.1:{port}"), 120)  # listening comes before the model is loaded
         b = started(TrunkServer(split_model(mnist_cnn(), (3, 6)).trunk, insecure=True, model_name="mnist-cnn"))
         router = started(Router([f"127.0.0.1:{port}", b.address], insecure=True, probe_interval_s=30.0))
         x = TrunkClient(router.address, insecure=True, client_id="x", retry=NO_RETRY)
