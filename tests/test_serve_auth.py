@@ -77,8 +77,10 @@ def test_off_loopback_a_token_is_required(command: list[str]) -> None:
 
 def test_allowed_plaintext_warns_once_and_wrong_tokens_are_refused_while_it_serves() -> None:
     port = _free_port()
+    # faulthandler: a server that does not end on SIGTERM is sent SIGABRT below, and its threads' stacks show why.
     proc = subprocess.Popen([*SERVE, "--host", "0.0.0.0", "--port", str(port), "--insecure",
-                             "--allow-insecure-remote"], stderr=subprocess.PIPE, text=True, env=_env(TOKEN))
+                             "--allow-insecure-remote"], stderr=subprocess.PIPE, text=True,
+                            env={**_env(TOKEN), "PYTHONFAULTHANDLER": "1"})
     try:
         address = f"127.0.0.1:{port}"
         TrunkClient(address, insecure=True, token=TOKEN).wait_ready(90)
@@ -88,7 +90,11 @@ def test_allowed_plaintext_warns_once_and_wrong_tokens_are_refused_while_it_serv
         assert _forward(TrunkClient(address, insecure=True, token=TOKEN)) == (2, 64, 7, 7)  # same server
     finally:
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            raise AssertionError(f"the server did not end on SIGTERM:\n{proc.communicate(timeout=30)[1][-6000:]}")
     warnings = [line for line in err.splitlines() if " WARNING " in line and "UNAUTHENTICATED" not in line]
     assert len(warnings) == 1 and "PLAINTEXT on 0.0.0.0" in warnings[0], err
 
