@@ -293,7 +293,7 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--clients", type=int, nargs="+", default=[4],
-                        help="client counts (several only with --replicas)")
+                        help="client counts, each measured in turn (its keys end in _<N>)")
     parser.add_argument("--replicas", type=int, nargs="+", default=[1],
                         help="also measure these counts of trunk replicas (batched), one per GPU with --device cuda")
     parser.add_argument("--engines", type=int, nargs="+", default=[1],
@@ -349,6 +349,8 @@ def main() -> int:
     replicas, engines = tuple(r for r in args.replicas if r > 1), tuple(e for e in args.engines if e > 1)
     if (args.serve or args.connect) and (len(args.clients) > 1 or replicas or engines):
         parser.error("--serve and --connect take one --clients count and no --replicas or --engines")
+    if args.timeline and len(args.clients) > 1:
+        parser.error("--timeline records one run: give one --clients count with it")
     if any(n < e for n in args.clients for e in engines):
         parser.error("--engines: every engine needs a client; give --clients at least the largest --engines")
     if args.switch_interval < 0:
@@ -376,9 +378,11 @@ def main() -> int:
             results: dict[str, Any] = dict(scale_out(args.device, tuple(args.clients), replicas, args.window_ms,
                                                      args.repeat, args.steps, args.client_cores, args.socket,
                                                      tuple(args.only), args.timeline, engines))
-        else:
-            results = trunk(args.device, args.clients[0], args.window_ms, args.repeat, args.steps,
-                            args.client_cores, args.socket, args.timeline, tuple(args.only), inject)
+        else:  # each count of clients in turn (its keys end in _<N>)
+            results = {}
+            for clients in args.clients:
+                results.update(trunk(args.device, clients, args.window_ms, args.repeat, args.steps,
+                                     args.client_cores, args.socket, args.timeline, tuple(args.only), inject))
     except (BenchError, SplitFedError) as exc:  # SplitFedError: the server's own (a port in use, say)
         log.error("bench.trunk failed: %s", exc)
         return 1

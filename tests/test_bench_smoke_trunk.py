@@ -57,6 +57,7 @@ def test_bench_trunk_on_the_cpu(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("args", "says"), [
     (["--switch-interval", "-1"], "--switch-interval: give seconds above 0"),
     (["--engines", "3", "--clients", "2"], "every engine needs a client"),
+    (["--clients", "1", "2", "--timeline", "t.json"], "--timeline records one run"),
 ])
 def test_bench_trunk_refuses_what_it_cannot_run_before_anything_starts(args: list[str], says: str) -> None:
     done = subprocess.run([sys.executable, "-m", "bench.trunk", *args], cwd=ROOT, capture_output=True, text=True,
@@ -180,11 +181,14 @@ def test_bench_timeline_plot(tmp_path: Path, recording: str) -> None:
 @pytest.mark.slow  # the sync run: test_bench_trunk_on_the_cpu; async and quorum trunks: test_reliability.py
 @pytest.mark.parametrize("mode", ["async", "quorum"])
 def test_bench_trunk_in_other_modes(mode: str) -> None:
-    """``--mode`` runs the batched clients against an async or quorum trunk; its keys carry the mode."""
-    results = json.loads(_bench("bench.trunk", "--device", "cpu", "--clients", "2", "--repeat", "1", "--steps", "2",
-                                "--only", "batched", "--mode", mode, "--window-ms", "5", "--config", TINY,
+    """``--mode`` runs the batched clients against an async or quorum trunk; its keys carry the mode. Two counts of
+    clients are measured in turn."""
+    results = json.loads(_bench("bench.trunk", "--device", "cpu", "--clients", "1", "2", "--repeat", "1",
+                                "--steps", "2", "--only", "batched", "--mode", mode, "--window-ms", "5",
+                                "--config", TINY,
                                 "--json").strip().splitlines()[-1])
     assert results[f"trunk_examples_per_s_2_clients_batched_{mode}_cpu"] > 0 and results["mode"] == mode
+    assert results[f"trunk_examples_per_s_1_clients_batched_{mode}_cpu"] > 0
 
 
 @pytest.mark.slow
