@@ -16,7 +16,8 @@ way. A transport added later gets every test by adding one line to ``TRANSPORTS`
 
 The front-end transport: the server's port is served by a front-end process (``frontends=1``), which hands each
 call to the engine over the engine link; its calls are counted on the engine's side, per client.
-"GPU only": CUDA IPC needs client and trunk on one CUDA device; without one its tests skip saying so.
+"GPU only": CUDA IPC needs client and trunk on one CUDA device; without one its tests skip saying so. On an NVIDIA
+H100 (torch 2.11+cu130) its 29 tests pass, and the other transports' 145 with them.
 
 (a) Two cases break a bulk link's own protocol (bytes-vs-shape: the transfer's size disagrees with its header;
 oversize: a transfer past the largest tensor the link takes): the server closes that link, the call is retried
