@@ -86,8 +86,10 @@ app = ServerApp()
 
 @app.main()
 def main_app(grid: Grid, context: Context) -> None:
-    """The project's ServerApp with ``ClippedFedAvg`` on the client parts (and on per-client trunk copies)."""
-    run(grid, context, strategy=build, trunk_strategy=build)
+    """The project's ServerApp with ``ClippedFedAvg`` on the client parts, and on the per-client trunk copies when
+    ``trunk-mode = "per-client"`` (the other modes keep one trunk, which takes no strategy)."""
+    per_client = context.run_config.get("trunk-mode") == "per-client"
+    run(grid, context, strategy=build, trunk_strategy=build if per_client else None)
 
 
 def _reply(node: int, state: dict[str, torch.Tensor], examples: int) -> Message:
