@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from test_e2e_flwr import _env, _run_id, _status, flwr_home, flwr_run  # noqa: F401 - flwr_home is a fixture
 
+from splitfed.run.report import run_folder
+
 #: Two client depths on the MNIST CNN: (1, 6) keeps only the first conv in its bottom and the trunk runs the second
 #: for it; (4, 9) keeps both convs and gives the trunk the first linear layer, which (1, 6) holds in its top.
 MAIN_JOB_CUTS = "1,6 4,9"
@@ -22,7 +24,7 @@ def test_flwr_run_main_job_with_client_cuts_reaches_90_percent(flwr_home: Path, 
     output = flwr_run([".", "local", "--stream", "--run-config", overrides, "--federation-config",
                        "num-supernodes=4 client-resources-num-cpus=1"], env)
     assert _status("local", _run_id(output), env) == "finished:completed", output[-4000:]
-    history = json.loads((out_dir / "history.json").read_text())
+    history = json.loads((run_folder(out_dir) / "history.json").read_text())  # the run's own folder
     assert history["config"]["cuts"] == "1,9"  # the trunk holds [min a, max b)
     assert [r["round"] for r in history["rounds"]] == [1, 2, 3, 4, 5]
     assert history["rounds"][-1]["evaluate"]["eval-accuracy"] >= 0.90
