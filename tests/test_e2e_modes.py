@@ -165,15 +165,16 @@ def test_a_clientapp_process_killed_mid_step_is_dropped_and_the_run_completes(fe
 
     def kill_a_training_client(output: str) -> bool:
         port = re.search(r"trunk server listening on [\d.]+:(\d+)", output)
-        if port is None or not re.search(r"joined the trunk step group \([2-9] members\)", output):
+        if port is None:
             return False
         connected = {c.pid for c in psutil.net_connections("tcp")
                      if c.raddr and c.raddr.port == int(port.group(1)) and c.status == psutil.CONN_ESTABLISHED}
         victims = [p for p in federation.processes("ClientAppActor") if p.pid in connected]
-        if victims:
+        if len(victims) >= 2:  # two clients connected to the trunk: they train together
             victims[0].kill()
             killed.append(victims[0].pid)
-        return bool(victims)
+            return True
+        return False
 
     out = tmp_path / "out"
     output, status = federation.run_until(
