@@ -76,7 +76,7 @@ FAULTY_CLIENT = '''
 """The real ClientApp, except that partition 1 fails in training."""
 from flwr.clientapp import ClientApp
 
-from apps import client_app as real
+from splitfed.apps import client_app as real
 
 app = ClientApp()
 
@@ -115,7 +115,7 @@ def test_flwr_run_with_one_of_three_clients_failing_goes_on(flwr_home: Path, tmp
         publisher = "splitfed"
 
         [tool.flwr.app.components]
-        serverapp = "apps.server_app:app"
+        serverapp = "splitfed.apps.server_app:app"
         clientapp = "faulty_client:app"
 
         [tool.flwr.app.config]
