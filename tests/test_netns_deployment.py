@@ -22,6 +22,7 @@ import pytest
 from test_e2e_flwr import BIN, ROOT, _env, _run_id, flwr_home  # noqa: F401  (a fixture)
 
 from splitfed.channel.security.policy import CA_FILE
+from splitfed.run.report import run_folder
 
 TESTS = Path(__file__).resolve().parent
 LINK_PORT, TRUNK_PORT = 9093, 50051  # fresh namespaces: every port is free
@@ -126,12 +127,12 @@ def test_deployment_across_namespaces_uses_zero_config_tls(namespaces: Namespace
                                cwd=ROOT, env=env, stdout=open(logs / "flwr-run.log", "wb"), stderr=subprocess.STDOUT)
         procs.append(run)
         deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and run.poll() is None and not (out_dir / CA_FILE).exists():
+        while time.monotonic() < deadline and run.poll() is None and not (run_folder(out_dir) / CA_FILE).exists():
             time.sleep(0.2)
-        assert (out_dir / CA_FILE).exists(), (logs / "flwr-run.log").read_text()[-3000:]
+        assert (run_folder(out_dir) / CA_FILE).exists(), (logs / "flwr-run.log").read_text()[-3000:]
         # From the SuperNodes' namespace, across the veth: the trunk speaks TLS only, with the issued CA only.
         probed = subprocess.run(ns.cmd(ns.client, sys.executable, "-c", PROBE, str(TESTS),
-                                       f"{ns.server_ip}:{TRUNK_PORT}", str(out_dir / CA_FILE)),
+                                       f"{ns.server_ip}:{TRUNK_PORT}", str(run_folder(out_dir) / CA_FILE)),
                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
         assert probed.returncode == 0, probed.stderr[-3000:]
         assert json.loads(probed.stdout) == {"plaintext": "UNAVAILABLE", "another-ca": "UNAVAILABLE",
@@ -141,8 +142,9 @@ def test_deployment_across_namespaces_uses_zero_config_tls(namespaces: Namespace
         status = subprocess.run(ns.cmd(ns.server, str(BIN / "flwr"), "list", "deploy", "--run-id", _run_id(output),
                                        "--format", "json"),
                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
-        assert json.loads(status.stdout)["runs"][0]["status"] == "finished:completed", output[-3000:]
-        history = json.loads((out_dir / "history.json").read_text())
+        assert json.loads(status.stdout)["runs"][0]["status"] == "finished:completed", \
+            f"{status.stdout[-1500:]}\n{status.stderr[-1500:]}\n{output[-3000:]}"
+        history = json.loads((run_folder(out_dir) / "history.json").read_text())  # the run's own folder
         assert [r["round"] for r in history["rounds"]] == [1, 2]
         assert history["rounds"][-1]["train"]["train-steps"] == 20  # two supernodes, 10 steps each, over TLS
         assert history["rounds"][-1]["evaluate"]["num-examples"] == 1000
