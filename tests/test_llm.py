@@ -154,16 +154,18 @@ def test_lora_run_exports_a_model_with_the_split_models_logits(tmp_path: Path, a
 
 
 PEAK_RSS_SCRIPT = r"""
-import json, resource, sys
+import json, sys
 import torch
 from splitfed.models.partload import load_parts, parts_nbytes
-def rss_kb():
+# VmHWM, not ru_maxrss: Linux carries the spawning process's peak into ru_maxrss across exec, so a child
+# of a large test worker would report the worker's peak.
+def status_kb(field):
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1])
-base = rss_kb()
+base = status_kb("VmRSS")
 split = load_parts(sys.argv[1], (2, 22), ("bottom", "top"))
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak = status_kb("VmHWM")
 print(json.dumps({"base_kb": base, "peak_kb": peak, "parts_bytes": parts_nbytes(split, ("bottom", "top"))}))
 """
 
