@@ -180,7 +180,9 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
         if not mode:
             out.update({"gen_batched_greedy_match": float(tokens[0.0] == tokens[window_ms]),
                         "gen_batched_sessions": float(sessions),
-                        "gen_batched_regroups": float(st.get("decode_groups", 0))})
+                        "gen_batched_regroups": float(st.get("decode_groups", 0)),
+                        "gen_batched_prefills": float(st.get("batched_prefills", 0)),
+                        "gen_prefill_batches": float(st.get("prefill_batches", 0))})
     return out
 
 
@@ -188,7 +190,8 @@ def batched_decode_trunk(sessions: int = 8, steps: int = 64, prompt_len: int = 1
                          device: str = "cpu", model: str | None = None) -> dict[str, float]:
     """The trunk alone (no channel, no clients): ``sessions`` decode steps as one call / one by one.
 
-    Every session is prefilled (prompts of ``prompt_len + i`` positions), then
+    Every session is prefilled (prompts of ``prompt_len + i`` positions: one batched
+    prefill, or one step per session, timed as ``gen_trunk_prefill_speedup``), then
     each timed run decodes ``steps`` positions per session either with
     :meth:`SessionManager.run_many` (one batched call per step) or with one
     :meth:`SessionManager.step` per session; runs alternate, medians compared.
@@ -205,6 +208,7 @@ def batched_decode_trunk(sessions: int = 8, steps: int = 64, prompt_len: int = 1
     manager = SessionManager(TrunkRuntime(trunk), max_sessions=4 * sessions, max_sessions_per_client=4 * sessions)
     g = torch.Generator().manual_seed(0)
     times: dict[bool, list[float]] = {False: [], True: []}
+    prefill_times: dict[bool, list[float]] = {False: [], True: []}
 
     def sync() -> None:
         if device.startswith("cuda"):
@@ -212,11 +216,20 @@ def batched_decode_trunk(sessions: int = 8, steps: int = 64, prompt_len: int = 1
 
     for run in range(repeat + 1):  # the first round warms up
         for batched in (False, True):
-            ids = []
-            for i in range(sessions):
-                sid, _ = manager.open("bench", max_length=prompt_len + sessions + steps)
-                manager.step("bench", sid, CutState(torch.randn(1, prompt_len + i, width, generator=g)))
-                ids.append(sid)
+            ids = [manager.open("bench", max_length=prompt_len + sessions + steps)[0] for _ in range(sessions)]
+            prompts = [CutState(torch.randn(1, prompt_len + i, width, generator=g)) for i in range(sessions)]
+            sync()
+            start = time.perf_counter()
+            if batched:  # the prompts as one window: one batched prefill
+                for out in manager.run_many([SessionStep("bench", sid, p) for sid, p in zip(ids, prompts)]):
+                    if isinstance(out, BaseException):
+                        raise out
+            else:
+                for sid, p in zip(ids, prompts):
+                    manager.step("bench", sid, p)
+            sync()
+            if run:
+                prefill_times[batched].append(time.perf_counter() - start)
             hidden = [torch.randn(1, 1, width, generator=g) for _ in range(steps)]
             sync()
             start = time.perf_counter()
@@ -235,7 +248,9 @@ def batched_decode_trunk(sessions: int = 8, steps: int = 64, prompt_len: int = 1
                 manager.close("bench", sid)
     alone, batched_s = statistics.median(times[False]), statistics.median(times[True])
     return {"gen_trunk_decode_speedup": alone / batched_s,
-            "gen_trunk_decode_tokens_per_s": sessions * steps / batched_s}
+            "gen_trunk_decode_tokens_per_s": sessions * steps / batched_s,
+            "gen_trunk_prefill_speedup": statistics.median(prefill_times[False]) / statistics.median(
+                prefill_times[True])}
 
 
 def gen_batching(device: str = "cpu", sessions: int = 8, new_tokens: int = 64, repeat: int = 2) -> dict[str, float]:

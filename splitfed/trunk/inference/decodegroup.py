@@ -29,14 +29,14 @@ log = logging.getLogger(__name__)
 STACKABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
-def _stored(layer: Any, seen: int) -> int:
+def stored_positions(layer: Any, seen: int) -> int:
     """Positions a cache layer keeps after seeing ``seen`` (a sliding window keeps the last ``window - 1``)."""
     if isinstance(layer, DynamicSlidingWindowLayer):
         return min(seen, layer.sliding_window - 1)
     return seen
 
 
-def _fill(layer: Any, keys: torch.Tensor, values: torch.Tensor, seen: int) -> None:
+def fill_layer(layer: Any, keys: torch.Tensor, values: torch.Tensor, seen: int) -> None:
     """Set an empty cache layer to hold ``keys``/``values`` after having seen ``seen`` positions."""
     layer.lazy_initialization(keys, values)
     layer.keys, layer.values = keys, values
@@ -78,11 +78,11 @@ class DecodeGroup:
         self.cache = trunk.new_cache()
         self.sliding = any(isinstance(layer, DynamicSlidingWindowLayer) for layer in self.cache.layers)
         for i, layer in enumerate(self.cache.layers):
-            width = _stored(layer, self.length)
+            width = stored_positions(layer, self.length)
             parts = [s.cache.layers[i] for s in members]
             keys = torch.cat([_left_pad(p.keys, width, 2) for p in parts])
             values = torch.cat([_left_pad(p.values, width, 2) for p in parts])
-            _fill(layer, keys, values, self.length)
+            fill_layer(layer, keys, values, self.length)
         #: (members, positions): which of the group's positions are each member's own (left padding and skipped
         #: steps are not)
         self.valid = torch.arange(self.length) >= torch.tensor([self.length - s.length for s in members])[:, None]
@@ -126,7 +126,7 @@ class DecodeGroup:
             tail = bool(valid[self.length - s.length:].all())  # no skipped steps: its positions are the last ones
             for layer, mine in zip(self.cache.layers, cache.layers):
                 if tail:
-                    keep = _stored(mine, s.length)
+                    keep = stored_positions(mine, s.length)
                     # clone: a view would keep the whole stacked tensor alive
                     keys = layer.keys[rows, :, layer.keys.shape[2] - keep:].clone()
                     values = layer.values[rows, :, layer.values.shape[2] - keep:].clone()
@@ -134,7 +134,7 @@ class DecodeGroup:
                     cols = valid.nonzero().squeeze(1).to(layer.keys.device)
                     keys = layer.keys[rows].index_select(2, cols)
                     values = layer.values[rows].index_select(2, cols)
-                _fill(mine, keys, values, s.length)
+                fill_layer(mine, keys, values, s.length)
             s.cache, s.group = cache, None
         log.debug("dissolved a decode group of %d sessions", len(self.members))
         self.members, self.rows, self.missed, self.cache = [], [], [], None

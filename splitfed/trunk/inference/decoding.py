@@ -18,6 +18,9 @@ and the next batched step stacks a new group. Full-attention (``DynamicLayer``)
 and sliding-window (``DynamicSlidingWindowLayer``) cache layers are supported;
 sessions with other cache layers step one by one.
 
+The first steps (prefills) of several sessions in one window run as one call as well
+(:mod:`splitfed.trunk.inference.prefill`); the sessions then decode in a group.
+
 The window (:class:`~splitfed.trunk.scheduler.TrunkScheduler`): it closes as
 soon as it holds a step of every session that is decoding
 (:meth:`SessionManager.complete <splitfed.trunk.inference.sessions.SessionManager.complete>`),
@@ -41,6 +44,7 @@ from torch import nn
 from splitfed.split.base import CutState
 from splitfed.trunk.inference.decodegroup import STACKABLE_LAYERS, DecodeGroup
 from splitfed.trunk.compute.recompute import busy_on_oom
+from splitfed.trunk.inference.prefill import batchable, is_prefill, prefill_key, run_prefills
 
 if TYPE_CHECKING:
     from splitfed.trunk.compute.runtime import TrunkRuntime
@@ -149,7 +153,9 @@ def step_many(manager: Any, steps: list[SessionStep]) -> list[Outcome]:
     rt = manager.runtime
     out: list[Outcome] = [None] * len(steps)
     chosen: list[tuple[int, Session]] = []
+    prefills: list[tuple[int, Session]] = []
     alone: list[int] = []
+    seen: set[int] = set()
     for i, st in enumerate(steps):
         try:
             session = manager._touch(st.client_id, st.session_id)
@@ -157,12 +163,16 @@ def step_many(manager: Any, steps: list[SessionStep]) -> list[Outcome]:
             out[i] = exc
             continue
         h = st.state.hidden
-        if (h.dim() != 3 or h.shape[1] != 1 or any(s is session for _, s in chosen)
-                or not stackable(session)):
+        if id(session) in seen:  # a session's second step in the window runs after its first, alone
             alone.append(i)
-        else:
+        elif is_prefill(session, st.state):
+            prefills.append((i, session))
+        elif h.dim() == 3 and h.shape[1] == 1 and stackable(session):
             chosen.append((i, session))
-    batched: list[tuple[int, Session]] = []
+        else:
+            alone.append(i)
+        seen.add(id(session))
+    batched: list[tuple[int, Session]] = _prefill_batches(manager, steps, prefills, out, alone)
     # a lone step batches only with the group it is in (its other members sit the step out)
     if len(chosen) >= 2 or (chosen and chosen[0][1].group is not None):
         with lock_all(_with_group_members([s for _, s in chosen])):
@@ -180,7 +190,7 @@ def step_many(manager: Any, steps: list[SessionStep]) -> list[Outcome]:
             group = _plan(manager, ready)
             if group is not None:
                 _run_batched(manager, group, steps, ready, out)
-                batched = [(i, s) for i, s in ready if not isinstance(out[i], BaseException)]
+                batched += [(i, s) for i, s in ready if not isinstance(out[i], BaseException)]
             else:
                 alone.extend(i for i, _ in ready)
     else:
@@ -197,6 +207,56 @@ def step_many(manager: Any, steps: list[SessionStep]) -> list[Outcome]:
         except Exception as exc:  # noqa: BLE001
             out[i] = exc
     return out
+
+
+def _prefill_batches(manager: Any, steps: list[SessionStep], prefills: list[tuple[int, Session]],
+                     out: list[Outcome], alone: list[int]) -> list[tuple[int, Session]]:
+    """Run the window's prefills of equal width and dtype as one call each (:mod:`.prefill`).
+
+    Returns the steps that ran (to settle); a prefill that cannot batch goes to ``alone``.
+    """
+    rt = manager.runtime
+    by_key: dict[Any, list[tuple[int, Session]]] = {}
+    for i, s in prefills:
+        by_key.setdefault(prefill_key(steps[i].state), []).append((i, s))
+    done: list[tuple[int, Session]] = []
+    for members in by_key.values():
+        longest = max(int(steps[i].state.hidden.shape[1]) for i, _ in members)
+        if len(members) < 2 or not all(batchable(s.cache, longest) for _, s in members):
+            alone.extend(i for i, _ in members)
+            continue
+        with lock_all([s for _, s in members]):
+            ready = []
+            for i, s in members:
+                try:
+                    repeated = manager._admit(s, steps[i].state, steps[i].step_id)
+                except Exception as exc:  # noqa: BLE001
+                    out[i] = exc
+                    continue
+                if repeated is not None:
+                    out[i] = rt.handed(repeated)
+                elif not is_prefill(s, steps[i].state):  # another window stepped it meanwhile
+                    alone.append(i)
+                else:
+                    ready.append((i, s))
+            if len(ready) < 2:
+                alone.extend(i for i, _ in ready)
+                continue
+            try:
+                parts = run_prefills(rt, [s for _, s in ready], [steps[i].state for i, _ in ready])
+            except Exception as exc:  # noqa: BLE001 - nothing was kept: every session is still empty
+                log.warning("a batched prefill of %d sessions failed: %s", len(ready), exc)
+                for i, _ in ready:
+                    out[i] = exc
+                continue
+            for (i, s), part in zip(ready, parts):
+                manager._advance(s, steps[i].state, steps[i].step_id, part)
+                out[i] = part
+        done.extend(ready)
+        with manager._lock:
+            manager.stats["prefill_batches"] += 1
+            manager.stats["batched_prefills"] += len(ready)
+    return done
 
 
 def _with_group_members(sessions: list[Session]) -> list[Session]:

@@ -148,7 +148,7 @@ class SessionManager:
         self._windows = 0  # batching windows run so far (calls of run_many)
         self.stats: dict[str, int] = {"opened": 0, "closed": 0, "evicted_idle": 0, "refused": 0, "steps": 0,
                                       "retried_steps": 0, "batched_steps": 0, "decode_batches": 0,
-                                      "decode_groups": 0}
+                                      "decode_groups": 0, "prefill_batches": 0, "batched_prefills": 0}
 
     @classmethod
     def from_limits(cls, runtime: TrunkRuntime, limits: SessionLimits = SessionLimits()) -> SessionManager:
