@@ -44,6 +44,8 @@ def test_bench_suites() -> None:
     # bench.generation's and bench.gen_batching's own figures, at the sizes of their commands below (slow)
     assert results["gen_bytes_per_token_nocache"] > 0 and results["gen_batched_sessions"] == 2.0
     assert results["gen_replay_batched_speedup"] > 0 and results["gen_replay_batched_mean_batch"] >= 1.0
+    # the trunk alone prefilled the sessions in one call, and that call was timed
+    assert results["gen_trunk_prefill_speedup"] > 0 and "gen_batched_prefills" in results
 
 
 def test_bench_load() -> None:
