@@ -176,17 +176,7 @@ def step_many(manager: Any, steps: list[SessionStep]) -> list[Outcome]:
     # a lone step batches only with the group it is in (its other members sit the step out)
     if len(chosen) >= 2 or (chosen and chosen[0][1].group is not None):
         with lock_all(_with_group_members([s for _, s in chosen])):
-            ready = []
-            for i, s in chosen:
-                try:
-                    repeated = manager._admit(s, steps[i].state, steps[i].step_id)
-                except Exception as exc:  # noqa: BLE001
-                    out[i] = exc
-                    continue
-                if repeated is not None:
-                    out[i] = rt.handed(repeated)
-                else:
-                    ready.append((i, s))
+            ready = _admitted(manager, steps, chosen, out)
             group = _plan(manager, ready)
             if group is not None:
                 _run_batched(manager, group, steps, ready, out)
@@ -209,6 +199,24 @@ def step_many(manager: Any, steps: list[SessionStep]) -> list[Outcome]:
     return out
 
 
+def _admitted(manager: Any, steps: list[SessionStep], picks: list[tuple[int, Session]],
+              out: list[Outcome]) -> list[tuple[int, Session]]:
+    """The picked steps that are new (their session locks held): a retry is answered from its session's last
+    step and a rejected step gets its error, in ``out``."""
+    ready = []
+    for i, s in picks:
+        try:
+            repeated = manager._admit(s, steps[i].state, steps[i].step_id)
+        except Exception as exc:  # noqa: BLE001 - that step's own error
+            out[i] = exc
+            continue
+        if repeated is not None:
+            out[i] = manager.runtime.handed(repeated)
+        else:
+            ready.append((i, s))
+    return ready
+
+
 def _prefill_batches(manager: Any, steps: list[SessionStep], prefills: list[tuple[int, Session]],
                      out: list[Outcome], alone: list[int]) -> list[tuple[int, Session]]:
     """Run the window's prefills of equal width and dtype as one call each (:mod:`.prefill`).
@@ -227,18 +235,11 @@ def _prefill_batches(manager: Any, steps: list[SessionStep], prefills: list[tupl
             continue
         with lock_all([s for _, s in members]):
             ready = []
-            for i, s in members:
-                try:
-                    repeated = manager._admit(s, steps[i].state, steps[i].step_id)
-                except Exception as exc:  # noqa: BLE001
-                    out[i] = exc
-                    continue
-                if repeated is not None:
-                    out[i] = rt.handed(repeated)
-                elif not is_prefill(s, steps[i].state):  # another window stepped it meanwhile
-                    alone.append(i)
-                else:
+            for i, s in _admitted(manager, steps, members, out):
+                if is_prefill(s, steps[i].state):
                     ready.append((i, s))
+                else:  # another window stepped it meanwhile
+                    alone.append(i)
             if len(ready) < 2:
                 alone.extend(i for i, _ in ready)
                 continue
