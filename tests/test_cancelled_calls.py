@@ -46,7 +46,7 @@ def test_a_server_stopped_while_a_cancelled_calls_work_waits_leaves_no_task_pend
     step ("b" never sends) cancels it instead of leaving it to be destroyed pending with the loop ("Task was
     destroyed but it is pending!" at exit)."""
     with _a_gradient_given_up(trunk_server) as (server, _):
-        loop = server._loop
+        loop = server._serving.loop
         assert any(not t.done() for t in asyncio.all_tasks(loop))  # the detached work, still waiting
         server.stop(grace=0)
         assert [t for t in asyncio.all_tasks(loop) if not t.done()] == []

@@ -11,6 +11,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from splitfed.errors import ConfigError
+
 T = TypeVar("T")
 
 
@@ -60,6 +62,47 @@ def stop_loop(loop: asyncio.AbstractEventLoop | None, thread: threading.Thread |
     thread.join(5)
     if not loop.is_running():
         loop.close()
+
+
+class LoopThread:
+    """An asyncio event loop that runs forever on a daemon thread of its own, as a server that serves from
+    ``grpc.aio`` runs one beside its caller's threads: started once, run into from any other thread, stopped once.
+
+    ``what`` names the owner in the error a call before :meth:`start` gets ("the trunk server")."""
+
+    def __init__(self, name: str, what: str) -> None:
+        self.name = name
+        self.what = what
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+        self.stopped = threading.Event()
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop is started and running."""
+        return self.loop is not None and self.loop.is_running()
+
+    def start(self) -> asyncio.AbstractEventLoop:
+        """Start the loop on its thread; returns the loop."""
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=self.name, daemon=True)
+        self.thread.start()
+        return self.loop
+
+    def run(self, coro: Any, timeout: float | None = None) -> Any:
+        """Run ``coro`` on the loop from another thread and return its result (``timeout`` seconds at most)."""
+        if self.loop is None:
+            coro.close()
+            raise ConfigError(f"{self.what} is not started; call start() first")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        """Cancel what still runs on the loop, stop it and close it (:func:`stop_loop`)."""
+        stop_loop(self.loop, self.thread)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the owner marks :attr:`stopped` (or ``timeout``); returns True if it timed out."""
+        return not self.stopped.wait(timeout)
 
 
 def awaiting(future: concurrent.futures.Future[T]) -> asyncio.Future[T]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
@@ -45,7 +44,7 @@ from splitfed.channel.wire.limits import (
     SERVICE_NAME,
     ChannelLimits,
 )
-from splitfed.channel.engine.loop import stop_loop
+from splitfed.channel.engine.loop import LoopThread
 from splitfed.channel.routing.backends import Backend, model_health_name
 from splitfed.channel.routing.table import ANY_MODEL, RouteTable
 from splitfed.errors import AuthError, ConfigError
@@ -155,11 +154,9 @@ class Router:
         self._published: set[str] = set()
         self.health: Any = None
         self.port = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._serving = LoopThread("splitfed-router", "the router")
         self._server: Any = None
         self._monitor: asyncio.Task[None] | None = None
-        self._stopped = threading.Event()
 
     @property
     def address(self) -> str:
@@ -317,19 +314,16 @@ class Router:
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
-        assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return self._serving.run(coro, timeout)
 
     def start(self) -> Router:
         """Bind, check every backend once, start serving; returns self. Backends that are down are logged and
         probed again every ``probe_interval_s``."""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="splitfed-router", daemon=True)
-        self._thread.start()
+        self._serving.start()
         try:
             self._run(self._start())
         except BaseException:
-            self._shutdown_loop()
+            self._serving.stop()
             raise
         live = [b.address for b in self.backends if b.state.live]
         log.info("router listening on %s (%s) in front of %s; live: %s", self.address,
@@ -377,14 +371,14 @@ class Router:
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Mark NOT_SERVING and stop; calls in flight get ``grace`` seconds."""
-        if self._loop is None or self._stopped.is_set():
+        if self._serving.loop is None or self._serving.stopped.is_set():
             return
         try:
             if self._server is not None:
                 self._run(self._stop(grace))
         finally:
-            self._shutdown_loop()
-            self._stopped.set()
+            self._serving.stop()
+            self._serving.stopped.set()
 
     async def _stop(self, grace: float | None) -> None:
         if self._monitor is not None:
@@ -393,12 +387,9 @@ class Router:
         await self._server.stop(grace)
         await asyncio.gather(*(b.close() for b in self.backends))
 
-    def _shutdown_loop(self) -> None:
-        stop_loop(self._loop, self._thread)
-
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the router stops (or ``timeout``); returns True if it timed out."""
-        return not self._stopped.wait(timeout)
+        return self._serving.wait(timeout)
 
     def __enter__(self) -> Router:
         return self.start() if not self.port else self

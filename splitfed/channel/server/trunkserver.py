@@ -26,7 +26,6 @@ import asyncio
 import atexit
 import logging
 import ssl
-import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -49,7 +48,7 @@ from splitfed.channel.wire.limits import (
     ChannelLimits,
 )
 from splitfed.channel.server.listeners import build_frontends, start_grpc_server
-from splitfed.channel.engine.loop import stop_loop
+from splitfed.channel.engine.loop import LoopThread
 from splitfed.channel.server.health import health_name, report_models, report_state
 from splitfed.channel.server.registry import Entry, ModelRegistry
 from splitfed.channel.server.units import ModelState, ModelUnit, ServerOptions, build_unit
@@ -203,10 +202,8 @@ class TrunkServer:
         self.health: Any = None
         self._updates: set[asyncio.Future[None]] = set()
         self.port = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._serving = LoopThread("splitfed-trunk-grpc", "the trunk server")
         self._server: Any = None
-        self._stopped = threading.Event()
         self.metrics: Any = None
         self._metrics_port, self._metrics_host, self.metrics_port = metrics_port, metrics_host, 0
         if metrics_port is not None:
@@ -293,17 +290,14 @@ class TrunkServer:
             unit.attach_metrics(self.metrics)
 
     def _on_state(self, name: str, state: ModelState | None) -> None:
-        if self.health is not None and self._loop is not None and self._loop.is_running():
+        if self.health is not None and self._serving.running:
             update = asyncio.ensure_future(report_state(self.health, self.registry, name, state))
             self._updates.add(update)  # the loop keeps only weak references to tasks
             update.add_done_callback(self._updates.discard)
 
     # -- lifecycle -------------------------------------------------------------------------
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
-        if self._loop is None:
-            coro.close()
-            raise ConfigError("the trunk server is not started; call start() first")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return self._serving.run(coro, timeout)
 
     def start(self) -> TrunkServer:
         """Bind, start serving, mark the service SERVING and load ``models``; returns self."""
@@ -311,9 +305,7 @@ class TrunkServer:
             from splitfed.serving.build import preload_libraries
 
             preload_libraries()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="splitfed-trunk-grpc", daemon=True)
-        self._thread.start()
+        self._serving.start()
         for entry in self.registry.entries.values():
             if entry.unit is not None:
                 entry.unit.start()
@@ -365,7 +357,7 @@ class TrunkServer:
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Mark NOT_SERVING and stop; in-flight RPCs get ``grace`` seconds, then every model stops."""
-        if self._loop is None or self._stopped.is_set():
+        if self._serving.loop is None or self._serving.stopped.is_set():
             return
         try:
             if self._server is not None or self.frontends is not None:
@@ -375,12 +367,12 @@ class TrunkServer:
         finally:
             if self.bulk is not None:
                 self.bulk.close()
-            self._shutdown_loop()
+            self._serving.stop()
             if self.metrics is not None:
                 self.metrics.stop()
             if self._froze:  # this server's objects are collectable again once its owner drops it
                 thaw_heap()
-            self._stopped.set()
+            self._serving.stopped.set()
 
     async def _stop(self, grace: float | None) -> None:
         await self.health.enter_graceful_shutdown()
@@ -392,12 +384,9 @@ class TrunkServer:
             await self._server.stop(grace)
         await self.registry.close()
 
-    def _shutdown_loop(self) -> None:
-        stop_loop(self._loop, self._thread)
-
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server stops (or ``timeout``); returns True if it timed out."""
-        return not self._stopped.wait(timeout)
+        return self._serving.wait(timeout)
 
     def __enter__(self) -> TrunkServer:
         return self.start() if not self.port else self
