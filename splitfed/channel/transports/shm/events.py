@@ -10,8 +10,8 @@ import torch
 
 from splitfed.errors import CodecError, SharedMemoryUnavailableError
 
-__all__ = ["EVENTS_PER_REGION", "RegionEvents", "device_uuid", "forget_local_events", "local_events",
-           "remember_local_events"]
+__all__ = ["EVENTS_PER_REGION", "RegionEvents", "device_uuid", "device_with_uuid", "forget_local_events",
+           "local_events", "remember_local_events"]
 
 #: CUDA events per region: slices of calls in flight at once name one each.
 EVENTS_PER_REGION = 64
@@ -64,6 +64,13 @@ def device_uuid(device: torch.device | int) -> str:
         return str(torch.cuda.get_device_properties(device).uuid)
     except (AttributeError, RuntimeError, AssertionError):
         return ""
+
+
+def device_with_uuid(uuid: str) -> int | None:
+    """This process's index of the GPU with ``uuid`` (None: not visible here)."""
+    if not uuid or not torch.cuda.is_available():
+        return None
+    return next((i for i in range(torch.cuda.device_count()) if device_uuid(i) == uuid), None)
 
 
 def local_events(name: str) -> RegionEvents | None:

@@ -34,9 +34,9 @@ from splitfed.channel.transports.shm.regions import (
     RegionEvents,
     SharedRegion,
     copy_into,
-    device_uuid,
     local_events,
 )
+from splitfed.channel.transports.shm.events import device_with_uuid
 from splitfed.channel.wire.retry import RetryBudget
 from splitfed.channel.transports.shm.slices import ClientRegion, Slice, aligned
 from splitfed.codec.tensors import EncodedTensor, WireDType, encode, torch_dtype, wire_dtype
@@ -125,7 +125,7 @@ class SharedLane:
                 if reply.event_handles:
                     if reply.server_pid == os.getpid():
                         events = local_events(reply.region)
-                    elif (index := _device_with_uuid(reply.device_uuid)) is not None:
+                    elif (index := device_with_uuid(reply.device_uuid)) is not None:
                         events = RegionEvents.open(index, list(reply.event_handles))
             except SharedMemoryUnavailableError as exc:
                 log.info("tensors travel over the socket: %s", exc)
@@ -168,7 +168,7 @@ class SharedLane:
             return None
         if reply.server_pid == os.getpid():
             return local_memory(reply.region)
-        index = _device_with_uuid(reply.device_uuid)
+        index = device_with_uuid(reply.device_uuid)
         if index is None:
             return None
         try:
@@ -395,10 +395,3 @@ def _needed_bytes(exc: ChannelError) -> int | None:
         return None
     found = re.search(r"reply of (\d+) bytes is above the unary threshold", str(exc))
     return int(found.group(1)) if found else None
-
-
-def _device_with_uuid(uuid: str) -> int | None:
-    """This process's index of the GPU with ``uuid`` (None: not visible here)."""
-    if not uuid or not torch.cuda.is_available():
-        return None
-    return next((i for i in range(torch.cuda.device_count()) if device_uuid(i) == uuid), None)
