@@ -59,6 +59,8 @@ class Measure:
     rows: tuple[Row, ...]
     #: Seconds the command may run on a GPU / on the CPU.
     limit_s: tuple[float, float] = (600.0, 600.0)
+    #: Seconds it took on an H100 host (16 cores): what ``--budget-s`` plans with.
+    expect_s: float = 0.0
     env: dict[str, str] = field(default_factory=dict)
     #: GPUs the host must have for the measure to run.
     gpus: int = 0
@@ -110,49 +112,49 @@ def _measures(gpu: bool) -> list[Measure]:
             Row("gpu_util_mean_{n}_batched", "GPU busy serving {n} clients (NVML mean)", ">= 0.8", gpu_only=True),
             Row("ceiling_gpu_util_mean_{n}_batched", "GPU busy in plain PyTorch over the same rows", gpu_only=True),
             Row(f"trunk_requests_per_s_{{n}}_clients_batched{cpu}", "calls per second, {n} clients"),
-        ), (420.0, 300.0), clients=(8, 32, 64)),
+        ), (420.0, 300.0), clients=(8, 32, 64), expect_s=330.0),
         Measure("trunk_rows16", _trunk(16), (
             Row(f"trunk_ceiling_fraction_{{n}}{cpu}", "served / plain PyTorch, {n} clients x 16 rows", ">= 0.9"),
             Row("gpu_util_mean_{n}_batched", "GPU busy serving them", ">= 0.9", gpu_only=True),
             Row("ceiling_gpu_util_mean_{n}_batched", "GPU busy in plain PyTorch over them", gpu_only=True),
-        ), (240.0, 200.0), clients=(32,)),
+        ), (240.0, 200.0), clients=(32,), expect_s=150.0),
         Measure("quorum", _trunk(4, "--mode", "quorum"), (
             Row(f"trunk_ceiling_fraction_{{n}}_quorum{cpu}", "served / plain PyTorch, quorum (k = n/2), {n} clients"),
             Row(f"trunk_examples_per_s_{{n}}_clients_batched_quorum{cpu}", "examples/s, quorum, {n} clients"),
-        ), (200.0, 150.0), clients=(32,)),
+        ), (200.0, 150.0), clients=(32,), expect_s=150.0),
         Measure("async", _trunk(4, "--mode", "async"), (
             Row(f"trunk_ceiling_fraction_{{n}}_async{cpu}", "served / plain PyTorch, async, {n} clients"),
             Row(f"trunk_examples_per_s_{{n}}_clients_batched_async{cpu}", "examples/s, async, {n} clients"),
-        ), (200.0, 150.0), clients=(32,)),
+        ), (200.0, 150.0), clients=(32,), expect_s=150.0),
         Measure("engines", _trunk(4, "--engines", "2", only="batched"), (
             Row(f"engine_scaling_2{cpu}", "2 engines on one device / 1 (intake apart)"),
-        ), (200.0, 200.0), clients=(32,)),
+        ), (200.0, 200.0), clients=(32,), expect_s=110.0),
         Measure("replicas", _trunk(4, "--replicas", "2", only="batched"), (
             Row("replica_scaling_2gpu", "2 GPUs / 1, at the most clients", ">= 1.8"),
-        ), (500.0, 300.0), gpus=2, clients=(32, 64)),
+        ), (500.0, 300.0), gpus=2, clients=(32, 64), expect_s=400.0),
         Measure("split_step", _split_step("--transports", "auto", "socket"), (
             Row("split_step_ratio", "split step / unsplit, shared memory", "<= 1.10"),
             Row("split_step_ratio_socket", "split step / unsplit, socket", "<= 1.5"),
-        ), (200.0, 200.0)),
+        ), (200.0, 200.0), expect_s=130.0),
         Measure("split_step_int8", _split_step("--transports", "socket", "--wire-compression", "int8"), (
             Row("split_step_ratio_socket", "split step / unsplit, socket, int8 at the cut", "<= 1.2"),
-        ), (150.0, 200.0)),
+        ), (150.0, 200.0), expect_s=100.0),
         Measure("generation", _suite("generation"), (
             Row("gen_latency_ratio", "split generation / unsplit, per token", "<= 1.2"),
-        ), (150.0, 200.0)),
+        ), (150.0, 200.0), expect_s=90.0),
         Measure("gen_batching_8", _gen_batching(8), (
             Row("gen_batched_speedup", "batched decoding / one by one, 8 sessions (tokens/s)", ">= 4"),
             Row("gen_trunk_decode_speedup", "the trunk's decode alone, 8 sessions"),
             Row("gen_trunk_prefill_speedup", "the trunk's prefills batched / one by one"),
-        ), (200.0, 200.0)),
+        ), (200.0, 200.0), expect_s=150.0),
         Measure("gen_batching_32", _gen_batching(32), (
             Row("gen_batched_speedup", "batched decoding / one by one, 32 sessions (tokens/s)", ">= 8"),
             Row("gen_trunk_decode_speedup", "the trunk's decode alone, 32 sessions"),
-        ), (230.0, 300.0)),
+        ), (230.0, 300.0), expect_s=200.0),
         Measure("channel", _suite("channel", quick_too=False), (  # its quick run skips 1 MiB
             Row("channel_vs_configured_echo_ratio_4KiB", "channel / gRPC configured alike, 4 KiB (host CPU)", "<= 1.3"),
             Row("channel_vs_configured_echo_ratio_1MiB", "the same, 1 MiB", "<= 1.3"),
-        ), (150.0, 200.0), env={"CUDA_VISIBLE_DEVICES": ""}),
+        ), (150.0, 200.0), env={"CUDA_VISIBLE_DEVICES": ""}, expect_s=60.0),
     ]
 
 
@@ -226,11 +228,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     names = [m.name for m in _measures(True)]
-    parser.add_argument("--only", nargs="+", choices=names, help="run only these measures (default: all)")
+    parser.add_argument("--only", nargs="+", choices=names,
+                        help="run only these measures, in this order (default: all)")
     parser.add_argument("--quick", action="store_true", help="tiny configurations: checks that every measure runs")
     parser.add_argument("--budget-s", type=float, default=0.0,
-                        help="seconds for the whole run: a measure whose time limit would pass it is left out "
-                             "(and the run fails); 0: no budget")
+                        help="seconds for the whole run: a measure that would not fit what is left (by its time on an "
+                             "H100 host) is left out, and the run fails; each runs at most what is left; 0: no budget")
     parser.add_argument("--json", action="store_true", help="end with one JSON object (always printed last)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -241,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not torch.cuda.is_available():
             parser.error("--device cuda: no GPU is visible here")
     gpus = _gpu_count() if gpu else 0
-    measures = [m for m in _measures(gpu) if not args.only or m.name in args.only]
+    every = {m.name: m for m in _measures(gpu)}
+    measures = [every[name] for name in args.only] if args.only else list(every.values())  # in the order named
     started = time.monotonic()
     results: dict[str, dict[str, Any]] = {}
     left_out: dict[str, str] = {}
@@ -250,9 +254,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             left_out[measure.name] = f"needs {measure.gpus} GPUs, this host has {gpus}"
             continue
         limit = measure.limit_s[0 if gpu else 1]
-        if args.budget_s and time.monotonic() - started + limit > args.budget_s:
-            left_out[measure.name] = f"its limit of {limit:.0f} s would pass the budget of {args.budget_s:.0f} s"
-            continue
+        if args.budget_s:
+            left = args.budget_s - (time.monotonic() - started)
+            expect = measure.expect_s if gpu else min(measure.expect_s * 2, limit)
+            if expect > left:
+                left_out[measure.name] = f"it takes about {expect:.0f} s, {left:.0f} s of the budget are left"
+                continue
+            limit = min(limit, left)
         log.info("%s ...", measure.name)
         results[measure.name] = run_measure(measure, args.device, args.quick, limit)
         result = results[measure.name]

@@ -59,9 +59,14 @@ def test_a_missing_key_a_failed_command_or_a_budget_gap_fails_the_run(
     rc, result = _run(monkeypatch, capsys, [broken])
     assert rc == 1 and result["failed"] == ["broken"] and result["measures"]["broken"]["rc"] != 0
     assert "No module named" in result["measures"]["broken"]["stderr_tail"]
-    # A measure the budget leaves out: nothing ran, and the table has a hole.
-    rc, result = _run(monkeypatch, capsys, [_json_measure("trunk", path, Row("fraction_8", "x"))], "--budget-s", "5")
+    # A measure the budget leaves out (it takes about 60 s, 5 are left): nothing ran, and the table has a hole.
+    long = Measure("trunk", lambda d, q, c: ["json.tool", "--compact", str(path)], (Row("fraction_8", "x"),),
+                   (100.0, 100.0), expect_s=30.0)
+    rc, result = _run(monkeypatch, capsys, [long], "--budget-s", "5")
     assert rc == 1 and "trunk" in result["left_out"] and result["measures"] == {}
+    # With room for it, it runs.
+    rc, result = _run(monkeypatch, capsys, [long], "--budget-s", "100")
+    assert rc == 0 and result["left_out"] == {}
 
 
 def test_a_measure_that_needs_more_gpus_than_the_host_has_is_left_out_without_failing(
@@ -74,6 +79,17 @@ def test_a_measure_that_needs_more_gpus_than_the_host_has_is_left_out_without_fa
     assert rc == 0 and "replicas" in result["left_out"] and "other" in result["measures"]
 
 
+def test_only_runs_the_measures_named_in_the_order_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"k": 1.0}))
+    measures = [_json_measure(name, path, Row("k", "x")) for name in ("trunk", "generation", "channel")]
+    monkeypatch.setattr(table, "_measures", lambda gpu: measures)
+    assert table.main(["--only", "channel", "trunk", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(result["measures"]) == ["channel", "trunk"]
+
+
 def test_the_tables_commands_are_the_benches_own() -> None:
     """Every GPU command names a bench module and the arguments it accepts (checked by its own parser)."""
     for measure in table._measures(True):
@@ -84,6 +100,7 @@ def test_the_tables_commands_are_the_benches_own() -> None:
             assert "--clients" in argv and all(str(n) in argv for n in measure.clients)
             assert "layers=12 hidden=768" in argv[argv.index("--config") + 1]
     assert {m.name for m in table._measures(True)} == {m.name for m in table._measures(False)}
+    assert all(0 < m.expect_s <= m.limit_s[0] for m in table._measures(True))
 
 
 @pytest.mark.slow
