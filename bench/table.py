@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("bench.table")
@@ -235,6 +236,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="seconds for the whole run: a measure that would not fit what is left (by its time on an "
                              "H100 host) is left out, and the run fails; each runs at most what is left; 0: no budget")
     parser.add_argument("--json", action="store_true", help="end with one JSON object (always printed last)")
+    parser.add_argument("--out", default="", metavar="FILE",
+                        help="also write that JSON object here, rewritten after each measure (a run cut short keeps "
+                             "what it measured)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     gpu = args.device.startswith("cuda")
@@ -249,6 +253,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     results: dict[str, dict[str, Any]] = {}
     left_out: dict[str, str] = {}
+    the_card = card()
+
+    def summary() -> dict[str, Any]:
+        failed = sorted(name for name, r in results.items() if r["rc"] != 0 or r["missing"])
+        return {"card": the_card, "device": args.device, "quick": args.quick, "left_out": left_out,
+                "failed": failed, "measures": results}
+
     for measure in measures:
         if measure.gpus and gpus < measure.gpus:
             left_out[measure.name] = f"needs {measure.gpus} GPUs, this host has {gpus}"
@@ -266,6 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = results[measure.name]
         log.info("%s: exit %s in %.0f s%s", measure.name, result["rc"], result["s"],
                  f", missing {result['missing']}" if result["missing"] else "")
+        if args.out:
+            Path(args.out).write_text(json.dumps(summary(), indent=1))
     failed = {name: r for name, r in results.items() if r["rc"] != 0 or r["missing"]}
     budget_gaps = {name: why for name, why in left_out.items() if "budget" in why}
     print(table(results, measures, gpu, args.quick))
@@ -273,8 +286,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"left out: {name} ({why})")
     for name, r in failed.items():
         print(f"failed: {name} (exit {r['rc']}, missing {r['missing']}):\n{r.get('stderr_tail', '')[-1500:]}")
-    print(json.dumps({"card": card(), "device": args.device, "quick": args.quick, "left_out": left_out,
-                      "failed": sorted(failed), "measures": results}))
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary(), indent=1))
+    print(json.dumps(summary()))
     return 1 if failed or budget_gaps else 0
 
 

@@ -35,9 +35,10 @@ def test_every_key_found_gives_the_table_and_exit_0(tmp_path: Path, monkeypatch:
     path.write_text(json.dumps({"fraction_8": 0.5, "fraction_32": 0.75, "other": "x"}))
     measure = _json_measure("trunk", path, Row("fraction_{n}", "served / plain, {n} clients", ">= 0.8"),
                             clients=(8, 32))
-    rc, result = _run(monkeypatch, capsys, [measure])
+    rc, result = _run(monkeypatch, capsys, [measure], "--out", str(tmp_path / "table.json"))
     assert rc == 0
     assert result["failed"] == [] and result["left_out"] == {}
+    assert json.loads((tmp_path / "table.json").read_text()) == result
     got = result["measures"]["trunk"]
     assert got["rc"] == 0 and got["missing"] == []
     assert got["keys"]["fraction_8"] == 0.5 and got["keys"]["fraction_32"] == 0.75
