@@ -35,6 +35,7 @@ def test_calls_over_the_direct_socket_survive_reloads(caplog: pytest.LogCaptureF
     server = TrunkServer(models=[ModelSpec("mnist-cnn", name="cnn")], insecure=True, admin_token=TOKEN).start()
     errors: list[str] = []
     calls = [0, 0]  # forwards during the reloads, of them direct
+    answered = threading.Semaphore(0)  # one release per forward answered
     reloading, done = threading.Event(), threading.Event()
     client = TrunkClient(server.address, insecure=True, model="cnn")
 
@@ -45,6 +46,8 @@ def test_calls_over_the_direct_socket_survive_reloads(caplog: pytest.LogCaptureF
                 client.forward(CutState(torch.randn(*CNN_INPUT)), activation_id=uuid.uuid4().hex, train=False)
             except ChannelError as exc:
                 errors.append(str(exc))
+            else:
+                answered.release()
             if reloading.is_set():
                 calls[0] += 1
                 calls[1] += client.shared.direct_calls - before
@@ -60,6 +63,11 @@ def test_calls_over_the_direct_socket_survive_reloads(caplog: pytest.LogCaptureF
             for _ in range(3):
                 admin.reload("cnn")
                 time.sleep(0.3)
+                # The next reload once a forward got through this one: a call meets one reload at a time, whose
+                # moment of UNAVAILABLE its retries outlast (three back to back can outlast any retry budget).
+                while answered.acquire(blocking=False):
+                    pass
+                assert answered.acquire(timeout=30), "no forward got through the reload"
         done.set()
         caller.join(timeout=60)
         assert not caller.is_alive()
