@@ -10,6 +10,9 @@
 * ``gen_latency_ratio``: per-token latency of split generation over loopback
   (trunk server in a thread of this process) / the unsplit model's
   ``generate(do_sample=False)``, measured interleaved.
+* ``gen_latency_ratio_process``: the same with the trunk server in a process of
+  its own (as a deployment runs it: the client's Python and the server's do not
+  take turns on one interpreter lock), timed interleaved with the unsplit model.
 
 Default model: a tiny Llama built in code (6 layers, hidden 256, vocab 8192);
 ``python -m bench.generation --gen-model NAME_OR_DIR`` runs it on a real model.
@@ -61,21 +64,9 @@ def _nocache_generate(bottom: Any, client: Any, top: Any, ids: torch.Tensor, new
     return ids
 
 
-def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = None,
-               cuts: tuple[int, int] | None = None, repeat: int = 3, device: str = "cpu") -> dict[str, float]:
-    """Bytes per token with and without the trunk's KV cache, and split / unsplit per-token latency.
-
-    Args:
-        new_tokens: tokens generated per run (every run generates exactly this many).
-        prompt_len: random prompt length.
-        model: None for the tiny Llama, else a named LLM, a local folder or a hub id.
-        cuts: cut points (default: a named model's cuts, else thirds of the blocks).
-        repeat: interleaved timed runs of each side (medians are reported).
-        device: where the model runs (cpu, cuda).
-    """
-    from splitfed.channel.client.trunk import TrunkClient
-    from splitfed.channel.server.trunkserver import TrunkServer
-    from splitfed.client.generation import generate
+def _trunk_parts(model: str | None, cuts: tuple[int, int] | None, device: str) -> tuple[Any, Any, tuple[int, int]]:
+    """The reference model and the split parts of a copy of it, at ``cuts`` (default: a named model's, else thirds
+    of the blocks). Loading is deterministic, so another process gets the same parts."""
     from splitfed.split import num_blocks, split_model
 
     ref = load_model(model).to(device)
@@ -88,12 +79,60 @@ def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = 
     cuts = cuts or (max(n // 3, 1), max(2 * n // 3, 2))
     parts = split_model(split, cuts)
     parts.trunk.requires_grad_(False)
+    return ref, parts, cuts
+
+
+def _serve_trunk(model: str | None, cuts: tuple[int, int], device: str, threads: int, port_queue: Any,
+                 stop: Any) -> None:
+    """Serve the model's trunk from this (spawned) process until ``stop`` is set."""
+    from splitfed.channel.server.trunkserver import TrunkServer
+
+    torch.set_num_threads(threads)
+    _, parts, _ = _trunk_parts(model, cuts, device)
     server = TrunkServer(parts.trunk, insecure=True).start()
-    client = TrunkClient(server.address, insecure=True)
+    port_queue.put(server.port)
+    stop.wait()
+    server.stop(grace=0)
+
+
+def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = None,
+               cuts: tuple[int, int] | None = None, repeat: int = 3, device: str = "cpu") -> dict[str, float]:
+    """Bytes per token with and without the trunk's KV cache, and split / unsplit per-token latency.
+
+    Args:
+        new_tokens: tokens generated per run (every run generates exactly this many).
+        prompt_len: random prompt length.
+        model: None for the tiny Llama, else a named LLM, a local folder or a hub id.
+        cuts: cut points (default: a named model's cuts, else thirds of the blocks).
+        repeat: interleaved timed runs of each side (medians are reported).
+        device: where the model runs (cpu, cuda).
+    """
+    import multiprocessing as mp
+
+    from bench.processes import check_alive, end_children, get_from
+    from splitfed.channel.client.trunk import TrunkClient
+    from splitfed.channel.server.trunkserver import TrunkServer
+    from splitfed.client.generation import generate
+
+    ref, parts, cuts = _trunk_parts(model, cuts, device)
+    ctx = mp.get_context("spawn")
+    port_queue, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_serve_trunk, args=(model, cuts, device, torch.get_num_threads(), port_queue, stop),
+                       daemon=True)
+    proc.start()
+    server: Any = None
+    client: Any = None
+    remote: Any = None
     vocab = ref.config.vocab_size
     ids = torch.randint(3, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(0)).to(device)
     out: dict[str, float] = {}
     try:
+        # The other process's server is up before anything is timed (its start-up would weigh on the timings).
+        port = get_from(port_queue, [proc], 300, "the trunk server process's port")
+        remote = TrunkClient(f"127.0.0.1:{port}", insecure=True)
+        server = TrunkServer(parts.trunk, insecure=True).start()
+        client = TrunkClient(server.address, insecure=True)
+
         def count(fn: Any) -> tuple[float, Any]:
             before = client.bytes_sent + client.bytes_received
             result = fn()
@@ -119,10 +158,24 @@ def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = 
         out["gen_unsplit_ms_per_token"] = t_unsplit / new_tokens * 1e3
         out["gen_nocache_ms_per_token"] = t_nocache / new_tokens * 1e3
         out["gen_new_tokens"] = float(new_tokens)
+
+        def process_gen() -> torch.Tensor:
+            return generate(parts.bottom, remote, parts.top, ids, max_new_tokens=new_tokens)
+
+        out["gen_greedy_match_process"] = float(torch.equal(process_gen(), unsplit_gen()))
+        t_process, t_unsplit = interleaved(process_gen, unsplit_gen, repeat, warmup=1)
+        out["gen_latency_ratio_process"] = t_process / t_unsplit
+        out["gen_split_process_ms_per_token"] = t_process / new_tokens * 1e3
+        check_alive([proc], "the trunk server process")
         return out
     finally:
-        client.close()
-        server.stop(grace=0)
+        for channel in (client, remote):
+            if channel is not None:
+                channel.close()
+        if server is not None:
+            server.stop(grace=0)
+        stop.set()
+        end_children([proc])
 
 
 def main() -> int:
