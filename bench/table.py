@@ -11,8 +11,8 @@ measure out: a table with holes is not a result.
     python -m bench.table --device cpu --quick                      # tiny configurations: checks that all run
 
 On a GPU the model is GPT-2 small: its trunk (blocks 4..8) serving 32 clients x 4 x 256 positions in bf16 for
-the trunk rows, 16 x 512 for the split step. ``replicas`` runs where the host has 2 or more GPUs (else it is
-left out, and said so). ``channel`` runs with CUDA hidden: it is the host's per-call CPU work.
+the trunk rows (``trunk_medium``: GPT-2 medium's trunk, blocks 8..16 of 24), 16 x 512 for the split step.
+``replicas`` runs where the host has 2 or more GPUs (else it is left out, and said so). ``channel`` runs with CUDA hidden: it is the host's per-call CPU work.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ log = logging.getLogger("bench.table")
 
 #: GPT-2 small, the table's model on a GPU (rows per client and positions set per measure).
 GPT2_SMALL = "layers=12 hidden=768 heads=12 vocab=50257 seq=256 bf16=1"
+#: GPT-2 medium: a bigger trunk (blocks 8..16 of 24, width 1024).
+GPT2_MEDIUM = "layers=24 hidden=1024 heads=16 vocab=50257 seq=256 bf16=1"
 TINY = "layers=6 hidden=64 heads=2 vocab=256 seq=16"
 
 
@@ -73,9 +75,10 @@ class Measure:
         return (2,) if quick and self.clients else self.clients
 
 
-def _trunk(rows: int, *extra: str, only: str = "batched ceiling") -> Callable[[str, bool, Sequence[int]], list[str]]:
+def _trunk(rows: int, *extra: str, only: str = "batched ceiling", model: str = GPT2_SMALL
+           ) -> Callable[[str, bool, Sequence[int]], list[str]]:
     def argv(device: str, quick: bool, clients: Sequence[int]) -> list[str]:
-        config = f"{TINY} batch=2" if quick else f"{GPT2_SMALL} batch={rows}"
+        config = f"{TINY} batch=2" if quick else f"{model} batch={rows}"
         return ["bench.trunk", "--device", device, "--clients", *map(str, clients), "--repeat", "1",
                 "--steps", "2" if quick else "30", "--frontends", "0" if quick else "4", "--only", *only.split(),
                 "--config", config, *extra, "--json"]
@@ -119,6 +122,12 @@ def _measures(gpu: bool) -> list[Measure]:
             Row("gpu_util_mean_{n}_batched", "GPU busy serving them", ">= 0.9", gpu_only=True),
             Row("ceiling_gpu_util_mean_{n}_batched", "GPU busy in plain PyTorch over them", gpu_only=True),
         ), (240.0, 200.0), clients=(32,), expect_s=150.0),
+        Measure("trunk_medium", _trunk(4, model=GPT2_MEDIUM), (
+            Row(f"trunk_ceiling_fraction_{{n}}{cpu}", "served / plain PyTorch, GPT-2 medium's trunk, {n} clients x 4",
+                ">= 0.8"),
+            Row("gpu_util_mean_{n}_batched", "GPU busy serving them", gpu_only=True),
+            Row("ceiling_gpu_util_mean_{n}_batched", "GPU busy in plain PyTorch over them", gpu_only=True),
+        ), (300.0, 200.0), clients=(32,), expect_s=220.0),
         Measure("quorum", _trunk(4, "--mode", "quorum"), (
             Row(f"trunk_ceiling_fraction_{{n}}_quorum{cpu}", "served / plain PyTorch, quorum (k = n/2), {n} clients"),
             Row(f"trunk_examples_per_s_{{n}}_clients_batched_quorum{cpu}", "examples/s, quorum, {n} clients"),

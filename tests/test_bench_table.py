@@ -91,16 +91,25 @@ def test_only_runs_the_measures_named_in_the_order_named(tmp_path: Path, monkeyp
     assert list(result["measures"]) == ["channel", "trunk"]
 
 
-def test_the_tables_commands_are_the_benches_own() -> None:
-    """Every GPU command names a bench module and the arguments it accepts (checked by its own parser)."""
-    for measure in table._measures(True):
-        argv = measure.argv("cuda", False, measure.counts(False))
-        module = argv[0]
-        assert (ROOT / "bench" / f"{module.removeprefix('bench.')}.py").exists() or module == "bench", argv
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+@pytest.mark.parametrize("quick", [False, True])
+def test_the_tables_commands_are_the_benches_own(device: str, quick: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every command is a bench module's, with arguments its own parser accepts and a model config it knows."""
+    from bench import core
+    from doc_commands import parse_module_args
+
+    monkeypatch.setattr(core, "SPLIT_STEP", dict(core.SPLIT_STEP))  # set_split_step below writes into it
+    for measure in table._measures(device == "cuda"):
+        module, *argv = measure.argv(device, quick, measure.counts(quick))
+        parse_module_args(module, argv)
+        for option in ("--config", "--split-config"):
+            if option in argv:
+                core.set_split_step(argv[argv.index(option) + 1], option)
         if module == "bench.trunk":
-            assert "--clients" in argv and all(str(n) in argv for n in measure.clients)
-            assert "layers=12 hidden=768" in argv[argv.index("--config") + 1]
-    assert {m.name for m in table._measures(True)} == {m.name for m in table._measures(False)}
+            assert argv[argv.index("--clients") + 1:][:len(measure.counts(quick))] == \
+                [str(n) for n in measure.counts(quick)]
+    names = {m.name for m in table._measures(True)}
+    assert names == {m.name for m in table._measures(False)}
     assert all(0 < m.expect_s <= m.limit_s[0] for m in table._measures(True))
 
 
