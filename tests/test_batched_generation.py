@@ -222,3 +222,43 @@ def test_late_members_sit_steps_out_and_rejoin_exactly(arch: str) -> None:
         assert twin.batched._sessions[live[0]].group is not None  # back in a group after restacking
     else:
         assert regrouped_after_late == 2
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_a_group_step_keeps_the_hidden_state_on_the_device_it_arrived_on(explicit: bool) -> None:
+    # A trunk on a GPU receives a step's hidden state there (a shared-memory region with CUDA events) and its mask
+    # and positions on the host; "meta" stands in for the GPU: a tensor of another device in one torch.cat fails.
+    twin = _Twin(split_model(tiny_model("llama"), CUTS).trunk)
+    live = [twin.open(3), twin.open(6, batch=2), twin.open(4)]
+    twin.decode(live, 0)
+    group = twin.batched._sessions[live[0]].group
+    assert group is not None and group.session_ids == tuple(live)
+    states: list[CutState | None] = []
+    for s in live[:2]:  # the last member sits this step out
+        mask, pos = twin.past[s]
+        b = mask.shape[0]
+        hidden = torch.zeros(b, 1, twin.width, device="meta")
+        states.append(CutState(hidden, torch.cat([mask, mask.new_ones(b, 1)], 1), pos + 1) if explicit
+                      else CutState(hidden))
+    # Execute
+    batch = group.inputs([*states, None] if explicit else [*states, CutState(torch.zeros(1, 1, twin.width,
+                                                                                        device="meta"))])
+    # Assert: the hidden state stays where it came (the runtime places mask and positions with it)
+    assert batch.hidden.device.type == "meta" and batch.hidden.shape[0] == 4
+    assert batch.attention_mask is not None and batch.attention_mask.shape == (4, group.length + 1)
+
+
+def test_batched_prefill_inputs_keep_the_hidden_state_on_the_device_it_arrived_on() -> None:
+    from splitfed.trunk.inference.prefill import _inputs
+
+    # Prepare: prompts of different lengths, their hidden states on another device than their masks
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[1, :2] = 0
+    states = [CutState(torch.zeros(2, 5, 8, device="meta"), mask, (mask.cumsum(-1) - 1).clamp(min=0)),
+              CutState(torch.zeros(1, 3, 8, device="meta"))]
+    # Execute
+    batch, rows, lengths = _inputs(states)
+    # Assert
+    assert batch.hidden.device.type == "meta" and batch.hidden.shape == (3, 5, 8)
+    assert rows == [slice(0, 2), slice(2, 3)] and lengths == [5, 3]
+    assert batch.attention_mask is not None and batch.attention_mask[2].tolist() == [True] * 3 + [False] * 2

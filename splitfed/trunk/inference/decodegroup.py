@@ -150,6 +150,7 @@ class DecodeGroup:
         """
         first = next(st for st in states if st is not None)
         new, width, dtype = first.hidden.shape[1], first.hidden.shape[2], first.hidden.dtype
+        device = first.hidden.device  # a step's hidden may arrive on the trunk's GPU (a region with CUDA events)
         if all(st is not None and st.attention_mask is None and st.position_ids is None for st in states):
             return self._plain_inputs([st.hidden for st in states], new, dtype)  # type: ignore[union-attr]
         hidden, masks, positions = [], [], []
@@ -157,23 +158,24 @@ class DecodeGroup:
             b = s.batch_size
             mask = torch.zeros(b, self.length + new, dtype=torch.bool)
             if st is None:
-                hidden.append(torch.zeros(b, new, width, dtype=dtype))
+                hidden.append(torch.zeros(b, new, width, dtype=dtype, device=device))
                 mask[:, : self.length] = valid
                 positions.append(torch.zeros(b, new, dtype=torch.long))
             else:
-                hidden.append(st.hidden.to(dtype))
+                hidden.append(st.hidden.to(device=device, dtype=dtype))
                 if st.attention_mask is None:
                     mask[:, : self.length] = valid
                     mask[:, self.length:] = True
                 else:
-                    own = st.attention_mask.to(torch.bool)
+                    own = st.attention_mask.to(device="cpu", dtype=torch.bool)
                     mask[:, : self.length][:, valid] = own[:, : s.length]
                     mask[:, self.length:] = own[:, s.length:]
                 pos = st.position_ids
                 if pos is None:  # what the trunk uses alone: the cache's length onwards
                     pos = torch.arange(s.length, s.length + new).unsqueeze(0)
-                positions.append(pos.expand(b, -1).to(torch.long))
+                positions.append(pos.expand(b, -1).to(device="cpu", dtype=torch.long))
             masks.append(mask)
+        # mask and positions are built on the host (small); the runtime places them with the hidden state
         return CutState(torch.cat(hidden), torch.cat(masks), torch.cat(positions))
 
     def _plain_inputs(self, hidden: list[torch.Tensor], new: int, dtype: torch.dtype) -> CutState:
@@ -184,7 +186,8 @@ class DecodeGroup:
         mask[:, : self.length] = self.valid.index_select(0, self._member_of_row)
         lengths = torch.tensor([s.length for s in self.members]).index_select(0, self._member_of_row)
         positions = lengths[:, None] + torch.arange(new)
-        return CutState(torch.cat([h.to(dtype) for h in hidden]), mask, positions)
+        device = hidden[0].device
+        return CutState(torch.cat([h.to(device=device, dtype=dtype) for h in hidden]), mask, positions)
 
     def advance(self, present: list[bool], new: int) -> None:
         """Record a step: ``new`` more positions, real for the present members."""

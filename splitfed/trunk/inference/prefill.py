@@ -63,19 +63,22 @@ def _inputs(states: list[CutState]) -> tuple[CutState, list[slice], list[int]]:
         rows.append(slice(start, start + st.hidden.shape[0]))
         start += st.hidden.shape[0]
     dtype = states[0].hidden.dtype
+    device = states[0].hidden.device  # a prompt's hidden may arrive on the trunk's GPU (a region with CUDA events)
     if all(n == longest for n in lengths) and all(st.attention_mask is None and st.position_ids is None
                                                   for st in states):
-        return CutState(torch.cat([st.hidden for st in states])), rows, lengths
+        return CutState(torch.cat([st.hidden.to(device) for st in states])), rows, lengths
     hidden, masks, positions = [], [], []
     for st, n in zip(states, lengths):
         b, pad = st.hidden.shape[0], longest - n
-        h = st.hidden.to(dtype)
+        h = st.hidden.to(device=device, dtype=dtype)
         hidden.append(torch.cat([h, h.new_zeros(b, pad, h.shape[2])], dim=1) if pad else h)
+        # mask and positions are built on the host (small); the runtime places them with the hidden state
         mask = torch.zeros(b, longest, dtype=torch.bool)
-        mask[:, :n] = True if st.attention_mask is None else st.attention_mask.to(torch.bool)
+        mask[:, :n] = True if st.attention_mask is None else st.attention_mask.to(device="cpu", dtype=torch.bool)
         masks.append(mask)
         # as alone: the given positions, else 0..n-1; the padding continues them (it is masked out)
-        own = torch.arange(n).unsqueeze(0) if st.position_ids is None else st.position_ids.to(torch.long)
+        own = torch.arange(n).unsqueeze(0) if st.position_ids is None else \
+            st.position_ids.to(device="cpu", dtype=torch.long)
         own = own.expand(b, -1)
         if pad:
             own = torch.cat([own, own[:, -1:] + torch.arange(1, pad + 1)], dim=1)
