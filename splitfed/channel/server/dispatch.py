@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from splitfed.channel.engine.loop import own_task
+from splitfed.channel.engine.loop import own_work
 from splitfed.channel.wire.limits import MODEL_KEY, SERVICE_NAME
 from splitfed.channel.server.units import ModelState, ModelUnit
 
@@ -94,7 +94,7 @@ def _tracked(handler: grpc.RpcMethodHandler, unit: ModelUnit) -> grpc.RpcMethodH
             if unit.state is not ModelState.READY:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, going_away(unit.name))
             enter()
-            work = own_task(inner(request, context))
+            work = own_work(inner(request, context))  # the servicer's handlers never ask for their task
             try:
                 return await asyncio.shield(work)
             except asyncio.CancelledError:
