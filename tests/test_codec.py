@@ -145,12 +145,13 @@ def test_the_finite_check_finds_values_past_its_first_block_and_accepts_extremes
 
 
 @pytest.mark.parametrize("offset", [0, 1, 2, 3])
-def test_the_finite_check_reads_tensors_at_any_offset_of_a_message(offset: int) -> None:
+@pytest.mark.parametrize("large", [False, True])
+def test_the_finite_check_reads_tensors_at_any_offset_of_a_message(offset: int, large: bool) -> None:
     """A tensor's bytes lie wherever its field falls in the received message, often not at a multiple of 4: the
-    check finds NaN and Inf there too, past the BLAS threshold."""
+    check finds NaN and Inf there too, below and past the BLAS threshold."""
     from splitfed.codec import finite
 
-    n = finite._BLAS_MIN + 3
+    n = finite._BLAS_MIN + 3 if large else 1021
     good = torch.randn(n)
     for bad in (None, float("nan"), -float("inf")):
         x = good.clone()
