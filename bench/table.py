@@ -116,12 +116,12 @@ def _measures(gpu: bool) -> list[Measure]:
             Row("gpu_util_mean_{n}_batched", "GPU busy serving {n} clients (NVML mean)", ">= 0.8", gpu_only=True),
             Row("ceiling_gpu_util_mean_{n}_batched", "GPU busy in plain PyTorch over the same rows", gpu_only=True),
             Row(f"trunk_requests_per_s_{{n}}_clients_batched{cpu}", "calls per second, {n} clients"),
-        ), (420.0, 300.0), clients=(8, 32, 64), expect_s=330.0),
+        ), (420.0, 300.0), clients=(8, 32, 64), expect_s=260.0),
         Measure("trunk_rows16", _trunk(16), (
             Row(f"trunk_ceiling_fraction_{{n}}{cpu}", "served / plain PyTorch, {n} clients x 16 rows", ">= 0.9"),
             Row("gpu_util_mean_{n}_batched", "GPU busy serving them", ">= 0.9", gpu_only=True),
             Row("ceiling_gpu_util_mean_{n}_batched", "GPU busy in plain PyTorch over them", gpu_only=True),
-        ), (240.0, 200.0), clients=(32,), expect_s=150.0),
+        ), (240.0, 200.0), clients=(32,), expect_s=110.0),
         Measure("trunk_medium", _trunk(4, model=GPT2_MEDIUM), (
             Row(f"trunk_ceiling_fraction_{{n}}{cpu}", "served / plain PyTorch, GPT-2 medium's trunk, {n} clients x 4",
                 ">= 0.8"),
@@ -131,7 +131,7 @@ def _measures(gpu: bool) -> list[Measure]:
         Measure("quorum", _trunk(4, "--mode", "quorum"), (
             Row(f"trunk_ceiling_fraction_{{n}}_quorum{cpu}", "served / plain PyTorch, quorum (k = n/2), {n} clients"),
             Row(f"trunk_examples_per_s_{{n}}_clients_batched_quorum{cpu}", "examples/s, quorum, {n} clients"),
-        ), (200.0, 150.0), clients=(32,), expect_s=150.0),
+        ), (200.0, 150.0), clients=(32,), expect_s=90.0),
         Measure("async", _trunk(4, "--mode", "async"), (
             Row(f"trunk_ceiling_fraction_{{n}}_async{cpu}", "served / plain PyTorch, async, {n} clients"),
             Row(f"trunk_examples_per_s_{{n}}_clients_batched_async{cpu}", "examples/s, async, {n} clients"),
@@ -145,14 +145,14 @@ def _measures(gpu: bool) -> list[Measure]:
         Measure("split_step", _split_step("--transports", "auto", "socket"), (
             Row("split_step_ratio", "split step / unsplit, shared memory", "<= 1.10"),
             Row("split_step_ratio_socket", "split step / unsplit, socket", "<= 1.5"),
-        ), (200.0, 200.0), expect_s=130.0),
+        ), (200.0, 200.0), expect_s=70.0),
         Measure("split_step_int8", _split_step("--transports", "socket", "--wire-compression", "int8"), (
             Row("split_step_ratio_socket", "split step / unsplit, socket, int8 at the cut", "<= 1.2"),
-        ), (150.0, 200.0), expect_s=100.0),
+        ), (150.0, 200.0), expect_s=60.0),
         Measure("generation", _suite("generation"), (
             Row("gen_latency_ratio", "split generation / unsplit, per token", "<= 1.2"),
             Row("gen_latency_ratio_process", "the same, the trunk server in a process of its own"),
-        ), (200.0, 200.0), expect_s=130.0),
+        ), (200.0, 200.0), expect_s=80.0),
         Measure("gen_batching_8", _gen_batching(8), (
             Row("gen_batched_speedup", "batched decoding / one by one, 8 sessions (tokens/s)", ">= 4"),
             Row("gen_trunk_decode_speedup", "the trunk's decode alone, 8 sessions"),
