@@ -73,6 +73,10 @@ def _tracked(handler: grpc.RpcMethodHandler, unit: ModelUnit) -> grpc.RpcMethodH
     The unit's handler runs in a task of its own that the call awaits shielded: an unload past its drain
     deadline cancels the call (which then answers UNAVAILABLE), never the work already handed to the device
     thread, whose futures must stay uncancelled.
+
+    That task (a stream's: the task of its next reply) holds the exception that ended it, whose traceback holds
+    the call's frame; the frame lets go of the task as it ends. Else the cycle would keep the call's request (a
+    streamed tensor's whole buffer) until the next garbage collection, which a serving process runs rarely.
     """
 
     def enter() -> None:
@@ -106,6 +110,7 @@ def _tracked(handler: grpc.RpcMethodHandler, unit: ModelUnit) -> grpc.RpcMethodH
                 raise
             finally:
                 leave()
+                del work  # no cycle (see above)
 
         return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
                                                    response_serializer=handler.response_serializer)
@@ -117,6 +122,7 @@ def _tracked(handler: grpc.RpcMethodHandler, unit: ModelUnit) -> grpc.RpcMethodH
                 await context.abort(grpc.StatusCode.UNAVAILABLE, going_away(unit.name))
             enter()
             replies = inner_stream(requests, context).__aiter__()
+            step: asyncio.Future[Any] | None = None
             try:
                 while True:
                     step = asyncio.ensure_future(replies.__anext__())
@@ -134,6 +140,7 @@ def _tracked(handler: grpc.RpcMethodHandler, unit: ModelUnit) -> grpc.RpcMethodH
                     yield reply
             finally:
                 leave()
+                step = None  # no cycle (see above)
 
         return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=handler.request_deserializer,
                                                      response_serializer=handler.response_serializer)
