@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 
 from splitfed.channel.engine.loop import own_work
+from splitfed.channel.server.handlers import released
 from splitfed.channel.wire.limits import MODEL_KEY, SERVICE_NAME
 from splitfed.channel.server.units import ModelState, ModelUnit
 
@@ -76,7 +77,9 @@ def _tracked(handler: grpc.RpcMethodHandler, unit: ModelUnit) -> grpc.RpcMethodH
 
     That task (a stream's: the task of its next reply) holds the exception that ended it, whose traceback holds
     the call's frame; the frame lets go of the task as it ends. Else the cycle would keep the call's request (a
-    streamed tensor's whole buffer) until the next garbage collection, which a serving process runs rarely.
+    streamed tensor's whole buffer) until the next garbage collection, which a serving process runs rarely. A
+    refused call ends with the handler's ``context.abort``, whose exception gRPC keeps with the call's context: it
+    leaves here without the frames it came through (:func:`~splitfed.channel.server.handlers.released`).
     """
 
     def enter() -> None:
@@ -99,6 +102,7 @@ def _tracked(handler: grpc.RpcMethodHandler, unit: ModelUnit) -> grpc.RpcMethodH
                 await context.abort(grpc.StatusCode.UNAVAILABLE, going_away(unit.name))
             enter()
             work = own_work(inner(request, context))  # the servicer's handlers never ask for their task
+            del request  # the handler holds it as long as it needs it (see above)
             try:
                 return await asyncio.shield(work)
             except asyncio.CancelledError:
@@ -108,6 +112,8 @@ def _tracked(handler: grpc.RpcMethodHandler, unit: ModelUnit) -> grpc.RpcMethodH
                 if unit.state is ModelState.UNLOADING:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, _unloaded(unit.name))
                 raise
+            except grpc.aio.AbortError as abort:
+                raise released(abort)
             finally:
                 leave()
                 del work  # no cycle (see above)
@@ -130,6 +136,8 @@ def _tracked(handler: grpc.RpcMethodHandler, unit: ModelUnit) -> grpc.RpcMethodH
                         reply = await asyncio.shield(step)
                     except StopAsyncIteration:
                         return
+                    except grpc.aio.AbortError as abort:
+                        raise released(abort)
                     except asyncio.CancelledError:
                         if step.done():
                             raise

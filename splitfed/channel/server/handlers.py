@@ -63,6 +63,26 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def released(exc: BaseException) -> BaseException:
+    """``exc`` and every error chained to it without their tracebacks, once the call is answered with a status.
+
+    A traceback holds each frame the error came through, and what those frames hold (a refused request's
+    tensors). A frame that holds the future, task or call context the error was set on closes a reference cycle,
+    which would keep all of it until the next garbage collection (rare in a serving process: see
+    :func:`splitfed.tuning.serving_thresholds`), one request's bytes for each refused call. Log first: the
+    traceback is gone afterwards.
+    """
+    pending, seen = [exc], set()
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        error.__traceback__ = None
+        pending += [error.__cause__, error.__context__]
+    return exc
+
+
 def metadata(context: Any) -> dict[str, str]:
     """Invocation metadata as a dict (last value wins)."""
     return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}

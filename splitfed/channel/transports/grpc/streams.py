@@ -67,6 +67,7 @@ def stream_call(client: Any, name: str, fn: Callable[..., Iterator[pb.Frame]], h
             return assemble(replies, reply_field, client.limits.max_tensor_bytes, alloc)
         except grpc.RpcError as exc:
             error = channel_error(name, client.address, exc.code(), exc.details())
+            exc.__traceback__ = None  # the call is the error: through its traceback, this frame's would hold it
         except ChannelError as exc:
             error = exc
         except BulkLinkError as exc:
@@ -76,7 +77,10 @@ def stream_call(client: Any, name: str, fn: Callable[..., Iterator[pb.Frame]], h
         attempt += 1
         if (error.code not in policy.retryable_codes or attempt >= max(policy.max_attempts, 1)
                 or time.monotonic() + delay > deadline):
-            raise error from None
+            try:
+                raise error from None
+            finally:
+                del error  # its traceback holds this frame, which would hold it: a cycle keeping the request
         log.warning("%s failed with %s; retrying in %.2fs (attempt %d of %d)", name, error.code, delay,
                     attempt + 1, policy.max_attempts)
         time.sleep(delay)
