@@ -5,7 +5,8 @@ that buffer (a finished call's frame, its task and the exception that ended the 
 the cyclic collector runs, which a server tuned for serving does rarely: every call then takes fresh memory (a
 16 MiB call spent most of its time in page faults) and the process holds every buffer since the last collection.
 A refused call (NaN in its tensor) is answered with an error whose traceback holds the frames it came through; a
-frame holding the future, task or call context the error was set on closes a cycle around the refused request.
+frame holding the future, task or call context the error was set on closes a cycle around the refused request. So
+does a closed connection whose kept error is raised again (its traceback holds the connection and its buffers).
 """
 
 from __future__ import annotations
@@ -103,12 +104,14 @@ def test_a_streamed_calls_buffers_go_when_it_ends(trunk_server, gathered) -> Non
     assert _alive(gathered, server=False) == 0
 
 
-@pytest.mark.parametrize("rows", [12, 64], ids=["unary", "streamed"])
-def test_a_refused_calls_request_is_not_kept(trunk_server, gathered, rows: int) -> None:
+@pytest.mark.parametrize(("rows", "over"), [(12, {}), (64, {}), (64, {"bulk_connections": 2}),
+                                            (64, {"shared_memory": "on"})],
+                         ids=["unary", "streamed", "bulk-link", "shared-memory"])
+def test_a_refused_calls_request_is_not_kept(trunk_server, gathered, rows: int, over: dict[str, object]) -> None:
     _, identity, _ = split_sequential(torch.nn.Sequential(torch.nn.Identity(), torch.nn.Identity(),
                                                           torch.nn.Identity()), 1, 2)
-    server = trunk_server(identity, limits=LIMITS)
-    client = TrunkClient(server.address, insecure=True, limits=LIMITS, shared_memory="off")
+    server = trunk_server(identity, limits=LIMITS, bulk_connections=2)
+    client = TrunkClient(server.address, insecure=True, limits=LIMITS, **({"shared_memory": "off"} | over))
     bad = CutState(torch.full((4, rows, 256), float("nan")))  # 48 KiB in one message, or 256 KiB in chunks
     for train in (False, True, False, True):
         with pytest.raises(ChannelError, match="NaN or Inf") as refused:
@@ -118,5 +121,5 @@ def test_a_refused_calls_request_is_not_kept(trunk_server, gathered, rows: int) 
     out, _ = client.forward(CutState(torch.ones(4, rows, 256)), train=False)  # still serving
     assert torch.equal(out, torch.ones(4, rows, 256))
     client.close()
-    time.sleep(0.2)  # the server's side of the last call ends after the client has its answer
+    time.sleep(0.2)  # the server's side of the last call (and of closed connections) ends after the client's
     assert _held_by_cycles(bad.hidden.nbytes // 2) == []

@@ -158,6 +158,13 @@ class FrameConnection(asyncio.BufferedProtocol):
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
+    def _raised(self) -> LinkClosed:
+        """The error that closed the link, as a new exception each time it is raised: raised itself, its
+        traceback would hold the raising frame and with it this connection (its buffers), which holds the error,
+        a cycle that only a garbage collection frees."""
+        assert self._error is not None
+        return type(self._error)(*self._error.args)
+
     def eof_received(self) -> bool:
         inside = self._body is not None or self._end > self._start
         self._fail(LinkClosed("the stream ended inside a frame" if inside else "the peer closed the link"))
@@ -183,7 +190,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         :class:`LinkClosed` once the connection closed, :class:`FrameError` after a frame this end refused."""
         while not self._frames:
             if self._error is not None:
-                raise self._error
+                raise self._raised()
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
@@ -196,7 +203,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         gone (the :class:`FrameError` that closed it, if one did)."""
         transport = self.transport
         if transport is None or transport.is_closing():
-            raise self._error or LinkClosed("the link is closed")
+            raise self._raised() if self._error is not None else LinkClosed("the link is closed")
         out = pieces(header, parts)
         if sum(len(p) for p in out) <= _JOIN_BELOW:
             transport.write(b"".join(out))
