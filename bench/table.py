@@ -13,6 +13,8 @@ measure out: a table with holes is not a result.
 On a GPU the model is GPT-2 small: its trunk (blocks 4..8) serving 32 clients x 4 x 256 positions in bf16 for
 the trunk rows (``trunk_medium``: GPT-2 medium's trunk, blocks 8..16 of 24), 16 x 512 for the split step.
 ``replicas`` runs where the host has 2 or more GPUs (else it is left out, and said so). ``channel`` runs with CUDA hidden: it is the host's per-call CPU work.
+``trunk_timeline`` records one batched run's timeline at 32 clients and reads a median sync step off it: where the
+GPU waits, and for which calls.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +40,8 @@ GPT2_SMALL = "layers=12 hidden=768 heads=12 vocab=50257 seq=256 bf16=1"
 #: GPT-2 medium: a bigger trunk (blocks 8..16 of 24, width 1024).
 GPT2_MEDIUM = "layers=24 hidden=1024 heads=16 vocab=50257 seq=256 bf16=1"
 TINY = "layers=6 hidden=64 heads=2 vocab=256 seq=16"
+#: Where ``trunk_timeline`` has ``bench.trunk`` record its timeline (``python -m bench.timeline_plot`` draws it).
+TIMELINE_FILE = os.path.join(tempfile.gettempdir(), "splitfed-bench-table-timeline.json")
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,17 @@ def _measures(gpu: bool) -> list[Measure]:
             Row("gpu_util_mean_{n}_batched", "GPU busy serving them", gpu_only=True),
             Row("ceiling_gpu_util_mean_{n}_batched", "GPU busy in plain PyTorch over them", gpu_only=True),
         ), (300.0, 200.0), clients=(32,), expect_s=220.0),
+        Measure("trunk_timeline", _trunk(4, "--timeline", TIMELINE_FILE, only="batched"), (
+            Row("timeline_step_median_ms", "a sync step's median length (ms), clients x 4 rows"),
+            Row("timeline_gpu_busy", "the part of it the GPU is busy", gpu_only=True),
+            Row("timeline_backward_out_last_ms", "the step's last Backward reply leaves (ms after the step)"),
+            Row("timeline_forward_in_last_ms", "the next step's last Forward is in"),
+            Row("timeline_hop_window_to_gpu_ms", "its window closes, the GPU's forward starts (ms)", gpu_only=True),
+            Row("timeline_forward_out_last_ms", "the forward's last reply leaves (ms after the step)"),
+            Row("timeline_backward_in_last_ms", "the last gradient is in"),
+            Row("timeline_hop_last_gradient_to_gpu_ms", "the last gradient is in, the GPU's backward starts (ms)",
+                gpu_only=True),
+        ), (200.0, 200.0), clients=(32,), expect_s=60.0),
         Measure("quorum", _trunk(4, "--mode", "quorum"), (
             Row(f"trunk_ceiling_fraction_{{n}}_quorum{cpu}", "served / plain PyTorch, quorum (k = n/2), {n} clients"),
             Row(f"trunk_examples_per_s_{{n}}_clients_batched_quorum{cpu}", "examples/s, quorum, {n} clients"),
