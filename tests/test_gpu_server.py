@@ -227,3 +227,26 @@ def test_streams_gather_in_pinned_memory_only_up_to_a_cap() -> None:
     gc.collect()
     again = io.host_buffer(600_000)
     assert torch.from_numpy(again).is_pinned() and io.pool.allocated == 1  # given back, and reused
+
+
+def test_streamed_requests_to_a_gpu_trunk_reuse_their_pinned_buffers(trunk_server) -> None:
+    # A streamed request gathers in a pinned pool buffer that goes back once the call is done with it: by reference
+    # count, not at the next garbage collection (tests/test_stream_lifetimes.py has the cycles this needs gone).
+    import gc
+
+    split = split_model(tiny_model("llama"), cuts=(1, 3))
+    server = trunk_server(split.trunk.to(CUDA))
+    state = CutState(torch.randn(2, 7, 32))
+    calls = 16
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with TrunkClient(server.address, insecure=True, shared_memory="off", limits=STREAMED) as c:
+            for _ in range(calls):
+                c.forward(state, train=False)
+    finally:
+        if was:
+            gc.enable()
+    assert server.runtime.io.stats["in-staged"] == 0  # each request was gathered in pinned memory
+    assert server.runtime.io.pool.allocated <= 4 < calls
