@@ -54,6 +54,12 @@ def gathered(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, weakre
             gc.enable()
 
 
+def _identity_trunk() -> torch.nn.Module:
+    """A trunk that returns its input: the calls' bytes are all there is to hold."""
+    return split_sequential(torch.nn.Sequential(torch.nn.Identity(), torch.nn.Identity(), torch.nn.Identity()),
+                            1, 2)[1]
+
+
 def _held_by_cycles(min_bytes: int) -> list[str]:
     """What the cyclic collector finds unreachable now that holds an array, tensor or bytes of ``min_bytes`` or
     more (each found object is freed afterwards)."""
@@ -85,9 +91,7 @@ def _alive(made: list[tuple[str, weakref.ref[np.ndarray]]], server: bool) -> int
 
 
 def test_a_streamed_calls_buffers_go_when_it_ends(trunk_server, gathered) -> None:
-    _, identity, _ = split_sequential(torch.nn.Sequential(torch.nn.Identity(), torch.nn.Identity(),
-                                                          torch.nn.Identity()), 1, 2)
-    server = trunk_server(identity, limits=LIMITS)
+    server = trunk_server(_identity_trunk(), limits=LIMITS)
     client = TrunkClient(server.address, insecure=True, limits=LIMITS, shared_memory="off")
     state = CutState(torch.randn(4, 64, 256))  # 256 KiB each way: streamed in 16 chunks
     calls = 6
@@ -108,9 +112,7 @@ def test_a_streamed_calls_buffers_go_when_it_ends(trunk_server, gathered) -> Non
                                             (64, {"shared_memory": "on"})],
                          ids=["unary", "streamed", "bulk-link", "shared-memory"])
 def test_a_refused_calls_request_is_not_kept(trunk_server, gathered, rows: int, over: dict[str, object]) -> None:
-    _, identity, _ = split_sequential(torch.nn.Sequential(torch.nn.Identity(), torch.nn.Identity(),
-                                                          torch.nn.Identity()), 1, 2)
-    server = trunk_server(identity, limits=LIMITS, bulk_connections=2)
+    server = trunk_server(_identity_trunk(), limits=LIMITS, bulk_connections=2)
     client = TrunkClient(server.address, insecure=True, limits=LIMITS, **({"shared_memory": "off"} | over))
     bad = CutState(torch.full((4, rows, 256), float("nan")))  # 48 KiB in one message, or 256 KiB in chunks
     for train in (False, True, False, True):
