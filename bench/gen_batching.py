@@ -10,6 +10,14 @@
   decode steps as one batched call / one by one (no channel, no clients).
 * ``gen_batched_greedy_match``: 1.0 when every session's greedy tokens are the
   same with and without batching.
+* ``gen_client_ms_per_token``: each generating client's own work per token in
+  the batched run (its bottom, top and sampling, and the host copies around
+  them: a token's time less the time inside the session's step), median over
+  clients; ``gen_client_bound_speedup`` is what the clients allow: ``sessions``
+  tokens per ``gen_client_ms_per_token`` (a server that answered at once) over
+  the one-by-one tokens/s. Where clients share one GPU (every client process on
+  one card) their work is time-sliced, and this bound is what the batched
+  speedup can reach.
 * ``gen_replay_batched_speedup``: the same clients and servers, but each client
   replays ``new_tokens`` one-position steps of random hidden states through its
   session (no bottom, top or sampling): the server and the channel alone, so
@@ -74,6 +82,41 @@ def _replay(channel: Any, hidden: torch.Tensor, steps: list[torch.Tensor]) -> No
             session.step(CutState(h))
 
 
+class _TimedSession:
+    """A :class:`~splitfed.client.generation.RemoteSession` that adds up the time spent inside its steps."""
+
+    def __init__(self, channel: Any, max_length: int) -> None:
+        from splitfed.client.generation import RemoteSession
+
+        self.inner = RemoteSession(channel, max_length=max_length).open()
+        self.max_length = max_length
+        self.batch_size = 1
+        self.waited_s = 0.0
+
+    @property
+    def length(self) -> int:
+        """Positions the server holds."""
+        return self.inner.length
+
+    def step(self, state: Any) -> torch.Tensor:
+        """The session's step, timed from when the bottom's output is ready (a host copy waits for it anyway)."""
+        if state.hidden.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        start = time.perf_counter()
+        try:
+            return self.inner.step(state)
+        finally:
+            self.waited_s += time.perf_counter() - start
+
+    def reset(self) -> None:
+        """Open a fresh server-side session."""
+        self.inner.reset()
+
+    def close(self) -> None:
+        """Close the server-side session."""
+        self.inner.close()
+
+
 def _client(rank: int, name: str, device: str, prompt_len: int, new_tokens: int, jobs: Any, results: Any,
             barrier: Any) -> None:
     """One client process: for each (server address, replay) it is sent, generate once (after the barrier), or
@@ -100,15 +143,20 @@ def _client(rank: int, name: str, device: str, prompt_len: int, new_tokens: int,
                 barrier.wait()
                 start = time.perf_counter()
                 _replay(channel, prompt, steps)
-                results.put((rank, start, time.perf_counter(), []))
+                results.put((rank, start, time.perf_counter(), [], 0.0))
                 continue
             generate(parts.bottom, channel, parts.top, ids, max_new_tokens=2)  # warm-up (connection, kernels)
             barrier.wait()
+            session = _TimedSession(channel, length + new_tokens)
             start = time.perf_counter()
-            out = generate(parts.bottom, channel, parts.top, ids, max_new_tokens=new_tokens)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            results.put((rank, start, time.perf_counter(), out[0, length:].tolist()))
+            try:
+                out = generate(parts.bottom, session, parts.top, ids, max_new_tokens=new_tokens)
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+            finally:
+                session.close()
+            end = time.perf_counter()
+            results.put((rank, start, end, out[0, length:].tolist(), end - start - session.waited_s))
 
 
 def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int = 16, window_ms: float = 5.0,
@@ -141,6 +189,7 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
     rates: dict[tuple[bool, float], list[float]] = {(r, w): [] for r in modes for w in (0.0, window_ms)}
     tokens: dict[float, dict[int, list[int]]] = {}
     stats: dict[bool, dict[str, int]] = {}
+    own_s: list[float] = []  # each generating client's own work in the batched runs
     threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)
@@ -161,6 +210,8 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
                     rates[mode, window].append(sessions * new_tokens / elapsed)
                     if not mode:
                         tokens[window] = {g[0]: g[3] for g in got}
+                        if window:
+                            own_s.extend(g[4] for g in got)
     finally:
         torch.set_num_threads(threads)
         for q in jobs:
@@ -178,6 +229,9 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
             f"{key}_batched_mean_batch": st.get("batched_steps", 0) / max(st.get("decode_batches", 0), 1),
         })
         if not mode:
+            own_ms = 1000 * statistics.median(own_s) / new_tokens
+            out.update({"gen_client_ms_per_token": own_ms,
+                        "gen_client_bound_speedup": sessions * 1000 / own_ms / alone})
             out.update({"gen_batched_greedy_match": float(tokens[0.0] == tokens[window_ms]),
                         "gen_batched_sessions": float(sessions),
                         "gen_batched_regroups": float(st.get("decode_groups", 0)),

@@ -48,6 +48,8 @@ def test_bench_suites() -> None:
     assert results["gen_replay_batched_speedup"] > 0 and results["gen_replay_batched_mean_batch"] >= 1.0
     # the trunk alone prefilled the sessions in one call, and that call was timed
     assert results["gen_trunk_prefill_speedup"] > 0 and "gen_batched_prefills" in results
+    # each generating client's own work per token, and the speedup it allows
+    assert results["gen_client_ms_per_token"] > 0 and results["gen_client_bound_speedup"] > 0
 
 
 def test_bench_load() -> None:
