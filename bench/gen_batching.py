@@ -18,6 +18,12 @@
   the one-by-one tokens/s. Where clients share one GPU (every client process on
   one card) their work is time-sliced, and this bound is what the batched
   speedup can reach.
+* ``gen_engine_loop_cores`` / ``gen_engine_device_cores`` (``gen_replay_*`` for the
+  replaying clients): the cores the batched server's event loop and device thread
+  kept busy over the run (warm-up included), which share one interpreter lock:
+  together near 1, the server's Python is what holds the rate;
+  ``gen_gpu_util_mean``: the GPU's utilization meanwhile (the clients' work on it
+  included).
 * ``gen_replay_batched_speedup``: the same clients and servers, but each client
   replays ``new_tokens`` one-position steps of random hidden states through its
   session (no bottom, top or sampling): the server and the channel alone, so
@@ -174,6 +180,8 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
         model: ``tiny`` or ``gpt2-small`` (default: tiny on CPU, gpt2-small on CUDA).
         replay: also time clients that replay one-position steps (``gen_replay_*``).
     """
+    from bench.cpu_use import ENGINE_THREADS, CpuUse
+    from bench.gpu_util import UtilSampler
     from splitfed.channel.server.trunkserver import TrunkServer
 
     name = model or ("gpt2-small" if device.startswith("cuda") else "tiny")
@@ -189,6 +197,7 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
     rates: dict[tuple[bool, float], list[float]] = {(r, w): [] for r in modes for w in (0.0, window_ms)}
     tokens: dict[float, dict[int, list[int]]] = {}
     stats: dict[bool, dict[str, int]] = {}
+    server_use: dict[bool, list[dict[str, float]]] = {mode: [] for mode in modes}  # batched runs: cores, GPU
     own_s: list[float] = []  # each generating client's own work in the batched runs
     threads = torch.get_num_threads()
     if device == "cpu":
@@ -199,11 +208,16 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
                 for window in (0.0, window_ms):
                     server = TrunkServer(trunk, insecure=True, batch_window_ms=window).start()
                     try:
+                        use, util = CpuUse({}, ENGINE_THREADS).start(), UtilSampler(device).start()
+                        began = time.perf_counter()
                         for q in jobs:
                             q.put((server.address, mode))
                         got = [get_from(results, procs, 600, "a generating client's tokens") for _ in range(sessions)]
+                        figures = use.stop(time.perf_counter() - began)
+                        figures["gpu_util"] = util.stop().get("mean", float("nan"))
                         if window:
                             stats[mode] = dict(server.servicer.sessions.stats)
+                            server_use[mode].append(figures)
                     finally:
                         server.stop(grace=0)
                     elapsed = max(g[2] for g in got) - min(g[1] for g in got)
@@ -227,7 +241,11 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
             f"{key}_batched_tokens_per_s": batched,
             f"{key}_unbatched_tokens_per_s": alone,
             f"{key}_batched_mean_batch": st.get("batched_steps", 0) / max(st.get("decode_batches", 0), 1),
+            f"{key}_engine_loop_cores": statistics.median(u["engine-loop_cores"] for u in server_use[mode]),
+            f"{key}_engine_device_cores": statistics.median(u["engine-device_cores"] for u in server_use[mode]),
         })
+        if device.startswith("cuda"):
+            out[f"{key}_gpu_util_mean"] = statistics.median(u["gpu_util"] for u in server_use[mode])
         if not mode:
             own_ms = 1000 * statistics.median(own_s) / new_tokens
             out.update({"gen_client_ms_per_token": own_ms,

@@ -184,6 +184,8 @@ def _measures(gpu: bool) -> list[Measure]:
             Row("gen_client_bound_speedup", "what the clients' own work allows (a server that answered at once)"),
             Row("gen_client_ms_per_token", "each client's own work per token, ms (median)"),
             Row("gen_replay_batched_speedup", "the same, clients replaying their steps (no client compute)"),
+            Row("gen_engine_loop_cores", "cores the batched server's event loop kept busy"),
+            Row("gen_engine_device_cores", "cores its device thread kept busy (one interpreter lock with the loop)"),
         ), (300.0, 300.0), expect_s=180.0),
         Measure("channel", _suite("channel", quick_too=False), (  # its quick run skips 1 MiB
             Row("channel_vs_configured_echo_ratio_4KiB", "channel / gRPC configured alike, 4 KiB (host CPU)", "<= 1.3"),

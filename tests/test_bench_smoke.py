@@ -50,6 +50,8 @@ def test_bench_suites() -> None:
     assert results["gen_trunk_prefill_speedup"] > 0 and "gen_batched_prefills" in results
     # each generating client's own work per token, and the speedup it allows
     assert results["gen_client_ms_per_token"] > 0 and results["gen_client_bound_speedup"] > 0
+    # the cores the batched server's event loop and device thread kept busy
+    assert results["gen_engine_loop_cores"] > 0 and results["gen_replay_engine_device_cores"] > 0
 
 
 def test_bench_load() -> None:
