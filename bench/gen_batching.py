@@ -37,7 +37,8 @@ Models: on CPU a tiny GPT-2 (6 layers, hidden 256, vocab 8192, cuts 2/4); with
 ``--device cuda`` a GPT-2-small-sized trunk (GPT-2 small's width, heads and
 vocabulary; 14 blocks cut 1/13, so the trunk holds 12 blocks and each client
 1 block below and 1 above). ``--gen-sessions``, ``--gen-window-ms``,
-``--gen-new-tokens`` change the load.
+``--gen-new-tokens`` change the load; ``--switch-interval SECONDS`` sets the server process's interpreter switch
+interval (``sys.setswitchinterval``; Python's 5 ms by default; ``switch_interval_s`` in the output).
 
     python -m bench.gen_batching [--device cuda] [--no-replay] [--json]
 """
@@ -343,14 +344,21 @@ def main() -> int:
     parser.add_argument("--gen-new-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--no-replay", action="store_true", help="skip the replaying clients (gen_replay_*)")
+    parser.add_argument("--switch-interval", type=float, default=0.0, metavar="SECONDS",
+                        help="the server process's interpreter switch interval (0: Python's own, 5 ms)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
+    if args.switch_interval < 0:
+        parser.error("--switch-interval: give seconds above 0 (or 0 for Python's own)")
     logging.basicConfig(level=logging.WARNING)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)  # the server runs in this process; the clients are spawned
     results = batched_decode_trunk(args.gen_sessions, args.gen_new_tokens, repeat=args.repeat + 1,
                                    device=args.device, model=args.gen_model)
     results.update(batched_generation(args.gen_sessions, args.gen_new_tokens, window_ms=args.gen_window_ms,
                                       repeat=args.repeat, device=args.device, model=args.gen_model,
                                       replay=not args.no_replay))
+    results["switch_interval_s"] = sys.getswitchinterval()
     print_results(results, args.json)
     return 0
 
