@@ -188,6 +188,9 @@ def channel_vs_grpc(sizes: tuple[int, ...] = (4 << 10, 1 << 20, 16 << 20), repea
     (``shared_memory="off"``); ``channel_shared_vs_grpc_ratio_*`` (sizes of 64 KiB
     and more) lets them go through a shared-memory region, as a client on the
     trunk's host does by default.
+    ``channel_direct_vs_grpc_ratio_4KiB``: 4 KiB calls of a client on the trunk's
+    host once its region is open, which go inline over the region's direct-call
+    link instead of gRPC.
 
     The ratio splits in two factors, measured in the same run:
     ``grpc_configured_echo_ratio_*`` is an echo called and served as the channel's
@@ -239,6 +242,16 @@ def channel_vs_grpc(sizes: tuple[int, ...] = (4 << 10, 1 << 20, 16 << 20), repea
                 t_shared, t_echo = interleaved(lambda: shared.forward(state, train=False), lambda: echo(payload), n,
                                                warmup=3)
                 out[f"channel_shared_vs_grpc_ratio_{name}"] = t_shared / t_echo
+        # Once the shared client has a region with a direct-call link (its first 64 KiB tensor opens one), its
+        # small calls take the link too (SharedLane.inline): 4 KiB over the link / the bare echo.
+        shared.forward(CutState(torch.randn(64, 256)), train=False)
+        if shared.shared.region is not None and shared.shared.region.direct is not None:
+            small = CutState(torch.randn(4, 256))
+            small_payload = small.hidden.numpy().tobytes()
+            t_direct, t_echo = interleaved(lambda: shared.forward(small, train=False), lambda: echo(small_payload),
+                                           repeat * 10, warmup=3)
+            out["channel_direct_vs_grpc_ratio_4KiB"] = t_direct / t_echo
+            out["channel_direct_rtt_4KiB_ms"] = t_direct * 1e3
         client.close()
         shared.close()
         configured.close()

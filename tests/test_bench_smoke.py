@@ -37,6 +37,7 @@ def _json(stdout: str) -> dict:
 def test_bench_suites() -> None:
     results = _json(_bench("bench", "--quick", "--json"))
     for key in ("split_step_ratio", "split_step_ratio_process", "channel_vs_grpc_ratio_4KiB",
+                "channel_direct_vs_grpc_ratio_4KiB",
                 "codec_speedup_vs_repeated_float", "compression_bytes_ratio_int8", "gen_bytes_per_token_cache",
                 "gen_batched_speedup"):
         assert results[key] > 0, key

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -38,6 +36,7 @@ from splitfed.channel.transports.shm.regions import (
 )
 from splitfed.channel.transports.shm.events import device_with_uuid
 from splitfed.channel.wire.retry import RetryBudget
+from splitfed.channel.transports.shm.slicecopy import give_slices, needed_bytes, write_slices
 from splitfed.channel.transports.shm.slices import ClientRegion, Slice, aligned
 from splitfed.codec.tensors import EncodedTensor, WireDType, encode, torch_dtype, wire_dtype
 from splitfed.errors import ChannelError, CodecError, ConfigError, SharedMemoryUnavailableError, TensorValueError
@@ -79,6 +78,8 @@ class SharedLane:
         self.on_gpu = 0
         #: Calls sent straight to the engine's direct-call socket rather than over gRPC.
         self.direct_calls = 0
+        #: Of those, calls whose tensors went inline (too small for the region, or compressed): :meth:`inline`.
+        self.inline_calls = 0
         #: The retry budget of direct calls (gRPC keeps its own for the channel's calls), across regions.
         self._retry_budget = RetryBudget.of(client.retry)
 
@@ -270,21 +271,21 @@ class SharedLane:
         dst = region.take(max(reply_guess, MIN_REGION_TENSOR_BYTES), device=twin) \
             if len(slices) == len(sends) else None
         if dst is None:  # no room now: this call goes over the socket
-            self._give(region, slices, events)
+            give_slices(region, slices, events)
             return None
         slices.append(dst)
         try:
-            encs, reply = self._write(region, sends, slices, events)
+            encs, reply = write_slices(region, sends, slices, events)
             req.reply_region.CopyFrom(fastwire.region_slice(reply))
             parsed, direct = self._invoke(name, fn, region, fastwire.Parsed(req, [*encs, *small]))
             out, received = self._reply(name, parsed.tensors, region, dst,
                                         tensor.device if tensor.is_cuda else None, on_device)
         except ChannelError as exc:
-            needed = _needed_bytes(exc)
+            needed = needed_bytes(exc)
             if needed is not None and needed <= region.mapping.nbytes // 2 and needed > reply_guess:
                 # The reply outgrew the slice offered (the trunk's output is larger than its input); the server
                 # dropped the forward and wrote nothing: offer enough and send again.
-                self._give(region, slices, events)
+                give_slices(region, slices, events)
                 with self._lock:
                     self._reply_bytes[name.lower()] = needed
                 return self._call(name, fn, req, region, main, others, needed, on_device)
@@ -297,7 +298,7 @@ class SharedLane:
         except BaseException:
             region.poison()
             raise
-        self._give(region, slices, events)
+        give_slices(region, slices, events)
         moved = sum(e.region.nbytes for e in encs if e.region is not None)
         self.client._account(moved + sum(e.wire_nbytes for e in small), received)
         with self._lock:
@@ -312,46 +313,49 @@ class SharedLane:
                 ) -> tuple[fastwire.Parsed, bool]:
         """The call's reply, straight from the engine when the region came with a direct-call link that works,
         else over gRPC; and whether it went direct."""
-        link = region.direct
-        if link is not None:
-            try:
-                return link.call(name, request, self.client.retry.timeout_s), True
-            except DirectRefused as exc:  # nothing was sent: this and later calls go over gRPC
-                log.info("calls go over gRPC: %s", exc)
-                region.direct = None
-                link.close()
+        reply = self._direct(name, region, request)
+        if reply is not None:
+            return reply, True
         return self.client._invoke(name, fn, request), False
 
-    @staticmethod
-    def _write(region: ClientRegion, sends: list[tuple[str, torch.Tensor, WireDType]], slices: list[Slice],
-               events: tuple[int, int] | None) -> tuple[list[EncodedTensor], Any]:
-        """Copy each tensor into its slice (on the device's stream, the request event recorded after, when
-        events order the copies); returns their messages and the reply slice's reference."""
-        encs = []
-        for (tname, t, wdt), piece in zip(sends, slices):
-            dtype = torch_dtype(wdt)
-            if t.is_cuda:
-                if not piece.device:
-                    region.pin()
-                if t.dtype != dtype:
-                    t = t.to(dtype)  # cast on the device: fewer bytes to copy
-            copy_into(piece.tensor(dtype, tuple(t.shape), device=piece.device), t,
-                      non_blocking=events is not None and t.is_cuda)
-            ref = piece.ref if events is None or not t.is_cuda else replace(piece.ref, event=events[0])
-            encs.append(EncodedTensor(tname, wdt, tuple(t.shape), b"", None, ref))
-        reply = slices[-1].ref
-        if events is not None:  # the server's stream waits for these copies; this host does not
-            assert region.events is not None
-            region.events[events[0]].record(torch.cuda.current_stream(sends[0][1].device))
-            reply = replace(reply, event=events[1])
-        return encs, reply
+    def _direct(self, name: str, region: ClientRegion, request: fastwire.Parsed) -> fastwire.Parsed | None:
+        """The call's reply over the region's direct-call link, or None when it has none or the engine refused it
+        (nothing was sent: this and later calls go over gRPC)."""
+        link = region.direct
+        if link is None:
+            return None
+        try:
+            return link.call(name, request, self.client.retry.timeout_s)
+        except DirectRefused as exc:
+            log.info("calls go over gRPC: %s", exc)
+            region.direct = None
+            link.close()
+            return None
 
-    @staticmethod
-    def _give(region: ClientRegion, slices: list[Slice], events: tuple[int, int] | None) -> None:
-        for piece in slices:
-            region.give(piece)
-        if events is not None:
-            region.give_events(events)
+    def inline(self, name: str, request: fastwire.Parsed) -> fastwire.Parsed | None:
+        """A unary Forward or Backward whose tensors travel inline (too small for the region, or compressed) sent
+        over the direct-call link of this lane's region, where it has one: the same bytes as over gRPC, run by the
+        same handlers as that client, without gRPC's way on either side. None: no such link, send it over gRPC."""
+        region = self.region
+        if region is None or region.broken or region.direct is None:
+            return None
+        try:
+            reply = self._direct(name, region, request)
+        except ChannelError as exc:
+            if exc.code != "UNAUTHENTICATED":
+                raise
+            # Nothing ran: the region's ticket ended (the region was closed meanwhile; no slice of this call held
+            # it open), or the token did. gRPC answers this call and the later ones, as its own.
+            log.info("small calls go over gRPC: %s", exc)
+            link, region.direct = region.direct, None
+            if link is not None:
+                link.close()
+            return None
+        if reply is not None:
+            with self._lock:
+                self.direct_calls += 1
+                self.inline_calls += 1
+        return reply
 
     def _reply(self, call: str, encs: list[EncodedTensor], region: ClientRegion, dst: Slice,
                device: torch.device | None, on_device: bool) -> tuple[torch.Tensor, int]:
@@ -387,11 +391,3 @@ class SharedLane:
         out = torch.empty(view.shape, dtype=dtype, pin_memory=device is not None)
         copy_into(out, view)
         return out, enc.region.nbytes
-
-
-def _needed_bytes(exc: ChannelError) -> int | None:
-    """The reply size a RESOURCE_EXHAUSTED "use ForwardStream" error names (None for any other error)."""
-    if exc.code != "RESOURCE_EXHAUSTED":
-        return None
-    found = re.search(r"reply of (\d+) bytes is above the unary threshold", str(exc))
-    return int(found.group(1)) if found else None
