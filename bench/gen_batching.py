@@ -24,6 +24,11 @@
   together near 1, the server's Python is what holds the rate;
   ``gen_gpu_util_mean``: the GPU's utilization meanwhile (the clients' work on it
   included).
+* ``gen_direct_share`` (``gen_replay_direct_share``): the share of the batched
+  run's session steps that went over a shared-memory region's direct-call link
+  rather than gRPC: a client opens a region with its first tensor of 64 KiB or
+  more, and its small steps take the region's link from then on
+  (:meth:`SharedLane.inline <splitfed.channel.transports.shm.lane.SharedLane.inline>`).
 * ``gen_replay_batched_speedup``: the same clients and servers, but each client
   replays ``new_tokens`` one-position steps of random hidden states through its
   session (no bottom, top or sampling): the server and the channel alone, so
@@ -148,14 +153,14 @@ def _client(rank: int, name: str, device: str, prompt_len: int, new_tokens: int,
             if replay:
                 _replay(channel, prompt, steps[:2])  # warm-up
                 barrier.wait()
-                start = time.perf_counter()
+                start, direct = time.perf_counter(), channel.shared.direct_calls
                 _replay(channel, prompt, steps)
-                results.put((rank, start, time.perf_counter(), [], 0.0))
+                results.put((rank, start, time.perf_counter(), [], 0.0, channel.shared.direct_calls - direct))
                 continue
             generate(parts.bottom, channel, parts.top, ids, max_new_tokens=2)  # warm-up (connection, kernels)
             barrier.wait()
             session = _TimedSession(channel, length + new_tokens)
-            start = time.perf_counter()
+            start, direct = time.perf_counter(), channel.shared.direct_calls
             try:
                 out = generate(parts.bottom, session, parts.top, ids, max_new_tokens=new_tokens)
                 if device.startswith("cuda"):
@@ -163,7 +168,8 @@ def _client(rank: int, name: str, device: str, prompt_len: int, new_tokens: int,
             finally:
                 session.close()
             end = time.perf_counter()
-            results.put((rank, start, end, out[0, length:].tolist(), end - start - session.waited_s))
+            results.put((rank, start, end, out[0, length:].tolist(), end - start - session.waited_s,
+                         channel.shared.direct_calls - direct))
 
 
 def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int = 16, window_ms: float = 5.0,
@@ -218,6 +224,8 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
                         figures["gpu_util"] = util.stop().get("mean", float("nan"))
                         if window:
                             stats[mode] = dict(server.servicer.sessions.stats)
+                            per_session = new_tokens + 1 if mode else new_tokens  # a replay's prefill is a step more
+                            figures["direct_share"] = sum(g[5] for g in got) / (sessions * per_session)
                             server_use[mode].append(figures)
                     finally:
                         server.stop(grace=0)
@@ -244,6 +252,7 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
             f"{key}_batched_mean_batch": st.get("batched_steps", 0) / max(st.get("decode_batches", 0), 1),
             f"{key}_engine_loop_cores": statistics.median(u["engine-loop_cores"] for u in server_use[mode]),
             f"{key}_engine_device_cores": statistics.median(u["engine-device_cores"] for u in server_use[mode]),
+            f"{key}_direct_share": statistics.median(u["direct_share"] for u in server_use[mode]),
         })
         if device.startswith("cuda"):
             out[f"{key}_gpu_util_mean"] = statistics.median(u["gpu_util"] for u in server_use[mode])

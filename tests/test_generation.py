@@ -73,6 +73,24 @@ def test_greedy_matches_unsplit_generate(trunk_server, arch: str, padded: bool) 
     assert server.servicer.sessions.describe()["steps"] == NEW and len(server.servicer.sessions) == 0
 
 
+def test_greedy_over_a_regions_direct_link_matches_unsplit_generate(trunk_server, monkeypatch) -> None:
+    # The prompt (7 positions) goes through a shared-memory region, which opens with its direct-call link; each
+    # one-position step after it is too small for the region and goes inline over that link, not gRPC.
+    from splitfed.channel.transports.shm import lane
+
+    arch = "llama"
+    ids, mask, _ = batch_for(arch, batch=1, length=7, padded=False)
+    want = _reference(arch, ids, mask)
+    parts = split_model(_model(arch), CUTS)
+    monkeypatch.setattr(lane, "MIN_REGION_TENSOR_BYTES", 4 * 4 * parts.trunk.config.hidden_size)
+    server = trunk_server(parts.trunk)
+    with _client(server) as client:
+        got = generate(parts.bottom, client, parts.top, ids, mask, max_new_tokens=NEW, **_tokens(arch))
+        assert client.shared.calls == 1 and client.shared.inline_calls == NEW - 1
+    assert torch.equal(got, want), (got, want)
+    assert server.direct.listener.stats["calls"] == NEW
+
+
 def test_local_mode_matches_unsplit() -> None:
     ids, mask, _ = batch_for("llama", batch=3, length=7, padded=True)
     want = _reference("llama", ids, mask)
