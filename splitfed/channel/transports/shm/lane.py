@@ -181,10 +181,7 @@ class SharedLane:
     def forget_direct(self) -> None:
         """Send the region's calls over gRPC from now on (the client's identity changed: its ticket runs as the old
         one); the next region opened comes with a ticket of its own."""
-        region = self.region
-        if region is not None and region.direct is not None:
-            region.direct, link = None, region.direct
-            link.close()
+        _drop_link(self.region)
 
     def _close_remote(self, name: str) -> None:
         try:
@@ -328,8 +325,7 @@ class SharedLane:
             return link.call(name, request, self.client.retry.timeout_s)
         except DirectRefused as exc:
             log.info("calls go over gRPC: %s", exc)
-            region.direct = None
-            link.close()
+            _drop_link(region)
             return None
 
     def inline(self, name: str, request: fastwire.Parsed) -> fastwire.Parsed | None:
@@ -347,9 +343,7 @@ class SharedLane:
             # Nothing ran: the region's ticket ended (the region was closed meanwhile; no slice of this call held
             # it open), or the token did. gRPC answers this call and the later ones, as its own.
             log.info("small calls go over gRPC: %s", exc)
-            link, region.direct = region.direct, None
-            if link is not None:
-                link.close()
+            _drop_link(region)
             return None
         if reply is not None:
             with self._lock:
@@ -391,3 +385,10 @@ class SharedLane:
         out = torch.empty(view.shape, dtype=dtype, pin_memory=device is not None)
         copy_into(out, view)
         return out, enc.region.nbytes
+
+
+def _drop_link(region: ClientRegion | None) -> None:
+    """Send ``region``'s calls over gRPC from now on: close its direct-call link, if it has one."""
+    if region is not None and region.direct is not None:
+        link, region.direct = region.direct, None
+        link.close()
