@@ -232,6 +232,10 @@ class BulkHub:
             sock.close()
 
     def _attach(self, digest: bytes, index: int, sock: socket.socket) -> None:
+        # Blocking before another handshake's thread can start the link's reader on it: a reader that found the
+        # socket still in timeout mode (its file non-blocking) mid-switch would read EAGAIN and close the link.
+        sock.settimeout(None)
+        tune(sock)
         with self._lock:
             self._lapse(time.monotonic())
             offer = self._offers.get(digest)
@@ -243,8 +247,6 @@ class BulkHub:
             complete = all(s is not None for s in offer.socks)
             if complete:
                 del self._offers[digest]
-        sock.settimeout(None)
-        tune(sock)
         if not complete:
             send_frame(sock, ADMITTED)
             return
