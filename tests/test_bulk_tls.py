@@ -5,7 +5,6 @@ The certificates are made with ``openssl`` as an operator would (``tests/pki.py`
 from __future__ import annotations
 
 import copy
-import signal
 import socket
 import ssl
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 import torch
 from conftest import batch_for, tiny_model
 from pki import Pki, make_pki
+from serverproc import end_on_sigterm
 from test_bulk import LIMITS, STEPS, _closed, _max_diff, side_by_side, small_stripes  # noqa: F401 - the fixture applies here too
 
 from splitfed.channel.wire import split_channel_pb2 as pb
@@ -180,6 +180,5 @@ def test_splitfed_serve_with_tls_offers_tls_bulk_links(pki: Pki) -> None:
             assert cnn.bulk.calls == 2 and cnn.bulk.failed is None
             assert all(isinstance(s, ssl.SSLSocket) and s.getpeername()[1] == bulk_port for s in cnn.bulk.link.socks)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
+        out = end_on_sigterm(proc)
     assert proc.returncode == 0, out[-3000:]

@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 import torch
+from serverproc import end_on_sigterm
 
 from splitfed.channel.client.trunk import TrunkClient
 from splitfed.split import CutState
@@ -103,3 +104,24 @@ def test_serve_replicas_take_global_sync_steps() -> None:
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out[-3000:]
     assert f"on 127.0.0.1:{port} (replicas: 127.0.0.1:{port + 1}, 127.0.0.1:{port + 2})" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("model", [["--model", "mnist-cnn", "--cuts", "3,6"], ["--model", "cnn=mnist-cnn:3,6"]],
+                         ids=["one-trunk", "models"])
+def test_sigusr1_prints_every_threads_stack_and_sigterm_then_ends_the_server(model: list[str]) -> None:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "splitfed.cli", "serve", *model, "--port", str(port), "--insecure"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        client = TrunkClient(f"127.0.0.1:{port}", insecure=True, model=model[1].partition("=")[0])
+        client.wait_ready(90)
+        proc.send_signal(signal.SIGUSR1)  # a look at what it does: it goes on serving
+        out, _ = client.forward(CutState(torch.randn(2, 32, 14, 14)), train=False)
+        assert out.shape == (2, 64, 7, 7) and proc.poll() is None
+        client.close()
+    finally:
+        err = end_on_sigterm(proc)
+    # 0 once it serves until signalled; a SIGTERM in the moment before (the server answers while it starts) ends
+    # it by the signal's default action.
+    assert proc.returncode in (0, -signal.SIGTERM), err[-3000:]
+    assert "Current thread" in err and 'File "' in err, err[-3000:]

@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from splitfed.cli.lifetime import serve_until_signalled, stacks_on_sigusr1
 from splitfed.errors import ConfigError, SplitFedError
 
 log = logging.getLogger("splitfed")
@@ -108,12 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
             replicas.stop()
         server.stop()
 
-    signal.signal(signal.SIGTERM, lambda *_: stop())
-    try:
-        server.wait()
-    except KeyboardInterrupt:
-        stop()
-    return 0
+    return serve_until_signalled(server.wait, stop)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -353,6 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``splitfed`` console command."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stacks_on_sigusr1()
     return run_command(args)
 
 

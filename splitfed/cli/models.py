@@ -14,10 +14,10 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 from typing import Any
 
+from splitfed.cli.lifetime import serve_until_signalled
 from splitfed.errors import SplitFedError
 
 log = logging.getLogger("splitfed")
@@ -133,12 +133,7 @@ def serve_models(args: argparse.Namespace) -> int:
     failed = sorted(n for n, state in server.models().items() if state.value == "FAILED")
     log.info("serving %s on %s%s", ", ".join(n for n in names if n not in failed), server.address,
              f" (refused: {', '.join(failed)}; `splitfed models list` says why)" if failed else "")
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
-    try:
-        server.wait()
-    except KeyboardInterrupt:
-        server.stop()
-    return 0
+    return serve_until_signalled(server.wait, server.stop)
 
 
 # -- models --------------------------------------------------------------------------------------

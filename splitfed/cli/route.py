@@ -9,6 +9,8 @@ import signal
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from splitfed.cli.lifetime import serve_until_signalled
+
 log = logging.getLogger("splitfed")
 
 
@@ -102,7 +104,7 @@ def _route(args: argparse.Namespace) -> int:
                     backend_credentials=backend_credentials, metrics={a: m for a, m in args.backend if m},
                     probe_interval_s=args.probe_interval, sticky_idle_s=args.sticky_idle, authenticate=authenticate,
                     backend_token=backend_token).start()
-    return _serve_until_stopped(router)
+    return serve_until_signalled(router.wait, router.stop)
 
 
 def _route_nginx(args: argparse.Namespace) -> int:
@@ -174,20 +176,6 @@ def _route_nginx(args: argparse.Namespace) -> int:
                     log.warning("nginx keeps its configuration: %s", exc)
     finally:
         proxy.stop()
-    return 0
-
-
-def _serve_until_stopped(router: Any, stop_also: Sequence[Any] = ()) -> int:
-    def stop(*_: object) -> None:
-        router.stop()
-        for other in stop_also:
-            other.stop()
-
-    signal.signal(signal.SIGTERM, lambda *_: stop())
-    try:
-        router.wait()
-    except KeyboardInterrupt:
-        stop()
     return 0
 
 
