@@ -9,10 +9,14 @@ doing, without stopping it.
 from __future__ import annotations
 
 import faulthandler
+import io
+import logging
 import signal
 import sys
 import threading
 from collections.abc import Callable
+
+log = logging.getLogger(__name__)
 
 #: How often the main thread looks whether the server stopped by itself (seconds).
 POLL_S = 0.2
@@ -20,9 +24,13 @@ POLL_S = 0.2
 
 def stacks_on_sigusr1() -> None:
     """From now on, ``SIGUSR1`` writes every thread's stack to stderr and the process goes on (where the platform
-    has the signal)."""
-    if hasattr(signal, "SIGUSR1"):
+    has the signal and stderr is a file)."""
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    try:
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, io.UnsupportedOperation):  # stderr is no file (the command run in-process)
+        log.debug("SIGUSR1 writes no stacks: stderr has no file descriptor")
 
 
 def serve_until_signalled(wait: Callable[[float], bool], stop: Callable[[], None]) -> int:
