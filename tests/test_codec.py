@@ -164,3 +164,39 @@ def test_the_finite_check_reads_tensors_at_any_offset_of_a_message(offset: int, 
         else:
             with pytest.raises(TensorValueError, match="NaN or Inf"):
                 decode(enc)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_in_place_check_of_small_buffers_agrees_with_torch_on_every_16_bit_pattern(dtype: torch.dtype) -> None:
+    """Small received buffers are checked as bytes, before any tensor is made (:func:`bytes_are_finite`): every
+    16-bit pattern alone, then all of them in one buffer, judged as torch.isfinite judges them."""
+    from splitfed.codec.finite import bytes_are_finite
+
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    data = every.numpy().tobytes()
+    finite = torch.isfinite(every.view(dtype))
+    assert [bytes_are_finite(data[2 * i:2 * i + 2], dtype) for i in range(every.numel())] == finite.tolist()
+    assert not bytes_are_finite(data, dtype)
+    assert bytes_are_finite(every[finite].numpy().tobytes(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_small_tensors_decode_exactly_and_refuse_a_non_finite_value_anywhere(dtype: torch.dtype) -> None:
+    """Below SMALL_BYTES a tensor's bytes are checked in place and viewed by one torch call: the same values, the
+    dtype's extremes accepted, and a NaN or Inf at any position (any byte offset of the message) refused."""
+    from splitfed.codec.finite import SMALL_BYTES
+
+    info = torch.finfo(dtype)
+    x = torch.randn(6, 7).to(dtype)
+    x[0, 0], x[0, 1], x[0, 2] = info.max, info.min, -0.0
+    assert x.numel() * x.element_size() < SMALL_BYTES
+    for offset in (0, 1, 3):
+        message = bytes(offset) + x.view(torch.int8 if dtype == torch.float32 else torch.int16).numpy().tobytes()
+        enc = EncodedTensor("x", wire_dtype(dtype), tuple(x.shape), memoryview(message)[offset:])
+        assert torch.equal(decode(enc), x) and decode(enc).dtype == dtype
+    for pos in range(x.numel()):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            y = x.clone().reshape(-1)
+            y[pos] = bad
+            with pytest.raises(TensorValueError, match="NaN or Inf"):
+                decode(encode("x", y.reshape(x.shape)))

@@ -20,7 +20,7 @@ import torch
 
 from splitfed.codec.compression import MAX_BLOCK, CompressionSpec, Packed, check_packed, compress, decompress
 from splitfed.errors import CodecError, TensorValueError
-from splitfed.codec.finite import check_finite
+from splitfed.codec.finite import SMALL_BYTES, bytes_are_finite, check_finite, not_finite
 
 MAX_NDIM = 8
 
@@ -61,6 +61,10 @@ _TO_TORCH: dict[WireDType, torch.dtype] = {
     WireDType.INT8: torch.int8,
 }
 _FROM_TORCH: dict[torch.dtype, WireDType] = {v: k for k, v in _TO_TORCH.items()}
+_BY_NUMBER: dict[int, torch.dtype] = {int(k): v for k, v in _TO_TORCH.items()}
+#: Floating dtypes whose small buffers :func:`decode` checks in place.
+_CHECKED_IN_PLACE = frozenset({torch.float32, torch.float16, torch.bfloat16})
+_LITTLE = sys.byteorder == "little"
 _BY_NAME: dict[str, WireDType] = {
     "fp32": WireDType.FLOAT32,
     "float32": WireDType.FLOAT32,
@@ -88,6 +92,9 @@ def wire_dtype(name: str | WireDType | torch.dtype) -> WireDType:
 
 def torch_dtype(dtype: WireDType | int) -> torch.dtype:
     """Return the torch dtype of a wire dtype number; raise :class:`CodecError` for unknown ones."""
+    known = _BY_NUMBER.get(dtype)
+    if known is not None:
+        return known
     try:
         return _TO_TORCH[WireDType(dtype)]
     except (ValueError, KeyError):
@@ -362,6 +369,10 @@ def decode(enc: EncodedTensor, limits: TensorLimits = TensorLimits()) -> torch.T
             raise TensorValueError(f"tensor {enc.name!r} is empty (shape {list(enc.shape)}); send at least "
                                    "one element")
         return torch.empty(enc.shape, dtype=tdtype)
+    if _LITTLE and nbytes < SMALL_BYTES:  # small: numpy checks the bytes in place, one torch call makes the tensor
+        if limits.require_finite and tdtype in _CHECKED_IN_PLACE and not bytes_are_finite(enc.data, tdtype):
+            raise not_finite(enc.name)
+        return torch.frombuffer(enc.data, dtype=tdtype).reshape(enc.shape)
     flat = torch.frombuffer(enc.data, dtype=torch.uint8)
     if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
         flat = flat.clone()
