@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from pki import Pki, make_pki
+from serverproc import end_on_sigterm
 
 from splitfed.channel.security.tokens import StaticToken, load_token_file
 from splitfed.channel.client.trunk import RetryPolicy, TrunkClient
@@ -77,10 +78,8 @@ def test_off_loopback_a_token_is_required(command: list[str]) -> None:
 
 def test_allowed_plaintext_warns_once_and_wrong_tokens_are_refused_while_it_serves() -> None:
     port = _free_port()
-    # faulthandler: a server that does not end on SIGTERM is sent SIGABRT below, and its threads' stacks show why.
     proc = subprocess.Popen([*SERVE, "--host", "0.0.0.0", "--port", str(port), "--insecure",
-                             "--allow-insecure-remote"], stderr=subprocess.PIPE, text=True,
-                            env={**_env(TOKEN), "PYTHONFAULTHANDLER": "1"})
+                             "--allow-insecure-remote"], stderr=subprocess.PIPE, text=True, env=_env(TOKEN))
     try:
         address = f"127.0.0.1:{port}"
         TrunkClient(address, insecure=True, token=TOKEN).wait_ready(90)
@@ -89,12 +88,7 @@ def test_allowed_plaintext_warns_once_and_wrong_tokens_are_refused_while_it_serv
             assert code == "UNAUTHENTICATED" and why in message, (code, message)
         assert _forward(TrunkClient(address, insecure=True, token=TOKEN)) == (2, 64, 7, 7)  # same server
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            _, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGABRT)
-            raise AssertionError(f"the server did not end on SIGTERM:\n{proc.communicate(timeout=30)[1][-6000:]}")
+        err = end_on_sigterm(proc)  # one that does not end fails the test with its threads' stacks
     warnings = [line for line in err.splitlines() if " WARNING " in line and "UNAUTHENTICATED" not in line]
     assert len(warnings) == 1 and "PLAINTEXT on 0.0.0.0" in warnings[0], err
 

@@ -30,15 +30,14 @@ _BITS: dict[torch.dtype, tuple[torch.dtype, type, int, int]] = {
 }
 #: Elements per block of the exact check (a few hundred KiB: the block stays in the cache between the two maxima).
 _BLOCK = 1 << 17
-#: floating dtypes numpy holds (bfloat16 is not one)
-_NUMPY_FLOATS = frozenset({torch.float32, torch.float16})
+#: floating dtypes numpy holds (bfloat16 is not one), with numpy's
+_NUMPY_OF: dict[torch.dtype, type] = {torch.float32: np.float32, torch.float16: np.float16}
 #: fp32 elements from which a BLAS dot beats the two maxima (one pass instead of two); below, waking BLAS after the
 #: thread slept costs more (20 us in a trunk server for a 4 KiB tensor, 2 us when warm).
 _BLAS_MIN = 1 << 14
 #: Received buffers below this many bytes are checked by :func:`bytes_are_finite`, in place: at this size a torch
 #: call (several to make a tensor and flatten it) costs more than numpy's whole pass.
 SMALL_BYTES = 1 << 16
-_NUMPY_OF: dict[torch.dtype, type] = {torch.float32: np.float32, torch.float16: np.float16}
 _SIGNED_OF: dict[torch.dtype, type] = {torch.int32: np.int32, torch.int16: np.int16}
 
 
@@ -62,7 +61,7 @@ def is_finite(tensor: torch.Tensor) -> bool:
         # One reduction instead of an elementwise pass; a finite tensor whose sum overflows is confirmed exactly.
         return math.isfinite(float(tensor.detach().sum(dtype=torch.float32))) or bool(torch.isfinite(tensor).all())
     flat = tensor.detach().reshape(-1)  # contiguous: reshape copies a tensor it cannot view flat
-    if flat.numel() < _BLAS_MIN and flat.dtype in _NUMPY_FLOATS:  # small: numpy's one pass, exact (2 us at 4 KiB)
+    if flat.numel() < _BLAS_MIN and flat.dtype in _NUMPY_OF:  # small: numpy's one pass, exact (2 us at 4 KiB)
         return bool(np.isfinite(flat.numpy()).all())
     if flat.dtype == torch.float32 and flat.numel() >= _BLAS_MIN and flat.data_ptr() % 4 == 0:
         # (BLAS takes aligned data only: numpy's own loop over unaligned floats, e.g. a tensor at an odd offset of
