@@ -1,6 +1,7 @@
 """Small calls over the direct link (SharedLane.inline): once a client has a shared-memory region with a direct-call
 link, its Forward and Backward calls whose tensors are too small for the region travel inline over that link instead
-of gRPC, compute exactly what gRPC calls compute, and a refused one leaves the link and the region in use."""
+of gRPC, compute exactly what gRPC calls compute, and a refused one leaves the link and the region in use. A client
+on the trunk's host whose tensors are all small opens a small region for the link with its first call."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from splitfed.channel.client.trunk import TrunkClient
+from splitfed.channel.transports.shm.lane import LINK_REGION_BYTES
 from splitfed.channel.transports.shm.regions import MIN_REGION_TENSOR_BYTES
 from splitfed.errors import ChannelError
 from splitfed.split import CutState
@@ -54,14 +56,37 @@ def test_small_calls_take_the_direct_link_and_compute_what_grpc_calls_compute(tr
     assert direct.direct.listener.stats["calls"] == 7
 
 
-def test_without_a_region_small_calls_go_over_grpc(trunk_server) -> None:
-    server = trunk_server(_trunk())
+def test_a_client_whose_calls_are_all_small_opens_a_small_region_for_its_link(trunk_server) -> None:
+    trunk = _trunk()
+    server, other = trunk_server(copy.deepcopy(trunk)), trunk_server(copy.deepcopy(trunk))
+    with TrunkClient(server.address, insecure=True) as client, \
+            TrunkClient(other.address, insecure=True, shared_memory="off") as remote:
+        x = torch.randn(5, WIDTH)
+        seen = []
+        for c in (client, remote):
+            act = uuid.uuid4().hex
+            out, _ = c.forward(CutState(x), activation_id=act)
+            seen += [out, c.backward(act, out).grad]
+        region = client.shared.region
+        assert region is not None and region.mapping.nbytes == LINK_REGION_BYTES and region.direct is not None
+        assert client.shared.inline_calls == 2 and client.shared.calls == 0  # no tensor took a slice
+        assert remote.shared.region is None and remote.shared.inline_calls == 0  # over gRPC
+    assert server.direct.listener.stats["calls"] == 2 and other.direct.listener.stats["calls"] == 0
+    assert torch.equal(seen[0], seen[2]) and torch.equal(seen[1], seen[3])
+    for p, q in zip(server.runtime.trunk.parameters(), other.runtime.trunk.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_server_without_direct_calls_leaves_small_calls_on_grpc_after_one_region(trunk_server) -> None:
+    server = trunk_server(_trunk(), direct_calls=False)
     with TrunkClient(server.address, insecure=True) as client:
-        act = uuid.uuid4().hex
-        out, _ = client.forward(CutState(torch.randn(5, WIDTH)), activation_id=act)
-        client.backward(act, out)
-        assert client.shared.region is None and client.shared.inline_calls == 0
-    assert server.direct.listener.stats["calls"] == 0
+        for _ in range(3):
+            act = uuid.uuid4().hex
+            out, _ = client.forward(CutState(torch.randn(5, WIDTH)), activation_id=act)
+            client.backward(act, out)
+        assert client.shared.region is not None and client.shared.region.direct is None
+        assert client.shared.inline_calls == 0
+    assert server.servicer.regions.total_bytes == 0  # the client closed its one region
 
 
 @pytest.mark.parametrize("bad", ["nan", "shape"])

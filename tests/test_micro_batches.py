@@ -264,8 +264,9 @@ def test_client_app_trains_with_micro_batches_like_without(trunk_server) -> None
 
 @pytest.mark.parametrize("before", [False, True])
 def test_micro_batches_survive_lost_replies_and_never_apply_twice(trunk_server, before: bool) -> None:
-    # Every Forward and Backward of every micro-batch loses its first reply (or fails before it runs); gRPC's
-    # retries, in flight on several channels at once, are answered from what the first attempt left.
+    # Every Forward and Backward of every micro-batch loses its first reply (or fails before it runs); the client's
+    # retries (over gRPC or its region's direct-call link), in flight on several channels at once, are answered from
+    # what the first attempt left.
     from test_reliability import LoseReplies
 
     from splitfed.channel.client.trunk import RetryPolicy

@@ -17,6 +17,7 @@ from conftest import batch_for, tiny_model
 
 from splitfed.channel.client.remote import RemoteTrunk
 from splitfed.channel.client.trunk import RetryPolicy, TrunkClient
+from splitfed.channel.wire.limits import RETRY_KEYS
 from splitfed.errors import ChannelError
 from splitfed.split import CutState, SplitModel, split_model
 from splitfed.trunk.aggregation.modes import make_aggregator
@@ -39,8 +40,8 @@ class LoseReplies(grpc.aio.ServerInterceptor):
         inner = handler.unary_unary
 
         async def behavior(request, context):
-            attempts = dict(context.invocation_metadata()).get("grpc-previous-rpc-attempts")
-            if attempts is not None:
+            md = dict(context.invocation_metadata())  # a retry over gRPC, or over a region's direct-call link
+            if any(md.get(key, "0") not in ("", "0") for key in RETRY_KEYS):
                 self.retries_seen += 1
                 return await inner(request, context)
             self.injected += 1

@@ -91,7 +91,8 @@ def test_each_client_stays_on_its_backend_and_new_clients_spread(started: Callab
     servers = [started(TrunkServer(_cnn_trunk(), insecure=True, aggregator=make_aggregator("async")))
                for _ in range(2)]
     router = _router(started, servers)
-    clients = [TrunkClient(router.address, insecure=True, client_id=f"c{i}") for i in range(4)]
+    clients = [TrunkClient(router.address, insecure=True, client_id=f"c{i}", shared_memory="off")
+               for i in range(4)]  # no region held, which would keep its pin
     # Execute: every client's forwards and backwards in turn, several rounds
     homes: dict[str, set[str]] = {c.client_id: set() for c in clients}
     for _ in range(3):
@@ -155,7 +156,8 @@ def test_new_clients_go_to_the_least_loaded_backend(started: Callable[..., Any])
     # Prepare: two sync backends; six idle clients spread three and three
     servers = _servers(started, 2)
     router = _router(started, servers)
-    clients = [TrunkClient(router.address, insecure=True, client_id=f"c{i}", retry=NO_RETRY) for i in range(6)]
+    clients = [TrunkClient(router.address, insecure=True, client_id=f"c{i}", retry=NO_RETRY, shared_memory="off")
+               for i in range(6)]  # no region: every call goes through the router (none over a direct link)
     for c in clients:
         c.info()
     on = {s.address: [c for c in clients if router.backend_of(c.client_id) == s.address] for s in servers}
@@ -172,7 +174,7 @@ def test_new_clients_go_to_the_least_loaded_backend(started: Callable[..., Any])
     for t in waiting:
         t.start()
     _wait(lambda: router.stats()[0]["in_flight"] == 2)
-    newcomer = TrunkClient(router.address, insecure=True, client_id="new")
+    newcomer = TrunkClient(router.address, insecure=True, client_id="new", shared_memory="off")
     newcomer.info()
     # Assert: the newcomer goes to b (load 3 against 5), where it would have gone to a (lower index) on a tie
     assert router.backend_of("new") == b
@@ -255,7 +257,7 @@ def test_a_dead_backend_fails_its_calls_unavailable_and_its_clients_move(started
         _wait(lambda: _serving(f"127.0.0.1:{port}"), 120)  # listening comes before the model is loaded
         b = started(TrunkServer(split_model(mnist_cnn(), (3, 6)).trunk, insecure=True, model_name="mnist-cnn"))
         router = started(Router([f"127.0.0.1:{port}", b.address], insecure=True, probe_interval_s=30.0))
-        x = TrunkClient(router.address, insecure=True, client_id="x", retry=NO_RETRY)
+        x = TrunkClient(router.address, insecure=True, client_id="x", retry=NO_RETRY, shared_memory="off")
         act = uuid.uuid4().hex
         out, _ = x.forward(CutState(torch.randn(2, 32, 14, 14)), activation_id=act, train=True)
         assert router.backend_of("x") == f"127.0.0.1:{port}"

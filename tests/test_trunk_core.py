@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 import time
 import urllib.request
@@ -82,8 +83,10 @@ def test_eighty_sync_clients_wait_without_holding_threads(trunk_server) -> None:
     stats = server.runtime.aggregator.stats
     assert stats["steps"] == steps and stats["rejected-stale"] == 0 and stats["dropped-members"] == 0
     # The event loop, the device thread and grpc.aio's completion-queue poller (PollerCompletionQueue), however
-    # many clients wait; a server that parks a thread per waiting client has about 80 more.
-    assert peak[0] <= 3, peak
+    # many clients wait, and at most the event loop's default executor's bounded pool, where each client's
+    # shared-memory region was opened (asyncio_N); a server that parks a thread per waiting client has about 80 more.
+    pool = [name for name in peak[1] if name.startswith("asyncio_")]
+    assert peak[0] - len(pool) <= 3 and len(pool) <= min(32, (os.cpu_count() or 1) + 4), peak
 
 
 def test_a_member_that_joined_late_is_not_dropped_for_the_time_the_bucket_was_open() -> None:
@@ -118,13 +121,17 @@ class _FailingSGD(torch.optim.SGD):
 
 
 def _round(server: TrunkServer, hiddens: list[torch.Tensor]) -> list[object]:
-    """One sync step: every client forward + backward at once; returns each outcome or error."""
+    """One sync step: every client forward + backward at once; returns each outcome or error. Each client joins the
+    step group before any sends its gradient (the clients of an earlier round left it when they closed)."""
     results: list[object] = [None] * len(hiddens)
+    joined = threading.Barrier(len(hiddens))
 
     def worker(i: int) -> None:
         client = TrunkClient(server.address, insecure=True, client_id=f"c{i}",
                              retry=RetryPolicy(max_attempts=2, initial_backoff_s=0.05))
         try:
+            client.join()
+            joined.wait(30)
             results[i] = _step(client, hiddens[i], scale=0.1).outcome
         except ChannelError as exc:
             results[i] = exc

@@ -202,10 +202,12 @@ class TrunkClient:
             details = exc.details() if hasattr(exc, "details") else str(exc)
             raise channel_error(name, self.address, code, details) from None
 
-    def _unary(self, name: str, fn: Callable[..., Any], request: fastwire.Parsed) -> fastwire.Parsed:
+    def _unary(self, name: str, fn: Callable[..., Any], request: fastwire.Parsed, cuda: bool = False
+               ) -> fastwire.Parsed:
         """A unary Forward or Backward with its tensors inline: over the direct-call link of this client's
-        shared-memory region where it has one (:meth:`SharedLane.inline`), else over gRPC."""
-        reply = self.shared.inline(name, request)
+        shared-memory region where it has or can open one (:meth:`SharedLane.inline`; ``cuda``: its tensor came from
+        a GPU), else over gRPC."""
+        reply = self.shared.inline(name, request, cuda)
         return reply if reply is not None else self._invoke(name, fn, request)
 
     def _account(self, sent: int, received: int) -> None:
@@ -270,7 +272,7 @@ class TrunkClient:
         sent = payload_bytes(encs)
         if sent <= self._stream_threshold() and not self._reply_needs_stream:
             try:
-                parsed = self._unary("Forward", lane.forward, fastwire.Parsed(req, encs))
+                parsed = self._unary("Forward", lane.forward, fastwire.Parsed(req, encs), state.hidden.is_cuda)
                 reply, out = parsed.header, parsed.tensors
             except ChannelError as exc:
                 if exc.code != "RESOURCE_EXHAUSTED" or "use ForwardStream" not in str(exc):
@@ -324,7 +326,7 @@ class TrunkClient:
         sent, lane = payload_bytes(encs), self._lane()
         reply_bytes = 0 if input_numel is None else input_numel * torch_dtype(self.wire_dtype).itemsize
         if max(sent, reply_bytes) <= self._stream_threshold():
-            parsed = self._unary("Backward", lane.backward, fastwire.Parsed(req, encs))
+            parsed = self._unary("Backward", lane.backward, fastwire.Parsed(req, encs), grad.is_cuda)
             reply, out = parsed.header, parsed.tensors
         else:
             asm = self._stream_call("BackwardStream", lane.backward_stream, pb.Frame(backward_request=req),

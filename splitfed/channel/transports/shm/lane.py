@@ -1,8 +1,9 @@
 """The client's shared-memory lane: large tensors of a call go through its region, the call itself over gRPC.
 
 :class:`SharedLane` opens a region on the trunk server the first time a
-tensor is large enough (:data:`~splitfed.channel.transports.shm.regions.MIN_REGION_TENSOR_BYTES`)
-and maps it; if the server offers none, or the region cannot be mapped (the
+tensor is large enough (:data:`~splitfed.channel.transports.shm.regions.MIN_REGION_TENSOR_BYTES`),
+or a small one with its first call for the region's direct-call link alone
+(:meth:`SharedLane.inline`), and maps it; if the server offers none, or the region cannot be mapped (the
 server is on another host), it says so once in the log and every tensor
 travels over the socket from then on. Per call it takes a slice for the
 request's tensor and one for the reply, copies the tensor in (from a GPU
@@ -31,18 +32,21 @@ from splitfed.channel.transports.shm.regions import (
     MIN_REGION_TENSOR_BYTES,
     RegionEvents,
     SharedRegion,
-    copy_into,
     local_events,
 )
 from splitfed.channel.transports.shm.events import device_with_uuid
 from splitfed.channel.wire.retry import RetryBudget
-from splitfed.channel.transports.shm.slicecopy import give_slices, needed_bytes, write_slices
+from splitfed.channel.transports.shm.slicecopy import give_slices, needed_bytes, read_reply, write_slices
 from splitfed.channel.transports.shm.slices import ClientRegion, Slice, aligned
 from splitfed.codec.tensors import EncodedTensor, WireDType, encode, torch_dtype, wire_dtype
-from splitfed.errors import ChannelError, CodecError, ConfigError, SharedMemoryUnavailableError, TensorValueError
+from splitfed.errors import ChannelError, ConfigError, SharedMemoryUnavailableError
 from splitfed.split.base import CutState
 
 log = logging.getLogger(__name__)
+
+#: The size of a region a lane opens for its direct-call link alone (its first calls' tensors were all small): room
+#: for a few calls of tensors just above :data:`MIN_REGION_TENSOR_BYTES`; a larger tensor later opens a larger one.
+LINK_REGION_BYTES = 1 << 20
 
 MODES = ("auto", "on", "off")
 
@@ -82,6 +86,8 @@ class SharedLane:
         self.inline_calls = 0
         #: The retry budget of direct calls (gRPC keeps its own for the channel's calls), across regions.
         self._retry_budget = RetryBudget.of(client.retry)
+        #: Whether a region was ever asked for (:meth:`inline` asks for one only if not).
+        self._asked = False
 
     @property
     def active(self) -> bool:
@@ -95,9 +101,9 @@ class SharedLane:
         return plan is not None and plan[0].orders(tensor.device)
 
     # -- the region ------------------------------------------------------------------------
-    def _region(self, cuda: bool = False, need: int = 0) -> ClientRegion | None:
+    def _region(self, cuda: bool = False, need: int = 0, least: int = 4 << 20) -> ClientRegion | None:
         """The mapped region, or None when tensors travel over the socket. Opened on first use, sized for several
-        calls of ``need`` bytes in flight (micro-batches) and at most ``nbytes``."""
+        calls of ``need`` bytes in flight (micro-batches), at least ``least`` and at most ``nbytes``."""
         if self.mode == "off":
             return None
         region = self.region
@@ -110,7 +116,8 @@ class SharedLane:
             if region is not None:  # a call failed: its slices may still be written, so take a new region
                 self.region = None
                 self._drop(region)
-            asked = min(self.nbytes, max(16 * need, 4 << 20))
+            asked = min(self.nbytes, max(16 * need, least))
+            self._asked = True
             try:
                 reply = self.client._invoke("OpenRegion", self.client._stub.OpenRegion,
                                             pb.OpenRegionRequest(nbytes=asked, cuda_events=cuda,
@@ -328,11 +335,18 @@ class SharedLane:
             _drop_link(region)
             return None
 
-    def inline(self, name: str, request: fastwire.Parsed) -> fastwire.Parsed | None:
+    def inline(self, name: str, request: fastwire.Parsed, cuda: bool = False) -> fastwire.Parsed | None:
         """A unary Forward or Backward whose tensors travel inline (too small for the region, or compressed) sent
-        over the direct-call link of this lane's region, where it has one: the same bytes as over gRPC, run by the
-        same handlers as that client, without gRPC's way on either side. None: no such link, send it over gRPC."""
+        over the direct-call link of this lane's region: the same bytes as over gRPC, run by the same handlers as
+        that client, without gRPC's way on either side. None: no such link, send it over gRPC.
+
+        A lane that may use shared memory and never had a region opens a small one (:data:`LINK_REGION_BYTES`) for
+        its link, so a client on the trunk's host whose tensors are all small (decode steps, a small CNN's cut)
+        skips gRPC too; ``cuda``: the caller computes on a GPU (the region gets CUDA events, as a large tensor's
+        would)."""
         region = self.region
+        if region is None and self.direct and self.mode != "off" and not self._asked:
+            region = self._region(cuda=cuda, least=LINK_REGION_BYTES)
         if region is None or region.broken or region.direct is None:
             return None
         try:
@@ -353,38 +367,13 @@ class SharedLane:
 
     def _reply(self, call: str, encs: list[EncodedTensor], region: ClientRegion, dst: Slice,
                device: torch.device | None, on_device: bool) -> tuple[torch.Tensor, int]:
-        """The reply's one tensor in memory of its own, and its bytes: on ``device`` when ``on_device`` and its
-        copy is ordered by an event (the host does not wait), else in host memory (pinned when the caller
-        computes on a GPU)."""
-        name = "hidden" if call == "Forward" else "grad"
-        if len(encs) != 1 or encs[0].name != name:
-            raise CodecError(f"expected exactly one tensor named {name!r}, got {[e.name for e in encs]}")
-        enc = encs[0]
-        if enc.region is None:  # it did not fit the slice offered: offer more next time
-            from splitfed.channel.wire.messages import decode_single
-
-            out = decode_single(encs, name, self.client.tensor_limits)
+        """The reply's one tensor in memory of its own, and its bytes (:func:`read_reply`); a reply that did not fit
+        the slice offered is offered more next time."""
+        out, nbytes, inline = read_reply(call, encs, region, dst, device, on_device, self.client.tensor_limits)
+        if inline:
             with self._lock:
-                self._reply_bytes[call.lower()] = max(self._reply_bytes.get(call.lower(), 0), enc.wire_nbytes)
-            return out, enc.wire_nbytes
-        dtype = torch_dtype(enc.dtype)
-        if not dtype.is_floating_point:
-            raise TensorValueError(f"{name} must be a floating tensor, got {dtype}")
-        view = region.reply(enc.region, dst, dtype, tuple(enc.shape))
-        if enc.region.event:
-            if device is None or region.events is None:
-                raise CodecError(f"the server's reply names CUDA event {enc.region.event}, which this call did not "
-                                 "offer")
-            event = region.events[enc.region.event]
-            if on_device:  # the copy waits for the server's, on the GPU
-                torch.cuda.current_stream(device).wait_event(event)
-                out = torch.empty(view.shape, dtype=dtype, device=device)
-                out.copy_(view, non_blocking=True)
-                return out, enc.region.nbytes
-            event.synchronize()
-        out = torch.empty(view.shape, dtype=dtype, pin_memory=device is not None)
-        copy_into(out, view)
-        return out, enc.region.nbytes
+                self._reply_bytes[call.lower()] = max(self._reply_bytes.get(call.lower(), 0), nbytes)
+        return out, nbytes
 
 
 def _drop_link(region: ClientRegion | None) -> None:
