@@ -13,6 +13,10 @@
 * ``gen_latency_ratio_process``: the same with the trunk server in a process of
   its own (as a deployment runs it: the client's Python and the server's do not
   take turns on one interpreter lock), timed interleaved with the unsplit model.
+* ``gen_direct_share`` (``gen_direct_share_process``): the share of a generation's
+  Forward calls (its prefill and decode steps) that went over the client's
+  shared-memory region's direct-call link rather than gRPC (a client on the
+  trunk's host opens a region for the link with its first call).
 
 Default model: a tiny Llama built in code (6 layers, hidden 256, vocab 8192);
 ``python -m bench.generation --gen-model NAME_OR_DIR`` runs it on a real model.
@@ -146,7 +150,13 @@ def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = 
                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                 pad_token_id=ref.generation_config.pad_token_id or 0)
 
-        out["gen_bytes_per_token_cache"], got = count(split_gen)
+        def direct_share(channel: Any, fn: Any) -> tuple[float, Any]:
+            calls, direct = channel.calls, channel.shared.direct_calls
+            result = fn()
+            return (channel.shared.direct_calls - direct) / max(channel.calls - calls, 1), result
+
+        out["gen_bytes_per_token_cache"], (out["gen_direct_share"], got) = count(lambda: direct_share(client,
+                                                                                                    split_gen))
         out["gen_greedy_match"] = float(torch.equal(got, unsplit_gen()))
         start = time.perf_counter()
         out["gen_bytes_per_token_nocache"], _ = count(lambda: _nocache_generate(parts.bottom, client, parts.top,
@@ -162,7 +172,8 @@ def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = 
         def process_gen() -> torch.Tensor:
             return generate(parts.bottom, remote, parts.top, ids, max_new_tokens=new_tokens)
 
-        out["gen_greedy_match_process"] = float(torch.equal(process_gen(), unsplit_gen()))
+        out["gen_direct_share_process"], got = direct_share(remote, process_gen)
+        out["gen_greedy_match_process"] = float(torch.equal(got, unsplit_gen()))
         t_process, t_unsplit = interleaved(process_gen, unsplit_gen, repeat, warmup=1)
         out["gen_latency_ratio_process"] = t_process / t_unsplit
         out["gen_split_process_ms_per_token"] = t_process / new_tokens * 1e3

@@ -171,6 +171,7 @@ def _measures(gpu: bool) -> list[Measure]:
         Measure("generation", _suite("generation"), (
             Row("gen_latency_ratio", "split generation / unsplit, per token", "<= 1.2"),
             Row("gen_latency_ratio_process", "the same, the trunk server in a process of its own"),
+            Row("gen_direct_share_process", "its calls that went over a region's direct-call link, not gRPC"),
         ), (200.0, 200.0), expect_s=80.0),
         Measure("gen_batching_8", _gen_batching(8), (
             Row("gen_batched_speedup", "batched decoding / one by one, 8 sessions (tokens/s)", ">= 4"),

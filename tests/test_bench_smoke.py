@@ -44,6 +44,8 @@ def test_bench_suites() -> None:
     assert results["gen_greedy_match"] == 1.0 and results["gen_batched_greedy_match"] == 1.0
     # generation with the trunk server in a process of its own: the same tokens, and its latency timed
     assert results["gen_greedy_match_process"] == 1.0 and results["gen_latency_ratio_process"] > 0
+    # a client on the trunk's host sends every call of a generation over its region's direct-call link
+    assert results["gen_direct_share"] == 1.0 and results["gen_direct_share_process"] == 1.0
     # bench.generation's and bench.gen_batching's own figures, at the sizes of their commands below (slow)
     assert results["gen_bytes_per_token_nocache"] > 0 and results["gen_batched_sessions"] == 2.0
     assert results["gen_replay_batched_speedup"] > 0 and results["gen_replay_batched_mean_batch"] >= 1.0
