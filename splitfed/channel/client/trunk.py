@@ -202,8 +202,7 @@ class TrunkClient:
             details = exc.details() if hasattr(exc, "details") else str(exc)
             raise channel_error(name, self.address, code, details) from None
 
-    def _unary(self, name: str, fn: Callable[..., Any], request: fastwire.Parsed, cuda: bool = False
-               ) -> fastwire.Parsed:
+    def _unary(self, name: str, fn: Callable[..., Any], request: fastwire.Parsed, cuda: bool) -> fastwire.Parsed:
         """A unary Forward or Backward with its tensors inline: over the direct-call link of this client's
         shared-memory region where it has or can open one (:meth:`SharedLane.inline`; ``cuda``: its tensor came from
         a GPU), else over gRPC."""
