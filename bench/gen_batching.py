@@ -8,6 +8,9 @@
   the medians are compared.
 * ``gen_trunk_decode_speedup``: the trunk alone, in this process: ``sessions``
   decode steps as one batched call / one by one (no channel, no clients).
+* ``gen_fixed_step_share``: the share of the batched run's session steps that ran
+  over a fixed-size cache (as CUDA graphs on a GPU: ``decode_steps``, ``--decode-steps``;
+  prefills never do); ``gen_graph_captures``: the graphs that run captured.
 * ``gen_batched_greedy_match``: 1.0 when every session's greedy tokens are the
   same with and without batching.
 * ``gen_client_ms_per_token``: each generating client's own work per token in
@@ -174,7 +177,7 @@ def _client(rank: int, name: str, device: str, prompt_len: int, new_tokens: int,
 
 def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int = 16, window_ms: float = 5.0,
                        repeat: int = 2, device: str = "cpu", model: str | None = None,
-                       replay: bool = True) -> dict[str, float]:
+                       replay: bool = True, decode_steps: str = "auto") -> dict[str, float]:
     """Tokens/s of ``sessions`` concurrent generating clients, batched decode steps / one by one.
 
     Args:
@@ -186,8 +189,10 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
         device: where the trunk and the clients' parts run.
         model: ``tiny`` or ``gpt2-small`` (default: tiny on CPU, gpt2-small on CUDA).
         replay: also time clients that replay one-position steps (``gen_replay_*``).
+        decode_steps: both servers' ``decode_steps`` (:mod:`splitfed.trunk.inference.fixedsteps`).
     """
     from bench.cpu_use import ENGINE_THREADS, CpuUse
+    from splitfed.trunk.inference.sessions import SessionLimits
     from bench.gpu_util import UtilSampler
     from splitfed.channel.server.trunkserver import TrunkServer
 
@@ -213,7 +218,8 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
         for _ in range(repeat):
             for mode in modes:
                 for window in (0.0, window_ms):
-                    server = TrunkServer(trunk, insecure=True, batch_window_ms=window).start()
+                    server = TrunkServer(trunk, insecure=True, batch_window_ms=window,
+                                         session_limits=SessionLimits(decode_steps=decode_steps)).start()
                     try:
                         use, util = CpuUse({}, ENGINE_THREADS).start(), UtilSampler(device).start()
                         began = time.perf_counter()
@@ -263,20 +269,24 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
             out.update({"gen_batched_greedy_match": float(tokens[0.0] == tokens[window_ms]),
                         "gen_batched_sessions": float(sessions),
                         "gen_batched_regroups": float(st.get("decode_groups", 0)),
+                        "gen_fixed_step_share": st.get("fixed_steps", 0) / max(st.get("steps", 0), 1),
+                        "gen_graph_captures": float(st.get("graph_captures", 0)),
                         "gen_batched_prefills": float(st.get("batched_prefills", 0)),
                         "gen_prefill_batches": float(st.get("prefill_batches", 0))})
     return out
 
 
 def batched_decode_trunk(sessions: int = 8, steps: int = 64, prompt_len: int = 16, repeat: int = 3,
-                         device: str = "cpu", model: str | None = None) -> dict[str, float]:
+                         device: str = "cpu", model: str | None = None, decode_steps: str = "auto") -> dict[str, float]:
     """The trunk alone (no channel, no clients): ``sessions`` decode steps as one call / one by one.
 
     Every session is prefilled (prompts of ``prompt_len + i`` positions: one batched
     prefill, or one step per session, timed as ``gen_trunk_prefill_speedup``), then
     each timed run decodes ``steps`` positions per session either with
     :meth:`SessionManager.run_many` (one batched call per step) or with one
-    :meth:`SessionManager.step` per session; runs alternate, medians compared.
+    :meth:`SessionManager.run_many` of one step per session (a window each, as a
+    server without a batching window runs them); runs alternate, medians compared.
+    ``decode_steps``: the manager's (:mod:`splitfed.trunk.inference.fixedsteps`).
     """
     from splitfed.split import CutState
     from splitfed.trunk.inference.decoding import SessionStep
@@ -287,7 +297,8 @@ def batched_decode_trunk(sessions: int = 8, steps: int = 64, prompt_len: int = 1
     trunk = _build(name, device).trunk
     trunk.requires_grad_(False)
     width = MODELS[name][1]
-    manager = SessionManager(TrunkRuntime(trunk), max_sessions=4 * sessions, max_sessions_per_client=4 * sessions)
+    manager = SessionManager(TrunkRuntime(trunk), max_sessions=4 * sessions, max_sessions_per_client=4 * sessions,
+                             decode_steps=decode_steps)
     g = torch.Generator().manual_seed(0)
     times: dict[bool, list[float]] = {False: [], True: []}
     prefill_times: dict[bool, list[float]] = {False: [], True: []}
@@ -320,9 +331,11 @@ def batched_decode_trunk(sessions: int = 8, steps: int = 64, prompt_len: int = 1
                     for out in manager.run_many([SessionStep("bench", sid, CutState(hidden[t])) for sid in ids]):
                         if isinstance(out, BaseException):
                             raise out
-                else:
+                else:  # each step its own window, as a server with no batching window runs it
                     for sid in ids:
-                        manager.step("bench", sid, CutState(hidden[t]))
+                        out = manager.run_many([SessionStep("bench", sid, CutState(hidden[t]))])[0]
+                        if isinstance(out, BaseException):
+                            raise out
             sync()
             if run:
                 times[batched].append(time.perf_counter() - start)
@@ -355,6 +368,8 @@ def main() -> int:
     parser.add_argument("--no-replay", action="store_true", help="skip the replaying clients (gen_replay_*)")
     parser.add_argument("--switch-interval", type=float, default=0.0, metavar="SECONDS",
                         help="the server process's interpreter switch interval (0: Python's own, 5 ms)")
+    parser.add_argument("--decode-steps", choices=("auto", "graphs", "fixed", "dynamic"), default="auto",
+                        help="the servers' decode steps (auto: CUDA graphs on a GPU)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     if args.switch_interval < 0:
@@ -363,10 +378,10 @@ def main() -> int:
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)  # the server runs in this process; the clients are spawned
     results = batched_decode_trunk(args.gen_sessions, args.gen_new_tokens, repeat=args.repeat + 1,
-                                   device=args.device, model=args.gen_model)
+                                   device=args.device, model=args.gen_model, decode_steps=args.decode_steps)
     results.update(batched_generation(args.gen_sessions, args.gen_new_tokens, window_ms=args.gen_window_ms,
                                       repeat=args.repeat, device=args.device, model=args.gen_model,
-                                      replay=not args.no_replay))
+                                      replay=not args.no_replay, decode_steps=args.decode_steps))
     results["switch_interval_s"] = sys.getswitchinterval()
     print_results(results, args.json)
     return 0

@@ -87,20 +87,22 @@ def _trunk_parts(model: str | None, cuts: tuple[int, int] | None, device: str) -
 
 
 def _serve_trunk(model: str | None, cuts: tuple[int, int], device: str, threads: int, port_queue: Any,
-                 stop: Any) -> None:
+                 stop: Any, decode_steps: str) -> None:
     """Serve the model's trunk from this (spawned) process until ``stop`` is set."""
     from splitfed.channel.server.trunkserver import TrunkServer
+    from splitfed.trunk.inference.sessions import SessionLimits
 
     torch.set_num_threads(threads)
     _, parts, _ = _trunk_parts(model, cuts, device)
-    server = TrunkServer(parts.trunk, insecure=True).start()
+    server = TrunkServer(parts.trunk, insecure=True, session_limits=SessionLimits(decode_steps=decode_steps)).start()
     port_queue.put(server.port)
     stop.wait()
     server.stop(grace=0)
 
 
 def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = None,
-               cuts: tuple[int, int] | None = None, repeat: int = 3, device: str = "cpu") -> dict[str, float]:
+               cuts: tuple[int, int] | None = None, repeat: int = 3, device: str = "cpu",
+               decode_steps: str = "auto") -> dict[str, float]:
     """Bytes per token with and without the trunk's KV cache, and split / unsplit per-token latency.
 
     Args:
@@ -110,6 +112,7 @@ def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = 
         cuts: cut points (default: a named model's cuts, else thirds of the blocks).
         repeat: interleaved timed runs of each side (medians are reported).
         device: where the model runs (cpu, cuda).
+        decode_steps: the trunk servers' ``decode_steps`` (:mod:`splitfed.trunk.inference.fixedsteps`).
     """
     import multiprocessing as mp
 
@@ -117,11 +120,13 @@ def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = 
     from splitfed.channel.client.trunk import TrunkClient
     from splitfed.channel.server.trunkserver import TrunkServer
     from splitfed.client.generation import generate
+    from splitfed.trunk.inference.sessions import SessionLimits
 
     ref, parts, cuts = _trunk_parts(model, cuts, device)
     ctx = mp.get_context("spawn")
     port_queue, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_serve_trunk, args=(model, cuts, device, torch.get_num_threads(), port_queue, stop),
+    proc = ctx.Process(target=_serve_trunk, args=(model, cuts, device, torch.get_num_threads(), port_queue, stop,
+                                                         decode_steps),
                        daemon=True)
     proc.start()
     server: Any = None
@@ -134,7 +139,7 @@ def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = 
         # The other process's server is up before anything is timed (its start-up would weigh on the timings).
         port = get_from(port_queue, [proc], 300, "the trunk server process's port")
         remote = TrunkClient(f"127.0.0.1:{port}", insecure=True)
-        server = TrunkServer(parts.trunk, insecure=True).start()
+        server = TrunkServer(parts.trunk, insecure=True, session_limits=SessionLimits(decode_steps=decode_steps)).start()
         client = TrunkClient(server.address, insecure=True)
 
         def count(fn: Any) -> tuple[float, Any]:
@@ -199,6 +204,8 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--decode-steps", choices=("auto", "graphs", "fixed", "dynamic"), default="auto",
+                        help="the trunk servers' decode steps (auto: CUDA graphs on a GPU)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -206,7 +213,8 @@ def main() -> int:
     if args.cuts:
         a, b = (int(x) for x in args.cuts.split(","))
         cuts = (a, b)
-    results = generation(args.new_tokens, args.prompt_len, args.gen_model, cuts, args.repeat, args.device)
+    results = generation(args.new_tokens, args.prompt_len, args.gen_model, cuts, args.repeat, args.device,
+                         args.decode_steps)
     print_results(results, args.json)
     return 0
 

@@ -27,8 +27,9 @@ _model = spread_model
 class _Twin:
     """The same sessions on two managers: ``batched`` steps them together, ``alone`` one by one."""
 
-    def __init__(self, trunk: torch.nn.Module) -> None:
-        self.batched, self.alone = SessionManager(TrunkRuntime(trunk)), SessionManager(TrunkRuntime(trunk))
+    def __init__(self, trunk: torch.nn.Module, decode_steps: str = "auto") -> None:
+        self.batched = SessionManager(TrunkRuntime(trunk), decode_steps=decode_steps)
+        self.alone = SessionManager(TrunkRuntime(trunk))
         self.width = trunk.config.hidden_size
         self.g = torch.Generator().manual_seed(0)
         self.peer: dict[str, str] = {}
@@ -74,10 +75,18 @@ class _Twin:
         return worst
 
 
+@pytest.fixture(params=["dynamic", "fixed"])
+def decode_steps(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Groups step over a growing cache, or over a fixed-size one (what a GPU's CUDA graphs replay) that the steps
+    outgrow several times."""
+    monkeypatch.setattr("splitfed.trunk.inference.fixedsteps.CAPACITY_STEP", 8)
+    return request.param
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])  # qwen2: sliding-window layers of 4 positions
-def test_batched_decode_steps_equal_single_steps(arch: str) -> None:
+def test_batched_decode_steps_equal_single_steps(arch: str, decode_steps: str) -> None:
     # Prepare: four sessions of different lengths, one a left-padded batch of two
-    twin = _Twin(split_model(tiny_model(arch), CUTS).trunk)
+    twin = _Twin(split_model(tiny_model(arch), CUTS).trunk, decode_steps)
     live = [twin.open(3), twin.open(7, batch=2), twin.open(12), twin.open(5)]
     worst = 0.0
     # Execute: 16 steps; one closes, two join, one sits some steps out
@@ -94,6 +103,8 @@ def test_batched_decode_steps_equal_single_steps(arch: str) -> None:
     stats = twin.batched.stats
     assert stats["decode_batches"] == 16 and stats["batched_steps"] == stats["steps"] - 6  # 6 prefills
     assert stats["decode_groups"] >= 5
+    fixed = decode_steps == "fixed" and arch != "qwen2"  # sliding-window layers keep the growing cache
+    assert stats["fixed_steps"] == (stats["batched_steps"] if fixed else 0)
     assert twin.batched.bytes_held > 0
 
 
@@ -114,9 +125,9 @@ def test_repeated_step_in_a_batch_answers_again_and_keeps_the_cache() -> None:
     assert twin.batched.stats["retried_steps"] == 2
 
 
-def test_closing_or_evicting_a_grouped_session_gives_the_others_their_caches() -> None:
+def test_closing_or_evicting_a_grouped_session_gives_the_others_their_caches(decode_steps: str) -> None:
     # Prepare: three sessions decoding as one group
-    twin = _Twin(split_model(tiny_model("gpt2"), CUTS).trunk)
+    twin = _Twin(split_model(tiny_model("gpt2"), CUTS).trunk, decode_steps)
     live = [twin.open(3), twin.open(8), twin.open(5)]
     twin.decode(live, 1)
     group = twin.batched._sessions[live[0]].group
@@ -129,6 +140,23 @@ def test_closing_or_evicting_a_grouped_session_gives_the_others_their_caches() -
     worst = max(worst, twin.decode(live, 4))
     # Assert
     assert worst <= 1e-6
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_lone_session_takes_fixed_steps_as_a_group_of_one(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("splitfed.trunk.inference.fixedsteps.CAPACITY_STEP", 8)
+    # Prepare: one session, then a second one that joins it
+    twin = _Twin(split_model(tiny_model(arch), CUTS).trunk, "fixed")
+    first = twin.open(5)
+    # Execute: ten steps alone, then four together
+    worst = max(twin.decode([first], t) for t in range(10))
+    second = twin.open(3)
+    worst = max([worst] + [twin.decode([first, second], t) for t in range(10, 14)])
+    # Assert: exact; the lone steps ran over a fixed-size cache yet count as no batch
+    assert worst <= 1e-6, worst
+    stats = twin.batched.stats
+    assert stats["fixed_steps"] == 18 and stats["decode_batches"] == 4 and stats["batched_steps"] == 8
+    assert stats["decode_groups"] == 1
 
 
 def _reference(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, new: int) -> torch.Tensor:
@@ -201,11 +229,11 @@ def test_window_zero_steps_sessions_alone(trunk_server) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2's sliding layers restack instead of skipping
-def test_late_members_sit_steps_out_and_rejoin_exactly(arch: str) -> None:
+def test_late_members_sit_steps_out_and_rejoin_exactly(arch: str, decode_steps: str) -> None:
     from splitfed.trunk.inference.decoding import MAX_MISSED
 
     # Prepare: four sessions decoding as one group
-    twin = _Twin(split_model(tiny_model(arch), CUTS).trunk)
+    twin = _Twin(split_model(tiny_model(arch), CUTS).trunk, decode_steps)
     live = [twin.open(3), twin.open(6, batch=2), twin.open(10), twin.open(4)]
     worst = twin.decode(live, 0)
     groups = twin.batched.stats["decode_groups"]

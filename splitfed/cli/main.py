@@ -34,6 +34,7 @@ def _build_server(rank: int, args: argparse.Namespace) -> Any:
     from splitfed.config import RunConfig
     from splitfed.models.parts import build_parts, is_pretrained, model_cuts
     from splitfed.trunk.aggregation.modes import make_aggregator
+    from splitfed.trunk.inference.sessions import SessionLimits
     from splitfed.trunk.replicas.group import replica_aggregator
 
     cfg = RunConfig(model=args.model, cuts=args.cuts, seed=args.seed, lora_rank=args.lora_rank,
@@ -70,7 +71,8 @@ def _build_server(rank: int, args: argparse.Namespace) -> Any:
                        model_name=args.model, cuts=cuts, batch_window_ms=args.batch_window_ms,
                        max_batch_tokens=args.max_batch_tokens, checkpointing=args.checkpointing,
                        compile=args.compile, shared_memory_bytes=args.shared_memory_mib << 20, frontends=args.frontends,
-                       frontend_tls=frontend_tls, authenticate=getattr(args, "authenticate", None))
+                       frontend_tls=frontend_tls, authenticate=getattr(args, "authenticate", None),
+                       session_limits=SessionLimits(decode_steps=args.decode_steps))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -267,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--compile", action="store_true",
                        help="compile the trunk's blocks with torch.compile (far less host time per batch; results "
                             "match the eager trunk to float rounding)")
+    serve.add_argument("--decode-steps", choices=("auto", "graphs", "fixed", "dynamic"), default="auto",
+                       help="how inference sessions' decode steps run: auto (CUDA graphs on a GPU), graphs, fixed "
+                            "(a fixed-size KV cache without graphs) or dynamic (a growing cache)")
     serve.add_argument("--max-batch-tokens", type=int, default=65536,
                        help="positions (batch x length) one batched trunk call may hold")
     serve.add_argument("--replicas", type=int, default=1,

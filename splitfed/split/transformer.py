@@ -105,6 +105,29 @@ class TransformerPart(Part):
             raise ValueError(f"a KV cache needs the part's whole range of blocks; got blocks {state.blocks}")
         return self._runner.run(self, state, cache, use_cache, blocks)
 
+    def fixed_decoding(self) -> bool:
+        """Whether :meth:`decode_fixed` can run this part: a decoder family whose blocks all attend to the full past
+        through PyTorch's ``scaled_dot_product_attention`` (the kernels a prebuilt boolean mask is meant for)."""
+        rope = str(getattr(self.rotary, "rope_type", "default"))
+        return (self._runner.fixed and getattr(self.config, "_attn_implementation", None) == "sdpa"
+                and all(kind == FULL for kind in attention_kinds(self.config))
+                and "dynamic" not in rope and rope != "longrope")  # these read the positions back to the host
+
+    def decode_fixed(self, hidden: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
+                     cache_position: torch.Tensor, cache: Any) -> torch.Tensor:
+        """One step of all the part's blocks over a cache of fixed size, every input already on the device.
+
+        ``mask`` is the boolean attention mask as the blocks take it, ``(batch, 1, length, cache size)``;
+        ``position_ids`` are the rows' positions and ``cache_position`` the cache columns the step writes
+        (a device tensor, read by the cache's ``update``). Nothing here reads a value back to the host or depends
+        on one, so the step can be captured in a CUDA graph
+        (:mod:`splitfed.trunk.inference.fixedsteps`). Only parts with :meth:`fixed_decoding` take it.
+        """
+        if not self.fixed_decoding():
+            raise ValueError("this part cannot decode over a fixed-size cache: it needs a decoder family whose "
+                             "blocks all attend to the full past with attn_implementation='sdpa'")
+        return self._runner.run_fixed(self, hidden, mask, position_ids, cache_position, cache)
+
     def new_cache(self) -> Any:
         """A fresh KV cache sized for this part's blocks."""
         from transformers import DynamicCache
@@ -148,6 +171,12 @@ class _Runner:
     """Per-family calling convention of blocks, masks, embeddings and heads."""
 
     uses_positions = True
+    #: whether :meth:`run_fixed` is implemented (decoder families)
+    fixed = False
+
+    def run_fixed(self, part: TransformerPart, hidden: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
+                  cpos: torch.Tensor, cache: Any) -> torch.Tensor:
+        raise NotImplementedError
 
     @staticmethod
     def positions(state: CutState, cache: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -183,6 +212,15 @@ class _Runner:
 
 
 class _GPT2Runner(_Runner):
+    fixed = True
+
+    def run_fixed(self, part: TransformerPart, hidden: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
+                  cpos: torch.Tensor, cache: Any) -> torch.Tensor:
+        for block in part.layers:
+            hidden = call_layer(block, hidden, cache=cache, cache_position=cpos, attention_mask=mask,
+                                use_cache=True, position_ids=pos)
+        return hidden
+
     def embed(self, part: TransformerPart, input_ids: torch.Tensor, position_ids: torch.Tensor,
               token_type_ids: torch.Tensor | None) -> torch.Tensor:
         emb = part.embed
@@ -206,6 +244,16 @@ class _GPT2Runner(_Runner):
 
 
 class _LlamaRunner(_Runner):
+    fixed = True
+
+    def run_fixed(self, part: TransformerPart, hidden: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
+                  cpos: torch.Tensor, cache: Any) -> torch.Tensor:
+        position_embeddings = part.rotary(hidden, position_ids=pos)
+        for layer in part.layers:
+            hidden = call_layer(layer, hidden, cache=cache, cache_position=cpos, attention_mask=mask,
+                                position_embeddings=position_embeddings, position_ids=pos, use_cache=True)
+        return hidden
+
     def embed(self, part: TransformerPart, input_ids: torch.Tensor, position_ids: torch.Tensor,
               token_type_ids: torch.Tensor | None) -> torch.Tensor:
         return part.embed(input_ids)  # the Llama family ignores token types, as its forward does

@@ -70,11 +70,14 @@ class RuntimePlacement:
             return eager()
         return contextlib.nullcontext()
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """The context trunk compute runs in: mixed precision (``autocast_dtype``) and the attention kernels."""
+    def _autocast(self, cache: bool = True) -> contextlib.AbstractContextManager[Any]:
+        """The context trunk compute runs in: mixed precision (``autocast_dtype``) and the attention kernels.
+
+        ``cache=False``: autocast keeps no casts of the weights between operations (what a CUDA graph's capture
+        needs: the casts then run inside the graph, from the weights as they are at each replay)."""
         stack = contextlib.ExitStack()
         if self.autocast_dtype is not None:
-            stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
+            stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=cache))
         if self.sdpa_backends and sdpa_kernel is not None:
             stack.enter_context(sdpa_kernel(list(self.sdpa_backends)))
         return stack

@@ -89,6 +89,8 @@ class DecodeGroup:
         self._member_of_row = torch.repeat_interleave(torch.arange(len(members)),
                                                       torch.tensor([s.batch_size for s in members]))
         self.missed = [0] * len(members)  # steps each member sat out in a row
+        #: the group's steps over a fixed-size cache (:mod:`splitfed.trunk.inference.fixedsteps`), when it has them
+        self.fixed: Any = None
 
     @classmethod
     def stack(cls, trunk: Any, members: list[Session]) -> DecodeGroup:
@@ -127,9 +129,10 @@ class DecodeGroup:
             for layer, mine in zip(self.cache.layers, cache.layers):
                 if tail:
                     keep = stored_positions(mine, s.length)
+                    end = min(layer.keys.shape[2], self.length)  # a fixed-size cache holds room past its length
                     # clone: a view would keep the whole stacked tensor alive
-                    keys = layer.keys[rows, :, layer.keys.shape[2] - keep:].clone()
-                    values = layer.values[rows, :, layer.values.shape[2] - keep:].clone()
+                    keys = layer.keys[rows, :, end - keep:end].clone()
+                    values = layer.values[rows, :, end - keep:end].clone()
                 else:  # full-attention layers only (sliding groups never skip)
                     cols = valid.nonzero().squeeze(1).to(layer.keys.device)
                     keys = layer.keys[rows].index_select(2, cols)
@@ -137,7 +140,7 @@ class DecodeGroup:
                 fill_layer(mine, keys, values, s.length)
             s.cache, s.group = cache, None
         log.debug("dissolved a decode group of %d sessions", len(self.members))
-        self.members, self.rows, self.missed, self.cache = [], [], [], None
+        self.members, self.rows, self.missed, self.cache, self.fixed = [], [], [], None, None
         self.valid = self.valid[:0]
 
     def inputs(self, states: list[CutState | None]) -> CutState:

@@ -44,6 +44,7 @@ from torch import nn
 from splitfed.split.base import CutState
 from splitfed.trunk.inference.decodegroup import STACKABLE_LAYERS, DecodeGroup
 from splitfed.trunk.compute.recompute import busy_on_oom
+from splitfed.trunk.inference.fixedsteps import attach
 from splitfed.trunk.inference.prefill import batchable, is_prefill, prefill_key, run_prefills
 
 if TYPE_CHECKING:
@@ -91,10 +92,14 @@ def run_group(runtime: TrunkRuntime, group: DecodeGroup, states: list[CutState |
     """
     rt = runtime
     with rt._lock:
-        inputs, _ = rt._prepare(group.inputs(states), train=False)
-        with evaluating(rt.trunk), torch.no_grad(), rt._autocast(), rt._stepwise(), \
-                busy_on_oom("batched decode step"):
-            out = rt.trunk(inputs, cache=group.cache, use_cache=True).hidden
+        if group.fixed is not None:  # over a fixed-size cache, as a CUDA graph on a GPU (:mod:`.fixedsteps`)
+            with busy_on_oom("batched decode step"):
+                out = group.fixed.step(group.inputs(states))
+        else:
+            inputs, _ = rt._prepare(group.inputs(states), train=False)
+            with evaluating(rt.trunk), torch.no_grad(), rt._autocast(), rt._stepwise(), \
+                    busy_on_oom("batched decode step"):
+                out = rt.trunk(inputs, cache=group.cache, use_cache=True).hidden
     new = next(st for st in states if st is not None).hidden.shape[1]
     group.advance([st is not None for st in states], new)
     return out
@@ -173,8 +178,9 @@ def step_many(manager: Any, steps: list[SessionStep]) -> list[Outcome]:
             alone.append(i)
         seen.add(id(session))
     batched: list[tuple[int, Session]] = _prefill_batches(manager, steps, prefills, out, alone)
-    # a lone step batches only with the group it is in (its other members sit the step out)
-    if len(chosen) >= 2 or (chosen and chosen[0][1].group is not None):
+    # a lone step batches only with the group it is in (its other members sit the step out), or alone as a group
+    # of one where groups take fixed steps (a CUDA graph for its decode step)
+    if len(chosen) >= 2 or (chosen and (chosen[0][1].group is not None or manager.fixed_steps)):
         with lock_all(_with_group_members([s for _, s in chosen])):
             ready = _admitted(manager, steps, chosen, out)
             group = _plan(manager, ready)
@@ -288,10 +294,13 @@ def _plan(manager: Any, ready: list[tuple[int, Session]]) -> DecodeGroup | None:
                         x.length for x in sessions) + 64:
                     late.setdefault(m.session_id, m)
     members = sessions + list(late.values())
-    if len(members) < 2:
+    if len(members) < 2 and not manager.fixed_steps:
         return None
-    manager.stats["decode_groups"] += 1
-    return DecodeGroup.stack(manager.runtime.trunk, members)
+    if len(members) > 1:
+        manager.stats["decode_groups"] += 1
+    group = DecodeGroup.stack(manager.runtime.trunk, members)
+    attach(manager.runtime, group, manager.decode_steps)
+    return group
 
 
 def _run_batched(manager: Any, group: DecodeGroup, steps: list[SessionStep], ready: list[tuple[int, Session]],
@@ -300,6 +309,8 @@ def _run_batched(manager: Any, group: DecodeGroup, steps: list[SessionStep], rea
     rt = manager.runtime
     index = {s.session_id: i for i, s in ready}
     states = [steps[index[s.session_id]].state if s.session_id in index else None for s in group.members]
+    fixed = group.fixed
+    captures = fixed.captures if fixed is not None else 0
     try:
         hidden = rt.handed(run_group(rt, group, states))
     except Exception as exc:  # noqa: BLE001 - the caches may hold part of the step: drop the group's sessions
@@ -317,5 +328,11 @@ def _run_batched(manager: Any, group: DecodeGroup, steps: list[SessionStep], rea
         part = hidden[rows]
         manager._advance(s, steps[i].state, steps[i].step_id, part)
         out[i] = part
-    manager.stats["decode_batches"] += 1
-    manager.stats["batched_steps"] += len(ready)
+    if len(group.members) > 1:
+        manager.stats["decode_batches"] += 1
+        manager.stats["batched_steps"] += len(ready)
+    if fixed is not None:
+        manager.stats["fixed_steps"] += len(ready)
+        manager.stats["graph_captures"] += fixed.captures - captures
+        if fixed.capture_failed:
+            manager.decode_steps = "fixed"

@@ -35,6 +35,7 @@ from splitfed.errors import (
 from splitfed.split.base import CutState
 from splitfed.split.transformer import BERT_FAMILY
 from splitfed.trunk.inference.decoding import MAX_MISSED, SessionStep, evaluating, step_many
+from splitfed.trunk.inference.fixedsteps import check_decode_steps, chosen
 from splitfed.trunk.compute.runtime import TrunkRuntime
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,8 @@ class SessionLimits:
         max_length: longest sequence one session may ask for.
         max_sessions_per_client: sessions one client may hold at once, so that no client
             can take every session.
+        decode_steps: how decode steps run: ``"auto"`` (CUDA graphs on a GPU, the growing cache
+            elsewhere), ``"graphs"``, ``"fixed"`` or ``"dynamic"`` (:mod:`splitfed.trunk.inference.fixedsteps`).
     """
 
     max_sessions: int = 64
@@ -62,8 +65,10 @@ class SessionLimits:
     idle_ttl_s: float = 300.0
     max_length: int = 1 << 16
     max_sessions_per_client: int = 8
+    decode_steps: str = "auto"
 
     def __post_init__(self) -> None:
+        check_decode_steps(self.decode_steps)
         if (self.max_sessions < 1 or self.max_cache_bytes < 1 or self.idle_ttl_s <= 0 or self.max_length < 1
                 or self.max_sessions_per_client < 1):
             raise ConfigError("session limits must be positive: max_sessions, max_cache_bytes, idle_ttl_s, "
@@ -130,15 +135,24 @@ class SessionManager:
         max_sessions, max_cache_bytes, idle_ttl_s, max_length, max_sessions_per_client: see
             :class:`SessionLimits`.
         clock: seconds, monotonic (injected by tests).
+        decode_steps: how batched decode steps run: ``"auto"`` (CUDA graphs on a GPU), ``"graphs"``, ``"fixed"``
+            or ``"dynamic"`` (:mod:`splitfed.trunk.inference.fixedsteps`).
     """
 
     def __init__(self, runtime: TrunkRuntime, *, max_sessions: int = SessionLimits.max_sessions,
                  max_cache_bytes: int = SessionLimits.max_cache_bytes,
                  idle_ttl_s: float = SessionLimits.idle_ttl_s, max_length: int = SessionLimits.max_length,
                  max_sessions_per_client: int = SessionLimits.max_sessions_per_client,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.limits = SessionLimits(max_sessions, max_cache_bytes, idle_ttl_s, max_length, max_sessions_per_client)
+                 clock: Callable[[], float] = time.monotonic, decode_steps: str = "auto") -> None:
+        self.limits = SessionLimits(max_sessions, max_cache_bytes, idle_ttl_s, max_length, max_sessions_per_client,
+                                    decode_steps)
         self.runtime = runtime
+        self.decode_steps = decode_steps
+        if decode_steps == "graphs" and runtime.device.type != "cuda":
+            raise ConfigError(f"decode_steps='graphs' needs a trunk on a GPU, not on {runtime.device}; "
+                              "use 'auto' or 'fixed'")
+        #: whether decode groups take fixed steps (then a lone decoding session is a group of one)
+        self.fixed_steps = chosen(runtime, decode_steps) is not None
         self.clock = clock
         # Under autocast the cache is in the (narrower) autocast dtype: the weights' dtype is the worst case.
         self._per_position = kv_bytes_per_position(runtime.trunk, runtime.dtype)
@@ -148,14 +162,15 @@ class SessionManager:
         self._windows = 0  # batching windows run so far (calls of run_many)
         self.stats: dict[str, int] = {"opened": 0, "closed": 0, "evicted_idle": 0, "refused": 0, "steps": 0,
                                       "retried_steps": 0, "batched_steps": 0, "decode_batches": 0,
-                                      "decode_groups": 0, "prefill_batches": 0, "batched_prefills": 0}
+                                      "decode_groups": 0, "prefill_batches": 0, "batched_prefills": 0,
+                                      "fixed_steps": 0, "graph_captures": 0}
 
     @classmethod
     def from_limits(cls, runtime: TrunkRuntime, limits: SessionLimits = SessionLimits()) -> SessionManager:
-        """A manager with the bounds of a :class:`SessionLimits`."""
+        """A manager with the bounds and the decode steps of a :class:`SessionLimits`."""
         return cls(runtime, max_sessions=limits.max_sessions, max_cache_bytes=limits.max_cache_bytes,
                    idle_ttl_s=limits.idle_ttl_s, max_length=limits.max_length,
-                   max_sessions_per_client=limits.max_sessions_per_client)
+                   max_sessions_per_client=limits.max_sessions_per_client, decode_steps=limits.decode_steps)
 
     # -- bookkeeping -----------------------------------------------------------------
     @property
