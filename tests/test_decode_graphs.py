@@ -142,3 +142,31 @@ def test_a_step_that_cannot_be_captured_runs_without_a_graph(monkeypatch: pytest
     assert pair.graphs.stats["graph_captures"] == 0 and pair.graphs.stats["fixed_steps"] == 6
     assert pair.graphs.decode_steps == "fixed"
     assert sum("could not capture" in r.getMessage() for r in caplog.records) == 1
+
+
+@cuda
+def test_graph_steps_of_a_lora_trunk_follow_its_adapters_as_they_train() -> None:
+    pytest.importorskip("peft")
+    from splitfed.models.lora import apply_lora, lora_config
+
+    trunk = split_model(spread_model("llama"), CUTS).trunk
+    apply_lora(trunk, lora_config("llama", rank=4), seed=0)
+    trunk = trunk.cuda()
+    with torch.no_grad():  # non-zero adapters: peft starts lora_B at zero
+        for name, p in trunk.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    pair = _Pair(trunk, None)
+    pair.open(5)
+    pair.open(2)
+    before = pair.decode([0, 1], 0)
+    # Execute: an optimizer step on the adapters (in place), then more steps
+    adapters = [p for p in trunk.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(adapters, lr=0.5)
+    for p in adapters:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    after = max(pair.decode([0, 1], t) for t in range(1, 4))
+    # Assert
+    assert before <= 1e-5 and after <= 1e-5
+    assert pair.graphs.stats["graph_captures"] == 1 and pair.graphs.stats["fixed_steps"] == 8
