@@ -96,9 +96,12 @@ def test_graph_steps_read_the_weights_as_they_are(monkeypatch: pytest.MonkeyPatc
     for p in trunk.parameters():
         p.data = p.data.clone()
     after_move = pair.decode([0, 1], 2)
-    # Assert: both read the current weights; only the move captured again
-    assert after_update <= 1e-5 and after_move <= 1e-5
-    assert pair.graphs.stats["graph_captures"] == captures + 1
+    block = trunk.layers[0].mlp.c_fc
+    block.weight = torch.nn.Parameter(block.weight.detach() * 2)  # a new parameter object
+    after_swap = pair.decode([0, 1], 3)
+    # Assert: each step read the current weights; the move and the swap captured again
+    assert after_update <= 1e-5 and after_move <= 1e-5 and after_swap <= 1e-5
+    assert pair.graphs.stats["graph_captures"] == captures + 2
 
 
 def test_serve_takes_decode_steps_from_its_command_line() -> None:
@@ -142,6 +145,9 @@ def test_a_step_that_cannot_be_captured_runs_without_a_graph(monkeypatch: pytest
     assert pair.graphs.stats["graph_captures"] == 0 and pair.graphs.stats["fixed_steps"] == 6
     assert pair.graphs.decode_steps == "fixed"
     assert sum("could not capture" in r.getMessage() for r in caplog.records) == 1
+    torch.randn(4, device="cuda")  # the device's random generator works after the failed capture
+    with torch.no_grad():
+        torch.nn.functional.dropout(torch.ones(8, device="cuda"), 0.5, training=True)
 
 
 @cuda
@@ -170,3 +176,25 @@ def test_graph_steps_of_a_lora_trunk_follow_its_adapters_as_they_train() -> None
     # Assert
     assert before <= 1e-5 and after <= 1e-5
     assert pair.graphs.stats["graph_captures"] == 1 and pair.graphs.stats["fixed_steps"] == 8
+
+
+def test_a_graph_is_captured_again_when_a_weight_moves_or_is_replaced() -> None:
+    from splitfed.trunk.inference.decodegroup import DecodeGroup
+    from splitfed.trunk.inference.fixedsteps import FixedSteps
+
+    # Prepare: fixed steps of a group of two on the CPU, their weights noted as at a capture
+    trunk = split_model(spread_model("gpt2"), CUTS).trunk
+    manager = SessionManager(TrunkRuntime(trunk))
+    ids = [manager.open("c", max_length=32)[0] for _ in range(2)]
+    for sid in ids:
+        manager.step("c", sid, CutState(torch.randn(1, 3, trunk.config.hidden_size)))
+    steps = FixedSteps(manager.runtime, DecodeGroup.stack(trunk, [manager._sessions[s] for s in ids]), False)
+    steps._weights()
+    unchanged = steps._moved()
+    # Execute / Assert: new storage, then a new parameter object, each count as moved
+    fc = trunk.layers[0].mlp.c_fc
+    fc.weight.data = fc.weight.data.clone()
+    moved = steps._moved()
+    steps._weights()
+    fc.weight = torch.nn.Parameter(fc.weight.detach().clone())
+    assert (unchanged, moved, steps._moved()) == (False, True, True)

@@ -33,6 +33,7 @@ compiled; other groups step over the growing cache.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,18 @@ log = logging.getLogger(__name__)
 CAPACITY_STEP = 128
 #: the choices of ``decode_steps``
 DECODE_STEPS = ("auto", "graphs", "fixed", "dynamic")
+
+
+#: parameters and buffers registered on any module since import (a weight replaced by a new tensor registers one)
+_registered = [0]
+
+
+def _count_registration(*args: Any) -> None:
+    _registered[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+torch.nn.modules.module.register_module_buffer_registration_hook(_count_registration)
 
 
 def check_decode_steps(choice: str) -> str:
@@ -135,7 +148,9 @@ class FixedSteps:
         self.positions = torch.zeros(self.rows, 1, dtype=torch.long, device=device)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._out: torch.Tensor | None = None
-        self._pointers: tuple[int, ...] = ()
+        self._registered = -1
+        self._tensors: list[torch.Tensor] = []
+        self._pointers: list[int] = []
 
     def _resize(self, capacity: int, stored: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """New buffers of ``capacity`` columns holding the group's ``length`` columns of ``stored``."""
@@ -174,7 +189,7 @@ class FixedSteps:
         self.column.fill_(length)
         if not self.graphs:
             return self._forward()
-        if self._graph is None or self._pointers != self._weights():
+        if self._graph is None or self._moved():
             try:
                 self._capture()
             except RuntimeError as exc:  # an operation a graph cannot hold (one that waits for the device, say)
@@ -186,9 +201,17 @@ class FixedSteps:
         self._graph.replay()
         return self._out.clone()
 
-    def _weights(self) -> tuple[int, ...]:
+    def _moved(self) -> bool:
+        """Whether a weight the graph reads moved since the capture: a tensor was registered on some module (a
+        replaced parameter or buffer), or one of the trunk's was given new storage (``param.data = ...``)."""
+        return self._registered != _registered[0] or any(
+            t.data_ptr() != p for t, p in zip(self._tensors, self._pointers))
+
+    def _weights(self) -> None:
         trunk = self.runtime.trunk
-        return tuple(t.data_ptr() for t in (*trunk.parameters(), *trunk.buffers()))
+        self._registered = _registered[0]
+        self._tensors = [*trunk.parameters(), *trunk.buffers()]
+        self._pointers = [t.data_ptr() for t in self._tensors]
 
     def _forward(self) -> torch.Tensor:
         from splitfed.trunk.inference.decoding import evaluating
@@ -211,12 +234,27 @@ class FixedSteps:
             graph.capture_begin(capture_error_mode="thread_local")
             try:
                 out = self._forward()
-            finally:
-                graph.capture_end()
+            except BaseException:
+                with contextlib.suppress(RuntimeError):  # the capture is invalid already; end it
+                    graph.capture_end()
+                _release_generator(device)
+                raise
+            graph.capture_end()
         current.wait_stream(side)
-        self._graph, self._out, self._pointers = graph, out, self._weights()
+        self._graph, self._out = graph, out
+        self._weights()
         self.captures += 1
         log.debug("captured a decode step of %d rows over %d positions as a CUDA graph", self.rows, self.capacity)
+
+
+def _release_generator(device: torch.device) -> None:
+    """After a capture that failed midway: give the device's default random generator a copy of its state that is
+    not marked as capturing (a capture that does not end cleanly leaves it so, and every later random draw on the
+    device would fail)."""
+    gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    clone, set_state = getattr(gen, "clone_state", None), getattr(gen, "graphsafe_set_state", None)
+    if clone is not None and set_state is not None:
+        set_state(clone())
 
 
 def attach(runtime: TrunkRuntime, group: DecodeGroup, choice: str) -> None:
