@@ -229,18 +229,23 @@ class FixedSteps:
         side = torch.cuda.Stream(device=device)
         side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side):
-            self._forward()
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                out = self._forward()
-            except BaseException:
-                with contextlib.suppress(RuntimeError):  # the capture is invalid already; end it
-                    graph.capture_end()
-                _release_generator(device)
-                raise
-            graph.capture_end()
-        current.wait_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                self._forward()
+                graph.capture_begin(capture_error_mode="thread_local")
+                ending = False
+                try:
+                    out = self._forward()
+                    ending = True
+                    graph.capture_end()  # raises where an operation made the capture invalid
+                except BaseException:
+                    if not ending:
+                        with contextlib.suppress(RuntimeError):  # the capture is invalid already; end it
+                            graph.capture_end()
+                    _release_generator(device)
+                    raise
+        finally:
+            current.wait_stream(side)
         self._graph, self._out = graph, out
         self._weights()
         self.captures += 1
