@@ -357,6 +357,8 @@ def gen_batching(device: str = "cpu", sessions: int = 8, new_tokens: int = 64, r
 
 def main() -> int:
     """``python -m bench.gen_batching [--device cuda] [--gen-sessions N] [--json]``."""
+    from splitfed.trunk.inference.fixedsteps import DECODE_STEPS
+
     parser = argparse.ArgumentParser(prog="python -m bench.gen_batching", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -368,7 +370,7 @@ def main() -> int:
     parser.add_argument("--no-replay", action="store_true", help="skip the replaying clients (gen_replay_*)")
     parser.add_argument("--switch-interval", type=float, default=0.0, metavar="SECONDS",
                         help="the server process's interpreter switch interval (0: Python's own, 5 ms)")
-    parser.add_argument("--decode-steps", choices=("auto", "graphs", "fixed", "dynamic"), default="auto",
+    parser.add_argument("--decode-steps", choices=DECODE_STEPS, default="auto",
                         help="the servers' decode steps (auto: CUDA graphs on a GPU)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()

@@ -196,6 +196,8 @@ def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = 
 
 def main() -> int:
     """``python -m bench.generation [--gen-model NAME] [--new-tokens N] [--json]``."""
+    from splitfed.trunk.inference.fixedsteps import DECODE_STEPS
+
     parser = argparse.ArgumentParser(prog="python -m bench.generation", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gen-model", help="local folder, named LLM or hub id (default: the tiny Llama)")
@@ -204,7 +206,7 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--decode-steps", choices=("auto", "graphs", "fixed", "dynamic"), default="auto",
+    parser.add_argument("--decode-steps", choices=DECODE_STEPS, default="auto",
                         help="the trunk servers' decode steps (auto: CUDA graphs on a GPU)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()

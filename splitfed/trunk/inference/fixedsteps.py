@@ -17,9 +17,9 @@ step), the positions and the hidden states are copied into fixed input buffers
 before each replay.
 
 A graph is captured on a group's first step (and again when the group outgrows
-its capacity, or when a trunk weight was given new storage, e.g. by
-``load_state_dict``: in-place optimizer steps keep the storage, and a replay
-reads the weights as they are). Captures run on a side stream in thread-local
+its capacity, or when a trunk weight was given new storage or replaced by a new
+tensor: in-place optimizer steps and ``load_state_dict`` keep the storage, and a
+replay reads the weights as they are). Captures run on a side stream in thread-local
 mode, so the server's other threads go on copying meanwhile.
 
 ``decode_steps`` (:class:`~splitfed.trunk.inference.sessions.SessionManager`) chooses:
