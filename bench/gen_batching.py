@@ -133,7 +133,7 @@ class _TimedSession:
 
 
 def _client(rank: int, name: str, device: str, prompt_len: int, new_tokens: int, jobs: Any, results: Any,
-            barrier: Any) -> None:
+            barrier: Any, decode_steps: str = "auto") -> None:
     """One client process: for each (server address, replay) it is sent, generate once (after the barrier), or
     replay one-position steps when ``replay``, and report."""
     from splitfed.channel.client.trunk import TrunkClient
@@ -165,7 +165,8 @@ def _client(rank: int, name: str, device: str, prompt_len: int, new_tokens: int,
             session = _TimedSession(channel, length + new_tokens)
             start, direct = time.perf_counter(), channel.shared.direct_calls
             try:
-                out = generate(parts.bottom, session, parts.top, ids, max_new_tokens=new_tokens)
+                out = generate(parts.bottom, session, parts.top, ids, max_new_tokens=new_tokens,
+                               decode_steps=decode_steps)
                 if device.startswith("cuda"):
                     torch.cuda.synchronize()
             finally:
@@ -177,7 +178,8 @@ def _client(rank: int, name: str, device: str, prompt_len: int, new_tokens: int,
 
 def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int = 16, window_ms: float = 5.0,
                        repeat: int = 2, device: str = "cpu", model: str | None = None,
-                       replay: bool = True, decode_steps: str = "auto") -> dict[str, float]:
+                       replay: bool = True, decode_steps: str = "auto",
+                       client_decode_steps: str = "auto") -> dict[str, float]:
     """Tokens/s of ``sessions`` concurrent generating clients, batched decode steps / one by one.
 
     Args:
@@ -190,6 +192,7 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
         model: ``tiny`` or ``gpt2-small`` (default: tiny on CPU, gpt2-small on CUDA).
         replay: also time clients that replay one-position steps (``gen_replay_*``).
         decode_steps: both servers' ``decode_steps`` (:mod:`splitfed.trunk.inference.fixedsteps`).
+        client_decode_steps: the generating clients' ``generate(decode_steps=...)`` (:mod:`splitfed.client.decoding`).
     """
     from bench.cpu_use import ENGINE_THREADS, CpuUse
     from splitfed.trunk.inference.sessions import SessionLimits
@@ -199,8 +202,8 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
     name = model or ("gpt2-small" if device.startswith("cuda") else "tiny")
     ctx = mp.get_context("spawn")
     jobs, results, barrier = [ctx.Queue() for _ in range(sessions)], ctx.Queue(), ctx.Barrier(sessions)
-    procs = [ctx.Process(target=_client, args=(r, name, device, prompt_len, new_tokens, jobs[r], results, barrier),
-                         daemon=True) for r in range(sessions)]
+    procs = [ctx.Process(target=_client, args=(r, name, device, prompt_len, new_tokens, jobs[r], results, barrier,
+                                               client_decode_steps), daemon=True) for r in range(sessions)]
     for p in procs:
         p.start()
     trunk = _build(name, device).trunk
@@ -357,6 +360,7 @@ def gen_batching(device: str = "cpu", sessions: int = 8, new_tokens: int = 64, r
 
 def main() -> int:
     """``python -m bench.gen_batching [--device cuda] [--gen-sessions N] [--json]``."""
+    from splitfed.client.decoding import CLIENT_DECODE_STEPS
     from splitfed.trunk.inference.fixedsteps import DECODE_STEPS
 
     parser = argparse.ArgumentParser(prog="python -m bench.gen_batching", description=__doc__,
@@ -372,6 +376,8 @@ def main() -> int:
                         help="the server process's interpreter switch interval (0: Python's own, 5 ms)")
     parser.add_argument("--decode-steps", choices=DECODE_STEPS, default="auto",
                         help="the servers' decode steps (auto: CUDA graphs on a GPU)")
+    parser.add_argument("--client-decode-steps", choices=CLIENT_DECODE_STEPS, default="auto",
+                        help="the generating clients' bottom and top decode steps (auto: CUDA graphs on a GPU)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     if args.switch_interval < 0:
@@ -383,7 +389,8 @@ def main() -> int:
                                    device=args.device, model=args.gen_model, decode_steps=args.decode_steps)
     results.update(batched_generation(args.gen_sessions, args.gen_new_tokens, window_ms=args.gen_window_ms,
                                       repeat=args.repeat, device=args.device, model=args.gen_model,
-                                      replay=not args.no_replay, decode_steps=args.decode_steps))
+                                      replay=not args.no_replay, decode_steps=args.decode_steps,
+                                      client_decode_steps=args.client_decode_steps))
     results["switch_interval_s"] = sys.getswitchinterval()
     print_results(results, args.json)
     return 0

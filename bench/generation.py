@@ -102,7 +102,7 @@ def _serve_trunk(model: str | None, cuts: tuple[int, int], device: str, threads:
 
 def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = None,
                cuts: tuple[int, int] | None = None, repeat: int = 3, device: str = "cpu",
-               decode_steps: str = "auto") -> dict[str, float]:
+               decode_steps: str = "auto", client_decode_steps: str = "auto") -> dict[str, float]:
     """Bytes per token with and without the trunk's KV cache, and split / unsplit per-token latency.
 
     Args:
@@ -113,6 +113,7 @@ def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = 
         repeat: interleaved timed runs of each side (medians are reported).
         device: where the model runs (cpu, cuda).
         decode_steps: the trunk servers' ``decode_steps`` (:mod:`splitfed.trunk.inference.fixedsteps`).
+        client_decode_steps: the client's ``generate(decode_steps=...)`` (:mod:`splitfed.client.decoding`).
     """
     import multiprocessing as mp
 
@@ -148,7 +149,8 @@ def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = 
             return (client.bytes_sent + client.bytes_received - before) / new_tokens, result
 
         def split_gen() -> torch.Tensor:
-            return generate(parts.bottom, client, parts.top, ids, max_new_tokens=new_tokens)
+            return generate(parts.bottom, client, parts.top, ids, max_new_tokens=new_tokens,
+                            decode_steps=client_decode_steps)
 
         def unsplit_gen() -> torch.Tensor:
             return ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -175,7 +177,8 @@ def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = 
         out["gen_new_tokens"] = float(new_tokens)
 
         def process_gen() -> torch.Tensor:
-            return generate(parts.bottom, remote, parts.top, ids, max_new_tokens=new_tokens)
+            return generate(parts.bottom, remote, parts.top, ids, max_new_tokens=new_tokens,
+                            decode_steps=client_decode_steps)
 
         out["gen_direct_share_process"], got = direct_share(remote, process_gen)
         out["gen_greedy_match_process"] = float(torch.equal(got, unsplit_gen()))
@@ -196,6 +199,7 @@ def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = 
 
 def main() -> int:
     """``python -m bench.generation [--gen-model NAME] [--new-tokens N] [--json]``."""
+    from splitfed.client.decoding import CLIENT_DECODE_STEPS
     from splitfed.trunk.inference.fixedsteps import DECODE_STEPS
 
     parser = argparse.ArgumentParser(prog="python -m bench.generation", description=__doc__,
@@ -208,6 +212,8 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--decode-steps", choices=DECODE_STEPS, default="auto",
                         help="the trunk servers' decode steps (auto: CUDA graphs on a GPU)")
+    parser.add_argument("--client-decode-steps", choices=CLIENT_DECODE_STEPS, default="auto",
+                        help="the client's bottom and top decode steps (auto: CUDA graphs on a GPU)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -216,7 +222,7 @@ def main() -> int:
         a, b = (int(x) for x in args.cuts.split(","))
         cuts = (a, b)
     results = generation(args.new_tokens, args.prompt_len, args.gen_model, cuts, args.repeat, args.device,
-                         args.decode_steps)
+                         args.decode_steps, args.client_decode_steps)
     print_results(results, args.json)
     return 0
 

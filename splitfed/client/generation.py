@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from splitfed.client.decoding import FixedDecoder, decoder_kind
 from splitfed.errors import ChannelError, ConfigError
 from splitfed.split.base import CutState
 from splitfed.split.transformer import left_padded_positions
@@ -247,7 +248,7 @@ def generate(bottom: nn.Module, trunk: TrunkSession | TrunkClient | nn.Module, t
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              stop_token_ids: Sequence[int] = (), eos_token_id: int | Sequence[int] | None = None,
              pad_token_id: int | None = None, streamer: Streamer | None = None,
-             seed: int | None = None) -> torch.Tensor:
+             seed: int | None = None, decode_steps: str = "auto") -> torch.Tensor:
     """Generate up to ``max_new_tokens`` per sequence with the split model; returns prompt + new tokens.
 
     Args:
@@ -265,6 +266,9 @@ def generate(bottom: nn.Module, trunk: TrunkSession | TrunkClient | nn.Module, t
         pad_token_id: filler after a sequence ended (default: the first EOS, else 0).
         streamer: called with each step's new tokens, shape (batch,), in order.
         seed: seeds the sampler's own generator (reproducible sampling).
+        decode_steps: how the bottom and the top step after the prompt (:mod:`splitfed.client.decoding`):
+            ``"auto"`` (CUDA graphs over fixed-size caches where the parts are on a GPU and qualify, else the
+            growing caches), ``"graphs"``, ``"fixed"`` (fixed-size caches without graphs) or ``"dynamic"``.
 
     Returns:
         (batch, length + n) token ids, n <= ``max_new_tokens`` (fewer when every
@@ -291,6 +295,7 @@ def generate(bottom: nn.Module, trunk: TrunkSession | TrunkClient | nn.Module, t
     if seed is not None and temperature > 0:
         generator = torch.Generator(device=top_device).manual_seed(seed)
 
+    kind = decoder_kind(bottom, top, decode_steps, max_new_tokens)
     session, owned = _as_session(trunk, prompt_len + max_new_tokens, batch)
     bottom_cache, top_cache = bottom.new_cache(), top.new_cache()
     # Without padding every part takes its positions from its own cache's length and attends to everything so far,
@@ -301,17 +306,28 @@ def generate(bottom: nn.Module, trunk: TrunkSession | TrunkClient | nn.Module, t
     step_ids = ids
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
     new_tokens: list[torch.Tensor] = []
+    decoder: FixedDecoder | None = None
     try:
         for step in range(max_new_tokens):
-            state = bottom(step_ids, attention_mask=mask if padded else None, position_ids=positions,
-                           cache=bottom_cache, use_cache=True)
-            hidden = session.step(state if padded else CutState(state.hidden))
-            hidden = hidden.to(top_device, state.hidden.dtype)
-            state = (CutState(hidden, mask.to(top_device),
-                              None if state.position_ids is None else state.position_ids.to(top_device))
-                     if padded else CutState(hidden))
-            logits = top(state, cache=top_cache, use_cache=True)
-            tokens = pick_tokens(logits[:, -1, :], temperature=temperature, top_k=top_k, top_p=top_p,
+            if decoder is not None:  # after the prompt: fixed-size caches (CUDA graphs on a GPU)
+                hidden = decoder.bottom_step(step_ids)
+                hidden = session.step(CutState(hidden, mask, positions) if padded else CutState(hidden))
+                last = decoder.top_step(hidden)
+            else:
+                state = bottom(step_ids, attention_mask=mask if padded else None, position_ids=positions,
+                               cache=bottom_cache, use_cache=True)
+                hidden = session.step(state if padded else CutState(state.hidden))
+                hidden = hidden.to(top_device, state.hidden.dtype)
+                state = (CutState(hidden, mask.to(top_device),
+                                  None if state.position_ids is None else state.position_ids.to(top_device))
+                         if padded else CutState(hidden))
+                last = top(state, cache=top_cache, use_cache=True)[:, -1, :]
+                if kind is not None:
+                    following = (positions[:, -1:] if padded else torch.full((batch, 1), prompt_len - 1,
+                                                                            device=device)) + 1
+                    decoder = FixedDecoder(bottom, top, bottom_cache, top_cache, mask, following,
+                                           prompt_len + max_new_tokens, graphs=kind == "graphs")
+            tokens = pick_tokens(last, temperature=temperature, top_k=top_k, top_p=top_p,
                                  generator=generator).to(device)
             tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad_token_id))
             new_tokens.append(tokens)

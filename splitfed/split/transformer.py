@@ -138,13 +138,19 @@ class TransformerPart(Part):
 class TransformerBottom(TransformerPart):
     """Embeddings and the first blocks; turns token ids into a :class:`CutState`."""
 
+    def embed_tokens(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                     token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The embeddings of ``input_ids`` at ``position_ids``, as the family's model computes them before its first
+        block."""
+        return self._runner.embed(self, input_ids, position_ids, token_type_ids)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: Any = None, use_cache: bool = False,
                 token_type_ids: torch.Tensor | None = None) -> CutState:
         """Embed ``input_ids`` (and ``token_type_ids`` where the family uses them) and run the bottom blocks."""
         past = cache.get_seq_length() if cache is not None else 0
         positions = default_positions(input_ids, past) if position_ids is None else position_ids
-        hidden = self._runner.embed(self, input_ids, positions, token_type_ids)
+        hidden = self.embed_tokens(input_ids, positions, token_type_ids)
         # Default positions do not travel: each part makes them again from its own cache (see _Runner.positions).
         state = CutState(hidden, attention_mask, position_ids if self._runner.uses_positions else None)
         return state.with_hidden(self.run_layers(state, cache, use_cache))
@@ -164,6 +170,10 @@ class TransformerTop(TransformerPart):
     def forward(self, state: CutState, cache: Any = None, use_cache: bool = False) -> torch.Tensor:
         """Run the top blocks and the head."""
         hidden = self.run_layers(state, cache, use_cache)
+        return self.logits(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm and the head (and the family's logit soft-capping) on the last block's output."""
         return self._runner.head(self, hidden)
 
 

@@ -10,7 +10,7 @@ steps (:class:`FixedSteps`) keeps its stacked cache in buffers of a fixed
 capacity (a multiple of :data:`CAPACITY_STEP` positions, the group's padded
 length rounded up). A step writes its keys and values into the next column of
 those buffers (``index_copy_`` at a column held on the device,
-:class:`ColumnCache`) and attends over the whole buffer under a boolean mask that
+:class:`~splitfed.split.fixedcache.ColumnCache`) and attends over the whole buffer under a boolean mask that
 is 0 past the group's length: the same keys as the growing cache, so the same
 result up to float rounding. The mask (built on the host, as for any batched
 step), the positions and the hidden states are copied into fixed input buffers
@@ -20,7 +20,8 @@ A graph is captured on a group's first step (and again when the group outgrows
 its capacity, or when a trunk weight was given new storage or replaced by a new
 tensor: in-place optimizer steps and ``load_state_dict`` keep the storage, and a
 replay reads the weights as they are). Captures run on a side stream in thread-local
-mode, so the server's other threads go on copying meanwhile.
+mode, so the server's other threads go on copying meanwhile
+(:func:`~splitfed.split.fixedcache.capture`).
 
 ``decode_steps`` (:class:`~splitfed.trunk.inference.sessions.SessionManager`) chooses:
 ``"auto"`` (graphs on a GPU, the growing cache elsewhere), ``"graphs"``,
@@ -33,7 +34,6 @@ compiled; other groups step over the growing cache.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +41,7 @@ import torch
 
 from splitfed.errors import ConfigError
 from splitfed.split.base import CutState
+from splitfed.split.fixedcache import ColumnCache, capture, column_layers
 
 if TYPE_CHECKING:
     from splitfed.trunk.compute.runtime import TrunkRuntime
@@ -76,37 +77,6 @@ def check_decode_steps(choice: str) -> str:
 def capacity_for(length: int) -> int:
     """The capacity of a fixed-size cache holding ``length`` positions with room for at least one more."""
     return (length // CAPACITY_STEP + 1) * CAPACITY_STEP
-
-
-class ColumnLayer:
-    """One layer's keys and values at a fixed capacity, ``(batch, heads, capacity, head_dim)``."""
-
-    is_initialized = True
-    is_sliding = False
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.keys = keys
-        self.values = values
-
-
-class ColumnCache:
-    """A KV cache of fixed capacity that each step writes at the columns ``column`` holds (a device tensor).
-
-    What the blocks call of a cache is :meth:`update`: the new keys and values go into their columns and the whole
-    buffers come back, so that attention reads every column (the mask hides those past the step).
-    """
-
-    def __init__(self, layers: list[ColumnLayer], column: torch.Tensor) -> None:
-        self.layers = layers
-        self.column = column
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``key_states``/``value_states`` at :attr:`column`; return the layer's whole buffers."""
-        layer = self.layers[layer_idx]
-        layer.keys.index_copy_(2, self.column, key_states.to(layer.keys.dtype))
-        layer.values.index_copy_(2, self.column, value_states.to(layer.values.dtype))
-        return layer.keys, layer.values
 
 
 def chosen(runtime: TrunkRuntime, choice: str) -> str | None:
@@ -154,14 +124,7 @@ class FixedSteps:
 
     def _resize(self, capacity: int, stored: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """New buffers of ``capacity`` columns holding the group's ``length`` columns of ``stored``."""
-        length = self.group.length
-        layers = []
-        for keys, values in stored:
-            k = keys.new_zeros(keys.shape[0], keys.shape[1], capacity, keys.shape[3])
-            v = values.new_zeros(values.shape[0], values.shape[1], capacity, values.shape[3])
-            k[:, :, :length] = keys[:, :, :length]
-            v[:, :, :length] = values[:, :, :length]
-            layers.append(ColumnLayer(k, v))
+        layers = column_layers(stored, self.group.length, capacity)
         self.cache.layers = layers
         self.capacity = capacity
         self.mask = torch.zeros(self.rows, 1, 1, capacity, dtype=torch.bool, device=self.runtime.device)
@@ -221,45 +184,13 @@ class FixedSteps:
             return rt.trunk.decode_fixed(self.hidden, self.mask, self.positions, self.column, self.cache)
 
     def _capture(self) -> None:
-        """Capture this step's work as a graph: a warm-up run of it on a side stream (it writes the same columns the
-        replay then writes again), then the capture, on that stream, in thread-local mode."""
+        """Capture this step's work as a graph (:func:`~splitfed.split.fixedcache.capture`: its warm-up run writes
+        the same columns the replay then writes again)."""
         self._graph, self._out = None, None
-        device = self.runtime.device
-        current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(current)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.stream(side):
-                self._forward()
-                graph.capture_begin(capture_error_mode="thread_local")
-                ending = False
-                try:
-                    out = self._forward()
-                    ending = True
-                    graph.capture_end()  # raises where an operation made the capture invalid
-                except BaseException:
-                    if not ending:
-                        with contextlib.suppress(RuntimeError):  # the capture is invalid already; end it
-                            graph.capture_end()
-                    _release_generator(device)
-                    raise
-        finally:
-            current.wait_stream(side)
-        self._graph, self._out = graph, out
+        self._graph, self._out = capture(self._forward, self.runtime.device)
         self._weights()
         self.captures += 1
         log.debug("captured a decode step of %d rows over %d positions as a CUDA graph", self.rows, self.capacity)
-
-
-def _release_generator(device: torch.device) -> None:
-    """After a capture that failed midway: give the device's default random generator a copy of its state that is
-    not marked as capturing (a capture that does not end cleanly leaves it so, and every later random draw on the
-    device would fail)."""
-    gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-    clone, set_state = getattr(gen, "clone_state", None), getattr(gen, "graphsafe_set_state", None)
-    if clone is not None and set_state is not None:
-        set_state(clone())
 
 
 def attach(runtime: TrunkRuntime, group: DecodeGroup, choice: str) -> None:
