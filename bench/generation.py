@@ -10,6 +10,11 @@
 * ``gen_latency_ratio``: per-token latency of split generation over loopback
   (trunk server in a thread of this process) / the unsplit model's
   ``generate(do_sample=False)``, measured interleaved.
+* ``gen_client_decode_steps``: how the client's bottom and top stepped
+  (``graphs``, ``fixed`` or ``dynamic``: ``generate(decode_steps=...)``,
+  ``--client-decode-steps``); where not ``dynamic``,
+  ``gen_latency_ratio_client_dynamic`` is the ratio again with the client's parts
+  over their growing caches, in the same run.
 * ``gen_latency_ratio_process``: the same with the trunk server in a process of
   its own (as a deployment runs it: the client's Python and the server's do not
   take turns on one interpreter lock), timed interleaved with the unsplit model.
@@ -120,6 +125,7 @@ def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = 
     from bench.processes import check_alive, end_children, get_from
     from splitfed.channel.client.trunk import TrunkClient
     from splitfed.channel.server.trunkserver import TrunkServer
+    from splitfed.client.decoding import decoder_kind
     from splitfed.client.generation import generate
     from splitfed.trunk.inference.sessions import SessionLimits
 
@@ -173,6 +179,13 @@ def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = 
         out["gen_latency_ratio"] = t_split / t_unsplit
         out["gen_split_ms_per_token"] = t_split / new_tokens * 1e3
         out["gen_unsplit_ms_per_token"] = t_unsplit / new_tokens * 1e3
+        kind = decoder_kind(parts.bottom, parts.top, client_decode_steps, new_tokens)
+        out["gen_client_decode_steps"] = kind or "dynamic"
+        if kind is not None:  # the same split generation with the client's parts over their growing caches
+            t_dynamic, t_unsplit = interleaved(
+                lambda: generate(parts.bottom, client, parts.top, ids, max_new_tokens=new_tokens,
+                                 decode_steps="dynamic"), unsplit_gen, repeat, warmup=1)
+            out["gen_latency_ratio_client_dynamic"] = t_dynamic / t_unsplit
         out["gen_nocache_ms_per_token"] = t_nocache / new_tokens * 1e3
         out["gen_new_tokens"] = float(new_tokens)
 

@@ -171,6 +171,8 @@ def _measures(gpu: bool) -> list[Measure]:
         Measure("generation", _suite("generation"), (
             Row("gen_latency_ratio", "split generation / unsplit, per token", "<= 1.2"),
             Row("gen_latency_ratio_process", "the same, the trunk server in a process of its own"),
+            Row("gen_latency_ratio_client_dynamic", "the first, the client's bottom and top without decode graphs",
+                gpu_only=True),
             Row("gen_direct_share_process", "its calls that went over a region's direct-call link, not gRPC"),
         ), (200.0, 200.0), expect_s=80.0),
         Measure("gen_batching_8", _gen_batching(8), (

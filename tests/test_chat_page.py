@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -216,14 +217,25 @@ def test_docs_commands_serve_a_page_whose_answer_streams_in(llama: Path) -> None
     assert chat is not None and chat.returncode == 0 and serve.returncode == 0, [o[-2000:] for o in outs]
 
 
-def test_two_browser_sessions_at_once_batch_their_decode_steps(llama: Path, trunk: Any) -> None:
+def test_two_browser_sessions_at_once_batch_their_decode_steps(llama: Path, trunk: Any,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     sync_playwright = _browser_or_skip()
     from splitfed.chat import serve_page
     from splitfed.chat.engine import ChatEngine, Connection
+    from splitfed.client import generation
 
     # Prepare: the page in this process, two browser sessions (contexts of their own)
     prompts = ("hello there", "what now")
     want = [greedy(llama, p, 32) for p in prompts]
+    # The two answers start together however a loaded machine spaces the page's requests (one answer could
+    # otherwise end before the other's request is in, and no step would have a partner to batch with).
+    together, real = threading.Barrier(len(prompts), timeout=120), generation.generate
+
+    def at_once(*args: Any, **kwargs: Any) -> Any:
+        together.wait()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "generate", at_once)
     engine = ChatEngine(str(llama), Connection(trunk.address, insecure=True, model=str(llama)), max_new_tokens=32)
     page_port = _free_port()
     site = serve_page(engine, port=page_port)
