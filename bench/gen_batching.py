@@ -32,6 +32,13 @@
   rather than gRPC: a client opens a region with its first tensor of 64 KiB or
   more, and its small steps take the region's link from then on
   (:meth:`SharedLane.inline <splitfed.channel.transports.shm.lane.SharedLane.inline>`).
+* ``gen_batched_speedup_window_<W>ms`` (``gen_batched_tokens_per_s_window_<W>ms``,
+  ``gen_batched_mean_batch_window_<W>ms``): with more than one ``--gen-window-ms``, the
+  generating clients against a server batching over each further window too, in the
+  same run and against the same one-by-one runs (the first window gives the keys above).
+* ``gen_client_decode_steps``: the clients' ``generate(decode_steps=...)``
+  (``--client-decode-steps``: ``auto`` replays their bottom's and top's decode steps as
+  CUDA graphs on a GPU, :mod:`splitfed.client.decoding`).
 * ``gen_replay_batched_speedup``: the same clients and servers, but each client
   replays ``new_tokens`` one-position steps of random hidden states through its
   session (no bottom, top or sampling): the server and the channel alone, so
@@ -59,6 +66,7 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -179,7 +187,7 @@ def _client(rank: int, name: str, device: str, prompt_len: int, new_tokens: int,
 def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int = 16, window_ms: float = 5.0,
                        repeat: int = 2, device: str = "cpu", model: str | None = None,
                        replay: bool = True, decode_steps: str = "auto",
-                       client_decode_steps: str = "auto") -> dict[str, float]:
+                       client_decode_steps: str = "auto", more_windows: Sequence[float] = ()) -> dict[str, Any]:
     """Tokens/s of ``sessions`` concurrent generating clients, batched decode steps / one by one.
 
     Args:
@@ -193,6 +201,8 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
         replay: also time clients that replay one-position steps (``gen_replay_*``).
         decode_steps: both servers' ``decode_steps`` (:mod:`splitfed.trunk.inference.fixedsteps`).
         client_decode_steps: the generating clients' ``generate(decode_steps=...)`` (:mod:`splitfed.client.decoding`).
+        more_windows: further batching windows (ms) the generating clients run against in the same run, each
+            compared with the same one-by-one runs (``gen_batched_*_window_<W>ms``).
     """
     from bench.cpu_use import ENGINE_THREADS, CpuUse
     from splitfed.trunk.inference.sessions import SessionLimits
@@ -209,7 +219,9 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
     trunk = _build(name, device).trunk
     trunk.requires_grad_(False)
     modes = (False, True) if replay else (False,)
-    rates: dict[tuple[bool, float], list[float]] = {(r, w): [] for r in modes for w in (0.0, window_ms)}
+    windows = {mode: (0.0, window_ms) + (() if mode else tuple(more_windows)) for mode in modes}
+    rates: dict[tuple[bool, float], list[float]] = {(r, w): [] for r in modes for w in windows[r]}
+    mean_batches: dict[float, list[float]] = {w: [] for w in more_windows}
     tokens: dict[float, dict[int, list[int]]] = {}
     stats: dict[bool, dict[str, int]] = {}
     server_use: dict[bool, list[dict[str, float]]] = {mode: [] for mode in modes}  # batched runs: cores, GPU
@@ -220,7 +232,7 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
     try:
         for _ in range(repeat):
             for mode in modes:
-                for window in (0.0, window_ms):
+                for window in windows[mode]:
                     server = TrunkServer(trunk, insecure=True, batch_window_ms=window,
                                          session_limits=SessionLimits(decode_steps=decode_steps)).start()
                     try:
@@ -231,8 +243,11 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
                         got = [get_from(results, procs, 600, "a generating client's tokens") for _ in range(sessions)]
                         figures = use.stop(time.perf_counter() - began)
                         figures["gpu_util"] = util.stop().get("mean", float("nan"))
-                        if window:
-                            stats[mode] = dict(server.servicer.sessions.stats)
+                        st = dict(server.servicer.sessions.stats)
+                        if window in mean_batches and window != window_ms:
+                            mean_batches[window].append(st.get("batched_steps", 0) / max(st.get("decode_batches", 0), 1))
+                        elif window:
+                            stats[mode] = st
                             per_session = new_tokens + 1 if mode else new_tokens  # a replay's prefill is a step more
                             figures["direct_share"] = sum(g[5] for g in got) / (sessions * per_session)
                             server_use[mode].append(figures)
@@ -242,14 +257,19 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
                     rates[mode, window].append(sessions * new_tokens / elapsed)
                     if not mode:
                         tokens[window] = {g[0]: g[3] for g in got}
-                        if window:
+                        if window == window_ms:
                             own_s.extend(g[4] for g in got)
     finally:
         torch.set_num_threads(threads)
         for q in jobs:
             q.put(None)
         end_children(procs)
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {"gen_client_decode_steps": client_decode_steps}
+    for w in more_windows:
+        rate = statistics.median(rates[False, w])
+        out[f"gen_batched_tokens_per_s_window_{w:g}ms"] = rate
+        out[f"gen_batched_speedup_window_{w:g}ms"] = rate / statistics.median(rates[False, 0.0])
+        out[f"gen_batched_mean_batch_window_{w:g}ms"] = statistics.median(mean_batches[w])
     for mode in modes:
         key = "gen_replay" if mode else "gen"
         batched, alone = statistics.median(rates[mode, window_ms]), statistics.median(rates[mode, 0.0])
@@ -269,7 +289,7 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
             own_ms = 1000 * statistics.median(own_s) / new_tokens
             out.update({"gen_client_ms_per_token": own_ms,
                         "gen_client_bound_speedup": sessions * 1000 / own_ms / alone})
-            out.update({"gen_batched_greedy_match": float(tokens[0.0] == tokens[window_ms]),
+            out.update({"gen_batched_greedy_match": float(all(tokens[0.0] == tokens[w] for w in windows[mode])),
                         "gen_batched_sessions": float(sessions),
                         "gen_batched_regroups": float(st.get("decode_groups", 0)),
                         "gen_fixed_step_share": st.get("fixed_steps", 0) / max(st.get("steps", 0), 1),
@@ -368,7 +388,9 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--gen-model", choices=sorted(MODELS), help="default: tiny on CPU, gpt2-small on CUDA")
     parser.add_argument("--gen-sessions", type=int, default=8)
-    parser.add_argument("--gen-window-ms", type=float, default=5.0)
+    parser.add_argument("--gen-window-ms", type=float, nargs="+", default=[5.0], metavar="MS",
+                        help="the batched server's window; more values run against it in the same run "
+                             "(gen_batched_*_window_<MS>ms)")
     parser.add_argument("--gen-new-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--no-replay", action="store_true", help="skip the replaying clients (gen_replay_*)")
@@ -380,6 +402,8 @@ def main() -> int:
                         help="the generating clients' bottom and top decode steps (auto: CUDA graphs on a GPU)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
+    if any(w <= 0 for w in args.gen_window_ms) or len(set(args.gen_window_ms)) < len(args.gen_window_ms):
+        parser.error("--gen-window-ms: give distinct windows above 0 ms")
     if args.switch_interval < 0:
         parser.error("--switch-interval: give seconds above 0 (or 0 for Python's own)")
     logging.basicConfig(level=logging.WARNING)
@@ -387,10 +411,11 @@ def main() -> int:
         sys.setswitchinterval(args.switch_interval)  # the server runs in this process; the clients are spawned
     results = batched_decode_trunk(args.gen_sessions, args.gen_new_tokens, repeat=args.repeat + 1,
                                    device=args.device, model=args.gen_model, decode_steps=args.decode_steps)
-    results.update(batched_generation(args.gen_sessions, args.gen_new_tokens, window_ms=args.gen_window_ms,
+    results.update(batched_generation(args.gen_sessions, args.gen_new_tokens, window_ms=args.gen_window_ms[0],
                                       repeat=args.repeat, device=args.device, model=args.gen_model,
                                       replay=not args.no_replay, decode_steps=args.decode_steps,
-                                      client_decode_steps=args.client_decode_steps))
+                                      client_decode_steps=args.client_decode_steps,
+                                      more_windows=args.gen_window_ms[1:]))
     results["switch_interval_s"] = sys.getswitchinterval()
     print_results(results, args.json)
     return 0

@@ -161,8 +161,13 @@ def test_bench_generation() -> None:
 @pytest.mark.slow  # test_bench_suites asserts these figures, from the same function at the same size
 def test_bench_gen_batching() -> None:
     results = _json(_bench("bench.gen_batching", "--gen-sessions", "2", "--gen-new-tokens", "4", "--repeat", "1",
-                           "--switch-interval", "0.0005", "--json"))
+                           "--switch-interval", "0.0005", "--gen-window-ms", "5", "1",
+                           "--client-decode-steps", "fixed", "--json"))
     assert results["gen_batched_greedy_match"] == 1.0 and results["gen_batched_sessions"] == 2.0
+    assert results["gen_client_decode_steps"] == "fixed"
+    # the second window ran against the same one-by-one runs
+    assert results["gen_batched_tokens_per_s_window_1ms"] > 0 and results["gen_batched_speedup_window_1ms"] > 0
+    assert results["gen_batched_mean_batch_window_1ms"] >= 0
     assert results["switch_interval_s"] == 0.0005  # the server process's, as asked
     assert results["gen_replay_batched_speedup"] > 0 and results["gen_replay_batched_mean_batch"] >= 1.0
 
