@@ -76,6 +76,11 @@ from bench.gen_clients import MODELS, build, client
 from bench.processes import end_children, get_from
 
 
+def _mean_batch(stats: dict[str, int]) -> float:
+    """Sessions per multi-member decode step, from a session manager's ``stats``."""
+    return stats.get("batched_steps", 0) / max(stats.get("decode_batches", 0), 1)
+
+
 def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int = 16, window_ms: float = 5.0,
                        repeat: int = 2, device: str = "cpu", model: str | None = None,
                        replay: bool = True, decode_steps: str = "auto",
@@ -137,7 +142,7 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
                         figures["gpu_util"] = util.stop().get("mean", float("nan"))
                         st = dict(server.servicer.sessions.stats)
                         if window in mean_batches and window != window_ms:
-                            mean_batches[window].append(st.get("batched_steps", 0) / max(st.get("decode_batches", 0), 1))
+                            mean_batches[window].append(_mean_batch(st))
                         elif window:
                             stats[mode] = st
                             per_session = new_tokens + 1 if mode else new_tokens  # a replay's prefill is a step more
@@ -170,7 +175,7 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
             f"{key}_batched_speedup": batched / alone,
             f"{key}_batched_tokens_per_s": batched,
             f"{key}_unbatched_tokens_per_s": alone,
-            f"{key}_batched_mean_batch": st.get("batched_steps", 0) / max(st.get("decode_batches", 0), 1),
+            f"{key}_batched_mean_batch": _mean_batch(st),
             f"{key}_engine_loop_cores": statistics.median(u["engine-loop_cores"] for u in server_use[mode]),
             f"{key}_engine_device_cores": statistics.median(u["engine-device_cores"] for u in server_use[mode]),
             f"{key}_direct_share": statistics.median(u["direct_share"] for u in server_use[mode]),

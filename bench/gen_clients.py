@@ -80,7 +80,7 @@ class TimedSession:
 
 
 def client(rank: int, name: str, device: str, prompt_len: int, new_tokens: int, jobs: Any, results: Any,
-            barrier: Any, decode_steps: str = "auto") -> None:
+           barrier: Any, decode_steps: str = "auto") -> None:
     """One client process: for each (server address, replay) it is sent, generate once (after the barrier), or
     replay one-position steps when ``replay``, and report."""
     from splitfed.channel.client.trunk import TrunkClient

@@ -44,7 +44,8 @@ CLIENT_DECODE_STEPS = ("auto", "graphs", "fixed", "dynamic")
 AUTO_MIN_TOKENS = 8
 
 
-def _device(module: nn.Module) -> torch.device:
+def device_of(module: nn.Module) -> torch.device:
+    """The device of ``module``'s first parameter (the CPU for a module without any)."""
     param = next(module.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
 
@@ -62,8 +63,8 @@ def decoder_kind(bottom: nn.Module, top: nn.Module, choice: str, new_tokens: int
     if choice == "dynamic" or new_tokens < 2:
         return None
     qualifies = all(callable(getattr(p, "fixed_decoding", None)) and p.fixed_decoding() for p in (bottom, top))
-    device = _device(bottom)
-    same = device == _device(top)
+    device = device_of(bottom)
+    same = device == device_of(top)
     if choice == "auto":
         return "graphs" if qualifies and same and device.type == "cuda" and new_tokens >= AUTO_MIN_TOKENS else None
     if not qualifies or not same:
@@ -96,7 +97,7 @@ class FixedDecoder:
     def __init__(self, bottom: nn.Module, top: nn.Module, bottom_cache: Any, top_cache: Any, valid: torch.Tensor,
                  positions: torch.Tensor, capacity: int, graphs: bool) -> None:
         self.bottom, self.top = bottom, top
-        device = _device(bottom)
+        device = device_of(bottom)
         self.device = device
         batch, length = valid.shape
         if capacity < length + 1:

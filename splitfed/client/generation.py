@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from splitfed.client.decoding import FixedDecoder, decoder_kind
+from splitfed.client.decoding import FixedDecoder, decoder_kind, device_of
 from splitfed.errors import ChannelError, ConfigError
 from splitfed.split.base import CutState
 from splitfed.split.transformer import left_padded_positions
@@ -237,11 +237,6 @@ def _as_session(trunk: Any, max_length: int, batch_size: int) -> tuple[Any, bool
     return LocalSession(trunk, max_length), True
 
 
-def _device_of(module: nn.Module) -> torch.device:
-    param = next(module.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
-
-
 @torch.no_grad()
 def generate(bottom: nn.Module, trunk: TrunkSession | TrunkClient | nn.Module, top: nn.Module,
              input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
@@ -279,7 +274,7 @@ def generate(bottom: nn.Module, trunk: TrunkSession | TrunkClient | nn.Module, t
         raise ConfigError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ConfigError(f"input_ids must be (batch, length) with length >= 1, got {list(input_ids.shape)}")
-    device = _device_of(bottom)
+    device = device_of(bottom)
     ids = input_ids.to(device)
     batch, prompt_len = ids.shape
     mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(device=device, dtype=torch.long)
@@ -291,7 +286,7 @@ def generate(bottom: nn.Module, trunk: TrunkSession | TrunkClient | nn.Module, t
         first = eos_token_id if isinstance(eos_token_id, int) or eos_token_id is None else next(iter(eos_token_id))
         pad_token_id = int(first) if first is not None else 0
     stop_ids = torch.tensor(sorted(stops), dtype=torch.long, device=device)
-    top_device = _device_of(top)
+    top_device = device_of(top)
     generator = None
     if seed is not None and temperature > 0:
         generator = torch.Generator(device=top_device).manual_seed(seed)
