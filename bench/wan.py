@@ -26,8 +26,6 @@ import json
 import os
 import platform
 import queue
-import re
-import shutil
 import signal
 import socket
 import statistics
@@ -36,40 +34,24 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.netns import SERVER_IP, CannotRun, link, parse_rate
+
 SKIP_EXIT = 77
-PREFIX = "sfwan"
-SERVER_IP, CLIENT_IP = "10.77.0.1", "10.77.0.2"
 TRUNK_PORT, SINK_PORT = 50051, 50052
 MODELS = ("tiny-gpt2", "mnist-cnn")
 COMPRESSIONS = ("none", "int8", "topk")
 RATES = ("100mbit", "1gbit")
-UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 #: Cut points; the tiny GPT-2 is the split-step benchmark's (6 layers, hidden 256, vocab 8192).
 CUTS = {"tiny-gpt2": (2, 4), "mnist-cnn": (3, 6)}
 #: Batch per model (full, ``--quick``): GPT-2 (batch, seq); the CNN images of the main job's batch.
 BATCH = {"tiny-gpt2": ((8, 128), (2, 16)), "mnist-cnn": ((32,), (4,))}
 GRPC_OPTIONS = [("grpc.enable_http_proxy", 0)]
-
-
-class CannotRun(Exception):
-    """This machine cannot run the benchmark (exit code :data:`SKIP_EXIT`)."""
-
-
-def parse_rate(text: str) -> float | None:
-    """Bits per second of ``100mbit``, ``1gbit``, ``500kbit``; ``None`` for ``unshaped``."""
-    if text == "unshaped":
-        return None
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)", text)
-    if match is None:
-        raise ValueError(f"a rate is like 100mbit, 1gbit, 500kbit or unshaped, not {text!r}")
-    return float(match.group(1)) * UNITS[match.group(2)]
 
 
 # -- the workload (both processes build the same model) -------------------------------------
@@ -202,127 +184,7 @@ def client(model: str, compressions: Sequence[str], dev: str, rate_bps: float | 
         for (name, k), label in zip(settings, labels)]}
 
 
-# -- in the calling namespace: namespaces, shaping, processes -------------------------------------
-def _run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(argv), capture_output=True, text=True, timeout=60, check=False)
-
-
-def _check(*argv: str) -> None:
-    done = _run(*argv)
-    if done.returncode != 0:
-        raise CannotRun(f"`{' '.join(argv)}` failed: {(done.stderr or done.stdout).strip()}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_namespaces() -> list[str]:
-    """Delete namespaces this benchmark left behind in runs that were killed; returns their names."""
-    removed = []
-    for line in _run("ip", "netns", "list").stdout.splitlines():
-        match = re.fullmatch(rf"({PREFIX}(\d+)[sc])(\s.*)?", line.strip())
-        if match and not _alive(int(match.group(2))):
-            _run("ip", "netns", "del", match.group(1))
-            removed.append(match.group(1))
-    return removed
-
-
-class Link:
-    """Two namespaces (``server``, ``client``) joined by a veth pair, each end shaped by ``tbf``."""
-
-    def __init__(self) -> None:
-        tag = f"{PREFIX}{os.getpid()}"
-        self.server, self.client = f"{tag}s", f"{tag}c"
-        self.devs = {self.server: f"{tag}s", self.client: f"{tag}c"}  # a veth end is named after its namespace
-        self.procs: list[subprocess.Popen[str]] = []
-
-    def create(self) -> None:
-        """Add the namespaces and the veth pair; :class:`CannotRun` when refused."""
-        _check("ip", "netns", "add", self.server)
-        _check("ip", "netns", "add", self.client)
-        _check("ip", "link", "add", self.devs[self.server], "type", "veth", "peer", "name", self.devs[self.client])
-        for ns, addr in ((self.server, SERVER_IP), (self.client, CLIENT_IP)):
-            _check("ip", "link", "set", self.devs[ns], "netns", ns)
-            _check("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", self.devs[ns])
-            _check("ip", "-n", ns, "link", "set", self.devs[ns], "up")
-            _check("ip", "-n", ns, "link", "set", "lo", "up")
-
-    def shape(self, rate_bps: float | None) -> None:
-        """Token-bucket both ends to ``rate_bps`` (``None``: remove shaping)."""
-        for ns, dev in self.devs.items():
-            if rate_bps is None:
-                _run("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root")
-                continue
-            # The bucket holds 1 ms at the rate, 64 KiB at least (less falls short of 1 Gbit/s here); a
-            # message up to that size leaves at line rate after an idle moment, the rest at the rate.
-            burst = max(64 * 1024, int(rate_bps / 8 * 0.001))
-            _check("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-                   "rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", "100ms")
-
-    def spawn(self, ns: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[str]:
-        """Start ``argv`` inside namespace ``ns`` (ended by :meth:`delete` if still running)."""
-        proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], text=True, **kwargs)
-        self.procs.append(proc)
-        return proc
-
-    def delete(self) -> None:
-        """End every process this link started, then delete both namespaces (and so the veth pair)."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        for ns in (self.server, self.client):
-            _run("ip", "netns", "del", ns)
-
-    def exists(self) -> bool:
-        """Whether either namespace is still there."""
-        names = {line.split()[0] for line in _run("ip", "netns", "list").stdout.splitlines() if line.strip()}
-        return bool(names & {self.server, self.client})
-
-
-@contextmanager
-def link() -> Iterator[Link]:
-    """A :class:`Link`, deleted on every way out (SIGTERM and SIGHUP end the run like Ctrl-C)."""
-    if not sys.platform.startswith("linux"):
-        raise CannotRun("network namespaces are a Linux feature")
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            raise CannotRun(f"the `{tool}` command (iproute2) is not installed")
-    if os.geteuid() != 0:
-        raise CannotRun("creating network namespaces needs root")
-    remove_stale_namespaces()
-    handlers = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    pair = Link()
-    try:
-        pair.create()
-        pair.shape(parse_rate("100mbit"))  # tbf must work before anything is measured
-        yield pair
-    finally:
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *handlers})  # clean up undisturbed
-        try:
-            pair.delete()
-        finally:
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-
-
-def _exit_on_signal(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
+# -- in the calling namespace: processes -------------------------------------------------------
 def _child_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
     root = str(Path(__file__).resolve().parent.parent)
