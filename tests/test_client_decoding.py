@@ -134,7 +134,7 @@ def test_decode_steps_choices() -> None:
 # -- on a GPU: the steps as CUDA graphs ----------------------------------------------------------------------
 @gpu
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_graph_steps_match_the_growing_caches_on_a_gpu(arch: str) -> None:
+def test_by_default_a_gpu_generation_replays_graphs_that_match_the_growing_caches(arch: str) -> None:
     ids, mask, _ = batch_for(arch, batch=3, length=7, padded=True)
     parts = split_model(spread_model(arch).cuda().eval(), CUTS)
     ids, mask = ids.cuda(), mask.cuda()
@@ -150,7 +150,7 @@ def test_graph_steps_match_the_growing_caches_on_a_gpu(arch: str) -> None:
 
     generation.FixedDecoder = Spy  # type: ignore[misc]
     try:
-        graphs = generate(parts.bottom, parts.trunk, parts.top, ids, mask, max_new_tokens=NEW, decode_steps="auto")
+        graphs = generate(parts.bottom, parts.trunk, parts.top, ids, mask, max_new_tokens=NEW)  # the default: auto
     finally:
         generation.FixedDecoder = original  # type: ignore[misc]
     dynamic = generate(parts.bottom, parts.trunk, parts.top, ids, mask, max_new_tokens=NEW, decode_steps="dynamic")

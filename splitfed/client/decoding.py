@@ -10,8 +10,8 @@ the bottom (token ids in, the cut's hidden states out) and of the top (the
 trunk's output in, logits out) runs at a fixed shape: captured once per
 generation as a CUDA graph and replayed (``decode_steps="graphs"``, what
 ``"auto"`` picks on a GPU), or run as it is (``"fixed"``, on any device: what
-the graphs replay). ``generate`` takes the growing caches unless asked
-(``decode_steps="dynamic"``, its default). The attention mask (the prompt's padding, and the columns
+the graphs replay). ``generate``'s default is ``"auto"``; ``"dynamic"`` keeps the
+growing caches. The attention mask (the prompt's padding, and the columns
 up to the step) is built on the device from the column the step writes, so a
 step reads nothing back to the host and copies nothing to the device but its
 input.

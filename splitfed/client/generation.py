@@ -243,7 +243,7 @@ def generate(bottom: nn.Module, trunk: TrunkSession | TrunkClient | nn.Module, t
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              stop_token_ids: Sequence[int] = (), eos_token_id: int | Sequence[int] | None = None,
              pad_token_id: int | None = None, streamer: Streamer | None = None,
-             seed: int | None = None, decode_steps: str = "dynamic") -> torch.Tensor:
+             seed: int | None = None, decode_steps: str = "auto") -> torch.Tensor:
     """Generate up to ``max_new_tokens`` per sequence with the split model; returns prompt + new tokens.
 
     Args:
@@ -262,9 +262,9 @@ def generate(bottom: nn.Module, trunk: TrunkSession | TrunkClient | nn.Module, t
         streamer: called with each step's new tokens, shape (batch,), in order.
         seed: seeds the sampler's own generator (reproducible sampling).
         decode_steps: how the bottom and the top step after the prompt (:mod:`splitfed.client.decoding`):
-            ``"dynamic"`` (the default: the parts' growing caches), ``"auto"`` (CUDA graphs over fixed-size caches
-            where the parts are on a GPU and qualify, else the growing caches), ``"graphs"`` or ``"fixed"``
-            (fixed-size caches without graphs, any device).
+            ``"auto"`` (the default: CUDA graphs over fixed-size caches where the parts are on a GPU and qualify,
+            for 8 new tokens or more, else the parts' growing caches), ``"dynamic"`` (always the growing caches),
+            ``"graphs"`` or ``"fixed"`` (fixed-size caches without graphs, any device).
 
     Returns:
         (batch, length + n) token ids, n <= ``max_new_tokens`` (fewer when every
