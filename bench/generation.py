@@ -15,6 +15,13 @@
   ``--client-decode-steps``); where not ``dynamic``,
   ``gen_latency_ratio_client_dynamic`` is the ratio again with the client's parts
   over their growing caches, in the same run.
+* ``gen_latency_ratio_static`` (``--static-baseline``): split generation / the
+  unsplit model's ``generate(cache_implementation="static")``, measured
+  interleaved: a fixed-size cache, whose forward ``transformers`` compiles on a
+  GPU (CUDA graphs: the unsplit model's fastest way), where the default baseline
+  launches every kernel; ``gen_unsplit_static_ms_per_token``,
+  ``gen_greedy_match_static`` (its tokens against the split model's) and
+  ``gen_static_first_s`` (its first generation, the compile included) with it.
 * ``gen_latency_ratio_process``: the same with the trunk server in a process of
   its own (as a deployment runs it: the client's Python and the server's do not
   take turns on one interpreter lock), timed interleaved with the unsplit model.
@@ -107,7 +114,8 @@ def _serve_trunk(model: str | None, cuts: tuple[int, int], device: str, threads:
 
 def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = None,
                cuts: tuple[int, int] | None = None, repeat: int = 3, device: str = "cpu",
-               decode_steps: str = "auto", client_decode_steps: str = "auto") -> dict[str, float]:
+               decode_steps: str = "auto", client_decode_steps: str = "auto", static_baseline: bool = False
+               ) -> dict[str, float]:
     """Bytes per token with and without the trunk's KV cache, and split / unsplit per-token latency.
 
     Args:
@@ -119,6 +127,7 @@ def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = 
         device: where the model runs (cpu, cuda).
         decode_steps: the trunk servers' ``decode_steps`` (:mod:`splitfed.trunk.inference.fixedsteps`).
         client_decode_steps: the client's ``generate(decode_steps=...)`` (:mod:`splitfed.client.decoding`).
+        static_baseline: also time the unsplit model over a static cache (``gen_latency_ratio_static``).
     """
     import multiprocessing as mp
 
@@ -186,6 +195,8 @@ def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = 
                 lambda: generate(parts.bottom, client, parts.top, ids, max_new_tokens=new_tokens,
                                  decode_steps="dynamic"), unsplit_gen, repeat, warmup=1)
             out["gen_latency_ratio_client_dynamic"] = t_dynamic / t_unsplit
+        if static_baseline:
+            _static_baseline(out, ref, ids, new_tokens, split_gen, got, repeat)
         out["gen_nocache_ms_per_token"] = t_nocache / new_tokens * 1e3
         out["gen_new_tokens"] = float(new_tokens)
 
@@ -210,6 +221,24 @@ def generation(new_tokens: int = 128, prompt_len: int = 16, model: str | None = 
         end_children([proc])
 
 
+def _static_baseline(out: dict[str, Any], ref: Any, ids: torch.Tensor, new_tokens: int, split_gen: Any,
+                     split_tokens: torch.Tensor, repeat: int) -> None:
+    """Time split generation against the unsplit model over a static cache (compiled by ``transformers`` on a
+    GPU) into ``out``; the first, compiling generation is timed apart and its tokens checked."""
+    def static_gen() -> torch.Tensor:
+        return ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                            min_new_tokens=new_tokens, pad_token_id=ref.generation_config.pad_token_id or 0,
+                            cache_implementation="static")
+
+    start = time.perf_counter()
+    first = static_gen()
+    out["gen_static_first_s"] = time.perf_counter() - start
+    out["gen_greedy_match_static"] = float(torch.equal(first, split_tokens))
+    t_split, t_static = interleaved(split_gen, static_gen, repeat, warmup=1)
+    out["gen_latency_ratio_static"] = t_split / t_static
+    out["gen_unsplit_static_ms_per_token"] = t_static / new_tokens * 1e3
+
+
 def main() -> int:
     """``python -m bench.generation [--gen-model NAME] [--new-tokens N] [--json]``."""
     from splitfed.client.decoding import CLIENT_DECODE_STEPS
@@ -227,6 +256,9 @@ def main() -> int:
                         help="the trunk servers' decode steps (auto: CUDA graphs on a GPU)")
     parser.add_argument("--client-decode-steps", choices=CLIENT_DECODE_STEPS, default="auto",
                         help="the client's bottom and top decode steps (auto: CUDA graphs on a GPU)")
+    parser.add_argument("--static-baseline", action="store_true",
+                        help="also time the unsplit model over a static cache, compiled on a GPU "
+                             "(gen_latency_ratio_static)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -235,7 +267,7 @@ def main() -> int:
         a, b = (int(x) for x in args.cuts.split(","))
         cuts = (a, b)
     results = generation(args.new_tokens, args.prompt_len, args.gen_model, cuts, args.repeat, args.device,
-                         args.decode_steps, args.client_decode_steps)
+                         args.decode_steps, args.client_decode_steps, args.static_baseline)
     print_results(results, args.json)
     return 0
 

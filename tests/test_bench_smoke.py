@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.processes import BenchError, get_from
 
@@ -154,8 +155,37 @@ def test_a_bad_config_ends_a_bench_at_once_saying_what_is_wrong(module: str, con
 
 @pytest.mark.slow  # test_bench_suites asserts these figures, from the same function at the same size
 def test_bench_generation() -> None:
-    results = _json(_bench("bench.generation", "--new-tokens", "4", "--prompt-len", "4", "--repeat", "1", "--json"))
+    results = _json(_bench("bench.generation", "--new-tokens", "4", "--prompt-len", "4", "--repeat", "1",
+                           "--static-baseline", "--json"))
     assert results["gen_greedy_match"] == 1.0 and results["gen_bytes_per_token_nocache"] > 0
+    assert results["gen_greedy_match_static"] == 1.0 and results["gen_latency_ratio_static"] > 0
+
+
+def test_the_static_baseline_times_the_unsplit_model_over_a_static_cache(monkeypatch) -> None:
+    from bench import generation as bench_generation
+
+    model = bench_generation.tiny_llama()
+    ids = torch.randint(3, 8192, (1, 4), generator=torch.Generator().manual_seed(0))
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+                          min_new_tokens=6, pad_token_id=0)
+    caches: list[object] = []
+    real = type(model).generate
+
+    def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        caches.append(kwargs.get("cache_implementation"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "generate", spy)
+    out: dict[str, float] = {}
+    bench_generation._static_baseline(out, model, ids, 6, lambda: want, want, repeat=2)
+    assert caches == ["static"] * 4  # the first (compiling) run, one warm-up, two timed
+    assert out["gen_greedy_match_static"] == 1.0
+    assert out["gen_latency_ratio_static"] > 0 and out["gen_unsplit_static_ms_per_token"] > 0
+    assert out["gen_static_first_s"] > 0
+    wrong = want.clone()
+    wrong[0, -1] += 1
+    bench_generation._static_baseline(out, model, ids, 6, lambda: want, wrong, repeat=1)
+    assert out["gen_greedy_match_static"] == 0.0
 
 
 @pytest.mark.slow  # test_bench_suites asserts these figures, from the same function at the same size
