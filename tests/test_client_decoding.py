@@ -131,6 +131,33 @@ def test_decode_steps_choices() -> None:
         generate(qwen2.bottom, qwen2.trunk, qwen2.top, ids, mask, max_new_tokens=4, decode_steps="fixed")
 
 
+def _lora_parts(arch: str, device: str = "cpu"):  # type: ignore[no-untyped-def]
+    """Split parts with LoRA adapters on the bottom and the top, their B matrices non-zero (so they count)."""
+    from splitfed.models.lora import apply_lora, lora_config
+
+    parts = split_model(spread_model(arch).to(device).eval(), CUTS)
+    for part in (parts.bottom, parts.top):
+        apply_lora(part, lora_config(arch, rank=4), seed=0)
+        with torch.no_grad():
+            for name, param in part.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
+    return parts
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_fixed_steps_run_lora_adapters_as_the_growing_caches_do(arch: str) -> None:
+    pytest.importorskip("peft")
+    ids, mask, _ = batch_for(arch, batch=2, length=7, padded=True)
+    parts = _lora_parts(arch)
+    plain = split_model(spread_model(arch).eval(), CUTS)
+    dynamic = generate(parts.bottom, parts.trunk, parts.top, ids, mask, max_new_tokens=NEW, decode_steps="dynamic")
+    fixed = generate(parts.bottom, parts.trunk, parts.top, ids, mask, max_new_tokens=NEW, decode_steps="fixed")
+    without = generate(plain.bottom, plain.trunk, plain.top, ids, mask, max_new_tokens=NEW, decode_steps="fixed")
+    assert torch.equal(fixed, dynamic)
+    assert not torch.equal(fixed, without)  # the adapters changed what the parts compute
+
+
 # -- on a GPU: the steps as CUDA graphs ----------------------------------------------------------------------
 @gpu
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -156,6 +183,17 @@ def test_by_default_a_gpu_generation_replays_graphs_that_match_the_growing_cache
     dynamic = generate(parts.bottom, parts.trunk, parts.top, ids, mask, max_new_tokens=NEW, decode_steps="dynamic")
     assert torch.equal(graphs, dynamic)
     assert len(made) == 1 and made[0].graphs and made[0].captures == 2
+
+
+@gpu
+def test_graph_steps_replay_lora_adapters_as_the_growing_caches_do() -> None:
+    pytest.importorskip("peft")
+    ids, mask, _ = batch_for("llama", batch=2, length=7, padded=True)
+    parts = _lora_parts("llama", "cuda")
+    ids, mask = ids.cuda(), mask.cuda()
+    graphs = generate(parts.bottom, parts.trunk, parts.top, ids, mask, max_new_tokens=NEW, decode_steps="graphs")
+    dynamic = generate(parts.bottom, parts.trunk, parts.top, ids, mask, max_new_tokens=NEW, decode_steps="dynamic")
+    assert torch.equal(graphs, dynamic)
 
 
 @gpu
