@@ -25,6 +25,10 @@
   replaying clients): the cores the batched server's event loop and device thread
   kept busy over the run (warm-up included), which share one interpreter lock:
   together near 1, the server's Python is what holds the rate;
+  ``gen_engine_loop_us_per_call``: the event loop's CPU per session step (its
+  busy time over the batched run / the steps the server took): what taking in
+  one decode-step call costs, paid once per session and token, one call after
+  another;
   ``gen_gpu_util_mean``: the GPU's utilization meanwhile (the clients' work on it
   included).
 * ``gen_direct_share`` (``gen_replay_direct_share``): the share of the batched
@@ -138,7 +142,8 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
                         for q in jobs:
                             q.put((server.address, mode))
                         got = [get_from(results, procs, 600, "a generating client's tokens") for _ in range(sessions)]
-                        figures = use.stop(time.perf_counter() - began)
+                        took = time.perf_counter() - began
+                        figures = use.stop(took)
                         figures["gpu_util"] = util.stop().get("mean", float("nan"))
                         st = dict(server.servicer.sessions.stats)
                         if window in mean_batches and window != window_ms:
@@ -147,6 +152,8 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
                             stats[mode] = st
                             per_session = new_tokens + 1 if mode else new_tokens  # a replay's prefill is a step more
                             figures["direct_share"] = sum(g[5] for g in got) / (sessions * per_session)
+                            figures["loop_us_per_call"] = (figures["engine-loop_cores"] * took
+                                                           / max(st.get("steps", 0), 1) * 1e6)
                             server_use[mode].append(figures)
                     finally:
                         server.stop(grace=0)
@@ -178,6 +185,7 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
             f"{key}_batched_mean_batch": _mean_batch(st),
             f"{key}_engine_loop_cores": statistics.median(u["engine-loop_cores"] for u in server_use[mode]),
             f"{key}_engine_device_cores": statistics.median(u["engine-device_cores"] for u in server_use[mode]),
+            f"{key}_engine_loop_us_per_call": statistics.median(u["loop_us_per_call"] for u in server_use[mode]),
             f"{key}_direct_share": statistics.median(u["direct_share"] for u in server_use[mode]),
         })
         if device.startswith("cuda"):

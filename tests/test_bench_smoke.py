@@ -56,6 +56,8 @@ def test_bench_suites() -> None:
     assert results["gen_client_ms_per_token"] > 0 and results["gen_client_bound_speedup"] > 0
     # the cores the batched server's event loop and device thread kept busy
     assert results["gen_engine_loop_cores"] > 0 and results["gen_replay_engine_device_cores"] > 0
+    # and the event loop's CPU per session step: more than nothing, less than the whole run a call
+    assert 0 < results["gen_engine_loop_us_per_call"] < 1e6 and results["gen_replay_engine_loop_us_per_call"] > 0
     assert 0 <= results["gen_direct_share"] <= 1 and 0 <= results["gen_replay_direct_share"] <= 1
 
 
