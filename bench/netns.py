@@ -17,6 +17,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import psutil
+
 PREFIX = "sfwan"
 SERVER_IP, CLIENT_IP = "10.77.0.1", "10.77.0.2"
 UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
@@ -46,22 +48,12 @@ def _check(*argv: str) -> None:
         raise CannotRun(f"`{' '.join(argv)}` failed: {(done.stderr or done.stdout).strip()}")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_namespaces() -> list[str]:
     """Delete namespaces this benchmark left behind in runs that were killed; returns their names."""
     removed = []
     for line in _run("ip", "netns", "list").stdout.splitlines():
         match = re.fullmatch(rf"({PREFIX}(\d+)[sc])(\s.*)?", line.strip())
-        if match and not _alive(int(match.group(2))):
+        if match and not psutil.pid_exists(int(match.group(2))):
             _run("ip", "netns", "del", match.group(1))
             removed.append(match.group(1))
     return removed
