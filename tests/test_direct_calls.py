@@ -263,7 +263,7 @@ def test_closing_a_connection_cancels_its_calls_in_flight(trunk_server) -> None:
                                   [encode("grad", torch.ones(5, 16))])
         _send_frame(sock, {"id": 8, "method": f"/{SERVICE_NAME}/Backward", "timeout": 60}, grad)
         def calls() -> int:  # the listener's calls in flight (beside its connections)
-            return sum(t.get_coro().__name__ == "_serve" for t in list(listener._tasks))
+            return sum(t.get_coro().__name__ == "_call" for t in list(listener._tasks))
 
         deadline = time.monotonic() + 10
         while calls() < 1 and time.monotonic() < deadline:

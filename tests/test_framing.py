@@ -179,6 +179,72 @@ def test_a_frame_connection_refuses_a_bad_frame_and_closes(case: str) -> None:
     assert isinstance(seen[0], FrameError) == (case != "truncated")
 
 
+def test_a_listening_connection_hands_each_frame_to_its_callback_in_order() -> None:
+    """``listen``: frames that came before it first, then each as it is cut out (small ones together, a large one
+    into its own buffer), in the order sent; ``read`` then waits for the link's end. The listener goes with the
+    link, so nothing holds the connection in a cycle once it closed."""
+    sizes = [5, frameconn.SCRATCH_BYTES - 100, 0, 3 << 20, 7]
+
+    async def scenario() -> None:
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "s.sock")
+            server = await _echo_server(path, FrameLimits(8 << 20))
+            conn = await frameconn.open_unix(path, FrameLimits(8 << 20))
+            payloads = [os.urandom(n) for n in sizes]
+            await conn.write({"id": 0}, [payloads[0]])
+            while not conn._frames:  # the first echo arrives before anyone listens
+                await asyncio.sleep(0.01)
+            got: list = []
+            all_in = asyncio.get_running_loop().create_future()
+
+            def on_frame(frame: tuple) -> None:
+                got.append((frame[0]["id"], bytes(frame[1])))
+                if len(got) == len(sizes):
+                    all_in.set_result(None)
+            conn.listen(on_frame)
+            assert got == [(0, payloads[0])]  # the frame that waited went first, at once
+            for i, p in enumerate(payloads[1:], 1):
+                await conn.write({"id": i}, [p])
+            await asyncio.wait_for(all_in, 30)
+            assert got == list(enumerate(payloads))
+            reading = asyncio.ensure_future(conn.read())
+            await asyncio.sleep(0.05)
+            assert not reading.done()  # no frame is queued for a reader any more
+            server.close()
+            conn.close()
+            with pytest.raises(LinkClosed):
+                await asyncio.wait_for(reading, 10)
+            assert conn._on_frame is None
+            await server.wait_closed()
+
+    asyncio.run(scenario())
+
+
+def test_a_listener_that_refuses_a_frame_closes_the_connection() -> None:
+    """A :class:`FrameError` raised by the callback (a malformed id) ends the link as a malformed frame does."""
+    async def scenario() -> None:
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "s.sock")
+            server = await _echo_server(path, FrameLimits(1 << 20))
+            conn = await frameconn.open_unix(path, FrameLimits(1 << 20))
+            seen: list = []
+
+            def on_frame(frame: tuple) -> None:
+                seen.append(frame[0])
+                framing.int_field(frame[0], "id")  # raises for "x"
+            conn.listen(on_frame)
+            await conn.write({"id": 1}, [b"a"])
+            await conn.write({"id": "x"}, [b"b"])
+            with pytest.raises(FrameError, match="id"):
+                await asyncio.wait_for(conn.read(), 10)
+            assert [h["id"] for h in seen] == [1, "x"]
+            await asyncio.wait_for(conn.closed.wait(), 10)
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(scenario())
+
+
 # -- each link's listener ----------------------------------------------------------------------------------------
 def _trunk() -> nn.Module:
     from splitfed.split import split_sequential

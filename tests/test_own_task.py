@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from splitfed.channel.engine.loop import _started, own_task, own_work
+from splitfed.channel.engine.loop import _DETACHED, _started, detach, own_task, own_work, shielded_work
 
 
 @pytest.fixture(params=["own_task", "own_work", "started"])
@@ -127,5 +127,103 @@ def test_a_cancellation_reaches_the_work_even_when_what_it_awaits_is_done(start)
         gate.set_result(1)
         task.cancel()  # the gate is done: the task throws the cancellation in at its next step
         assert await task == "cancelled"
+
+    asyncio.run(main())
+
+
+# -- shielded_work: the call's future, settled by the work itself ---------------------------------------------------
+def test_shielded_work_answers_its_outcome_and_ends_at_once_when_it_never_suspends() -> None:
+    async def never_suspends() -> int:
+        return 7
+
+    async def fails(gate: asyncio.Future[int]) -> int:
+        await gate
+        raise ValueError("bad input")
+
+    async def main() -> None:
+        outcome, work = shielded_work(never_suspends())
+        assert outcome.done() and await outcome == 7 and work.done()
+        gate: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        outcome, work = shielded_work(fails(gate))
+        gate.set_result(1)
+        with pytest.raises(ValueError, match="bad input"):
+            await outcome
+        await work  # the work's task ends cleanly: its error is the caller's, not a task's never read
+
+    asyncio.run(main())
+
+
+def test_the_outcome_is_settled_within_the_works_own_step() -> None:
+    """The caller wakes one turn of the loop after the work's last wait ends (a shield takes two): what the
+    shielded wrapper saves per call."""
+    async def work(gate: asyncio.Future[int]) -> int:
+        return await gate
+
+    async def turns_to_wake(shielded: bool) -> int:
+        loop = asyncio.get_running_loop()
+        gate: asyncio.Future[int] = loop.create_future()
+        if shielded:
+            waited, _ = shielded_work(work(gate))
+        else:
+            waited = asyncio.shield(own_work(work(gate)))
+        woke = asyncio.ensure_future(asyncio.wait_for(waited, 10))
+        await asyncio.sleep(0)
+        gate.set_result(1)
+        turns = 0
+        while not woke.done():
+            turns += 1
+            await asyncio.sleep(0)
+        return turns
+
+    async def main() -> None:
+        assert await turns_to_wake(True) < await turns_to_wake(False)
+
+    asyncio.run(main())
+
+
+def test_cancelling_the_caller_leaves_shielded_work_running_and_holds_it() -> None:
+    async def work(gate: asyncio.Future[int], done: list) -> int:
+        value = await gate + 1
+        done.append(value)
+        return value
+
+    async def caller(gate: asyncio.Future[int], done: list, box: list) -> int:
+        outcome, running = shielded_work(work(gate, done))
+        box.append(running)
+        try:
+            return await outcome
+        except asyncio.CancelledError:
+            detach(running)
+            raise
+
+    async def main() -> None:
+        gate: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        done: list = []
+        box: list = []
+        call = asyncio.ensure_future(caller(gate, done, box))
+        await asyncio.sleep(0.01)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert box[0] in _DETACHED  # held: the loop keeps only weak references to tasks
+        gate.set_result(1)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert done == [2] and box[0].done() and box[0] not in _DETACHED
+
+    asyncio.run(main())
+
+
+def test_cancelling_shielded_work_itself_cancels_its_outcome() -> None:
+    async def work(gate: asyncio.Future[int]) -> int:
+        return await gate
+
+    async def main() -> None:
+        gate: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        outcome, running = shielded_work(work(gate))
+        await asyncio.sleep(0)
+        running.cancel()  # as a stopping loop cancels what is pending
+        with pytest.raises(asyncio.CancelledError):
+            await outcome
 
     asyncio.run(main())

@@ -130,21 +130,9 @@ class EngineListener:
             if admitted is None:
                 return
             await self.welcome(conn)
-            while True:
-                header, body = await conn.read()
-                if header.get("cancel") is not None:
-                    task = calls.get(int_field(header, "cancel"))
-                    if task is not None:
-                        task.cancel()
-                    continue
-                call_id = int_field(header, "id")
-                refusal = self.bind(header, admitted)
-                # Started eagerly where asyncio can: the call runs up to its first wait within this turn of the
-                # loop, not in the next one (one turn less per call).
-                task = own_task(self._serve(call_id, header, body, conn, refusal))
-                calls[call_id] = task
-                self._tasks.add(task)
-                task.add_done_callback(lambda t, i=call_id: (calls.pop(i, None), self._tasks.discard(t)))
+            # Each call starts in the protocol's callback as its frame is cut out: no task wakes to read it.
+            conn.listen(lambda frame: self._take(frame, admitted, conn, calls))
+            await conn.read()  # returns only at the link's end, raising
         except (LinkClosed, asyncio.TimeoutError) as exc:  # a malformed frame or id, or no hello in time
             if isinstance(exc, FrameError) or not isinstance(exc, LinkClosed):
                 log.warning("engine link closed: %s", exc or "no first frame in time")
@@ -154,6 +142,32 @@ class EngineListener:
                     task.cancel()
             conn.close()
             self._tasks.discard(me)  # type: ignore[arg-type]
+
+    def _take(self, frame: tuple[dict[str, Any], Any], admitted: Any, conn: FrameConnection,
+              calls: dict[int, asyncio.Task[Any]]) -> None:
+        """Start the call a frame carries, or cancel the one it names (raises :class:`FrameError` for a malformed
+        id, which closes the link)."""
+        header, body = frame
+        if header.get("cancel") is not None:
+            task = calls.get(int_field(header, "cancel"))
+            if task is not None:
+                task.cancel()
+            return
+        call_id = int_field(header, "id")
+        refusal = self.bind(header, admitted)
+        # Started eagerly where asyncio can: the call runs up to its first wait within this callback.
+        task = own_task(self._call(self._serve(call_id, header, body, conn, refusal), call_id, calls))
+        if not task.done():
+            calls[call_id] = task
+            self._tasks.add(task)
+
+    async def _call(self, serving: Awaitable[None], call_id: int, calls: dict[int, asyncio.Task[Any]]) -> None:
+        """``serving``, then the call let go of (here, not in a done callback: one callback less per call)."""
+        try:
+            await serving
+        finally:
+            calls.pop(call_id, None)
+            self._tasks.discard(asyncio.current_task())  # type: ignore[arg-type]
 
     async def _serve(self, call_id: int, header: dict[str, Any], body: bytes, conn: FrameConnection,
                      refusal: dict[str, Any] | None = None) -> None:
@@ -201,11 +215,8 @@ class EngineLink:
 
     async def _read(self, conn: FrameConnection) -> None:
         try:
-            while True:
-                header, body = await conn.read()
-                future = self._pending.pop(int_field(header, "id"), None)
-                if future is not None and not future.done():
-                    future.set_result((header, body))
+            conn.listen(self._reply)  # each reply settles its call in the protocol's callback
+            await conn.read()  # returns only at the link's end, raising
         except LinkClosed as exc:
             if isinstance(exc, FrameError):
                 log.warning("the engine link closed: %s", exc)
@@ -216,6 +227,12 @@ class EngineLink:
                 if not future.done():
                     future.set_exception(LinkClosed("the trunk server's engine went away"))
             self._pending.clear()
+
+    def _reply(self, frame: tuple[dict[str, Any], Any]) -> None:
+        header, body = frame
+        future = self._pending.pop(int_field(header, "id"), None)
+        if future is not None and not future.done():
+            future.set_result((header, body))
 
     async def call(self, method: str, metadata: Sequence[tuple[str, str]], peer: str, messages: Sequence[bytes],
                    timeout: float | None) -> tuple[dict[str, Any], list[bytes]]:

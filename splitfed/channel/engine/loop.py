@@ -89,6 +89,47 @@ def _delegate(coro: Any, yielded: Any) -> Any:
                 return done.value
 
 
+#: Work whose caller stopped waiting (see :func:`shielded_work`), held until it ends: the loop keeps only weak
+#: references to tasks.
+_DETACHED: set[asyncio.Future[Any]] = set()
+
+
+def shielded_work(coro: Any) -> tuple[asyncio.Future[Any], asyncio.Future[Any]]:
+    """``coro`` started as :func:`own_work`, and a future of its outcome that the caller awaits: cancelling that
+    future (the call was cancelled) leaves the work running, as awaiting ``asyncio.shield(work)`` would.
+
+    The work settles the future from within its own last step, where a shield's future is settled by a done
+    callback of the work's task: one turn of the event loop less per call, and two callbacks less. Returns the
+    future and the work (hold the work until it ends; :func:`detach` it when the caller stops waiting).
+    """
+    outer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    return outer, own_work(_settle_into(coro, outer))
+
+
+async def _settle_into(coro: Any, outer: asyncio.Future[Any]) -> None:
+    try:
+        result = await coro
+    except asyncio.CancelledError:  # the work itself was cancelled (its loop is stopping)
+        if not outer.done():
+            outer.cancel()
+    except (KeyboardInterrupt, SystemExit):  # pragma: no cover - the process is ending
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the caller's to raise
+        if not outer.done():
+            outer.set_exception(exc)
+        outer = exc = None  # type: ignore[assignment] # the traceback holds this frame: no cycle through the future
+    else:
+        if not outer.done():
+            outer.set_result(result)
+
+
+def detach(work: asyncio.Future[Any]) -> None:
+    """Let ``work`` (from :func:`shielded_work`) finish on its own, held until it ends."""
+    if not work.done():
+        _DETACHED.add(work)
+        work.add_done_callback(_DETACHED.discard)
+
+
 #: Seconds the tasks still pending on a stopping loop have to end once cancelled.
 CANCEL_GRACE_S = 2.0
 

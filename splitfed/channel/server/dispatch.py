@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from splitfed.channel.engine.loop import own_work
+from splitfed.channel.engine.loop import detach, shielded_work
 from splitfed.channel.server.handlers import released
 from splitfed.channel.wire.limits import MODEL_KEY, SERVICE_NAME
 from splitfed.channel.server.units import ModelState, ModelUnit
@@ -101,14 +101,15 @@ def _tracked(handler: grpc.RpcMethodHandler, unit: ModelUnit) -> grpc.RpcMethodH
             if unit.state is not ModelState.READY:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, going_away(unit.name))
             enter()
-            work = own_work(inner(request, context))  # the servicer's handlers never ask for their task
+            # The servicer's handlers never ask for their task (see own_work).
+            outcome, work = shielded_work(inner(request, context))
             del request  # the handler holds it as long as it needs it (see above)
             try:
-                return await asyncio.shield(work)
+                return await outcome
             except asyncio.CancelledError:
                 if work.done():
                     raise
-                _detached(work)
+                detach(work)
                 if unit.state is ModelState.UNLOADING:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, _unloaded(unit.name))
                 raise
@@ -116,7 +117,7 @@ def _tracked(handler: grpc.RpcMethodHandler, unit: ModelUnit) -> grpc.RpcMethodH
                 raise released(abort)
             finally:
                 leave()
-                del work  # no cycle (see above)
+                del outcome, work  # no cycle (see above)
 
         return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=handler.request_deserializer,
                                                    response_serializer=handler.response_serializer)

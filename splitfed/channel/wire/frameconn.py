@@ -10,7 +10,8 @@ A large body's buffer is allocated when its header arrives, so the limits bound 
 a connection's first frame (its hello) is held to limits of its own (``first``: no body), so nothing is allocated
 for a peer that has not proved itself.
 
-One task reads a connection (:meth:`FrameConnection.read`); any number may write whole frames
+One task reads a connection (:meth:`FrameConnection.read`), or the connection hands each frame to a callback as it
+is cut out (:meth:`FrameConnection.listen`: no task wakes per frame); any number may write whole frames
 (:meth:`FrameConnection.write` writes a frame in one call, so frames never interleave).
 """
 
@@ -64,6 +65,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         self._body: memoryview | None = None
         self._got = 0
         self._frames: collections.deque[Frame] = collections.deque()
+        self._on_frame: Callable[[Frame], None] | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._error: LinkClosed | None = None
         self._drained: asyncio.Future[None] | None = None
@@ -86,17 +88,18 @@ class FrameConnection(asyncio.BufferedProtocol):
         return memoryview(self._scratch)[self._end:]
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._body is not None:
-            self._got += nbytes
-            if self._got == len(self._body):
-                assert self._head is not None
-                self._deliver((self._head, self._body.obj))
-                self._head, self._body = None, None
-            return
-        self._end += nbytes
         try:
+            if self._body is not None:
+                self._got += nbytes
+                if self._got == len(self._body):
+                    assert self._head is not None
+                    frame = (self._head, self._body.obj)
+                    self._head, self._body = None, None
+                    self._deliver(frame)
+                return
+            self._end += nbytes
             self._parse()
-        except FrameError as exc:
+        except FrameError as exc:  # a frame above the limits, a malformed header, or one a listener refused
             self._fail(exc)
             if self.transport is not None:
                 self.transport.close()
@@ -148,11 +151,15 @@ class FrameConnection(asyncio.BufferedProtocol):
     def _deliver(self, frame: Frame) -> None:
         if self._then is not None:  # the hello came: the link's own limits from now on
             self.limits, self._then = self._then, None
+        if self._on_frame is not None:
+            self._on_frame(frame)
+            return
         self._frames.append(frame)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     def _fail(self, error: LinkClosed) -> None:
+        self._on_frame = None  # a listener that holds this connection would keep it (and its buffers) in a cycle
         if self._error is None:
             self._error = error
         if self._waiter is not None and not self._waiter.done():
@@ -197,6 +204,15 @@ class FrameConnection(asyncio.BufferedProtocol):
             finally:
                 self._waiter = None
         return self._frames.popleft()
+
+    def listen(self, on_frame: Callable[[Frame], None]) -> None:
+        """Hand every frame from now on (those already arrived first) to ``on_frame``, called in the protocol's
+        own callback as the frame is cut out: no task wakes per frame. ``on_frame`` must not block; a
+        :class:`FrameError` it raises closes the connection as a malformed frame does. :meth:`read` then returns only
+        at the link's end, raising its :class:`LinkClosed`."""
+        while self._frames:
+            on_frame(self._frames.popleft())
+        self._on_frame = on_frame
 
     async def write(self, header: dict[str, Any], parts: Parts = ()) -> None:
         """Send one frame (``parts`` concatenated as its body); raises :class:`LinkClosed` when the connection is
