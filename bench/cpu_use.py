@@ -119,3 +119,30 @@ def cpu_figures(runs: list[dict[str, float]], tag: str) -> dict[str, float]:
         if key != "cores":
             out[f"cpu_{key.replace('-', '_')}_{tag}"] = statistics.median(r[key] for r in runs)
     return out
+
+
+class LoopTurns:
+    """How many turns an asyncio event loop running on another thread makes between :meth:`start` and :meth:`stop`.
+
+    Each turn of a selector event loop waits in its selector once, so a counter around the selector's ``select``
+    (set on that one selector object, and removed again by :meth:`stop`) counts the turns. Over a run's calls it
+    says how many turns a call costs the loop: each turn is a wait in the kernel and a pass over what is ready.
+    """
+
+    def __init__(self, loop: Any) -> None:
+        self._selector = loop._selector  # a selector event loop's own (asyncio's default on Linux)
+        self.turns = 0
+
+    def start(self) -> LoopTurns:
+        inner = self._selector.select
+
+        def select(timeout: float | None = None) -> Any:
+            self.turns += 1
+            return inner(timeout)
+        self._selector.select = select
+        return self
+
+    def stop(self) -> int:
+        """Stop counting; the turns counted."""
+        self._selector.__dict__.pop("select", None)
+        return self.turns

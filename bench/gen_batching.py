@@ -28,7 +28,9 @@
   ``gen_engine_loop_us_per_call``: the event loop's CPU per session step (its
   busy time over the batched run / the steps the server took): what taking in
   one decode-step call costs, paid once per session and token, one call after
-  another;
+  another; ``gen_engine_loop_turns_per_call``: the event loop's turns over the
+  batched run / the steps it took (each turn a wait in the kernel and a pass over
+  what is ready; calls that arrive together share turns);
   ``gen_gpu_util_mean``: the GPU's utilization meanwhile (the clients' work on it
   included).
 * ``gen_direct_share`` (``gen_replay_direct_share``): the share of the batched
@@ -105,7 +107,7 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
         more_windows: further batching windows (ms) the generating clients run against in the same run, each
             compared with the same one-by-one runs (``gen_batched_*_window_<W>ms``).
     """
-    from bench.cpu_use import ENGINE_THREADS, CpuUse
+    from bench.cpu_use import ENGINE_THREADS, CpuUse, LoopTurns
     from splitfed.trunk.inference.sessions import SessionLimits
     from bench.gpu_util import UtilSampler
     from splitfed.channel.server.trunkserver import TrunkServer
@@ -138,12 +140,14 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
                                          session_limits=SessionLimits(decode_steps=decode_steps)).start()
                     try:
                         use, util = CpuUse({}, ENGINE_THREADS).start(), UtilSampler(device).start()
+                        turns = LoopTurns(server._serving.loop).start()
                         began = time.perf_counter()
                         for q in jobs:
                             q.put((server.address, mode))
                         got = [get_from(results, procs, 600, "a generating client's tokens") for _ in range(sessions)]
                         took = time.perf_counter() - began
                         figures = use.stop(took)
+                        figures["loop_turns"] = turns.stop()
                         figures["gpu_util"] = util.stop().get("mean", float("nan"))
                         st = dict(server.servicer.sessions.stats)
                         if window in mean_batches and window != window_ms:
@@ -152,6 +156,7 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
                             stats[mode] = st
                             per_session = new_tokens + 1 if mode else new_tokens  # a replay's prefill is a step more
                             figures["direct_share"] = sum(g[5] for g in got) / (sessions * per_session)
+                            figures["loop_turns_per_call"] = figures["loop_turns"] / max(st.get("steps", 0), 1)
                             figures["loop_us_per_call"] = (figures["engine-loop_cores"] * took
                                                            / max(st.get("steps", 0), 1) * 1e6)
                             server_use[mode].append(figures)
@@ -186,6 +191,7 @@ def batched_generation(sessions: int = 8, new_tokens: int = 64, prompt_len: int 
             f"{key}_engine_loop_cores": statistics.median(u["engine-loop_cores"] for u in server_use[mode]),
             f"{key}_engine_device_cores": statistics.median(u["engine-device_cores"] for u in server_use[mode]),
             f"{key}_engine_loop_us_per_call": statistics.median(u["loop_us_per_call"] for u in server_use[mode]),
+            f"{key}_engine_loop_turns_per_call": statistics.median(u["loop_turns_per_call"] for u in server_use[mode]),
             f"{key}_direct_share": statistics.median(u["direct_share"] for u in server_use[mode]),
         })
         if device.startswith("cuda"):

@@ -195,6 +195,7 @@ def _measures(gpu: bool) -> list[Measure]:
             Row("gen_engine_loop_cores", "cores the batched server's event loop kept busy"),
             Row("gen_engine_device_cores", "cores its device thread kept busy (one interpreter lock with the loop)"),
             Row("gen_engine_loop_us_per_call", "the event loop's CPU per session step, us"),
+            Row("gen_engine_loop_turns_per_call", "the event loop's turns per session step"),
             Row("gen_direct_share", "the session steps that went over a region's direct-call link, not gRPC"),
         ), (300.0, 300.0), expect_s=200.0),
         Measure("channel", _suite("channel", quick_too=False), (  # its quick run skips 1 MiB

@@ -58,6 +58,8 @@ def test_bench_suites() -> None:
     assert results["gen_engine_loop_cores"] > 0 and results["gen_replay_engine_device_cores"] > 0
     # and the event loop's CPU per session step: more than nothing, less than the whole run a call
     assert 0 < results["gen_engine_loop_us_per_call"] < 1e6 and results["gen_replay_engine_loop_us_per_call"] > 0
+    # and the loop's turns per session step: counted, and a few a call, not dozens
+    assert 0 < results["gen_engine_loop_turns_per_call"] < 20 and results["gen_replay_engine_loop_turns_per_call"] > 0
     assert 0 <= results["gen_direct_share"] <= 1 and 0 <= results["gen_replay_direct_share"] <= 1
 
 
