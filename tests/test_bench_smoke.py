@@ -147,6 +147,18 @@ def test_bench_graph_turns_on_the_cpu_and_a_mode_that_cannot_run_fails_the_run()
     assert results["eager_2_max_abs_diff"] == 0.0
 
 
+def test_bench_contended_codec_times_the_codec_alone_and_beside_a_busy_thread() -> None:
+    done = subprocess.run([sys.executable, "-m", "bench.contended_codec", "--calls", "20", "--repeat", "1",
+                           "--hidden", "64", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    results = _json(done.stdout)
+    for dtype in ("fp32", "bf16"):
+        quiet, contended = results[f"codec_step_quiet_us_{dtype}"], results[f"codec_step_contended_us_{dtype}"]
+        assert quiet > 0 and contended > 0
+        assert results[f"codec_step_contention_ratio_{dtype}"] == pytest.approx(contended / quiet)
+
+
 @pytest.mark.parametrize(("module", "config", "says"), [
     ("bench.graph_turns", "nope=3", "--config: unknown key 'nope'"),
     ("bench.trunk", "layers=x", "--config: 'layers=x' needs an integer value"),

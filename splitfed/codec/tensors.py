@@ -16,6 +16,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from splitfed.codec.compression import MAX_BLOCK, CompressionSpec, Packed, check_packed, compress, decompress
@@ -26,6 +27,7 @@ MAX_NDIM = 8
 
 # Decoded tensors view the received bytes; torch warns that such buffers are read-only.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
 class WireDType(enum.IntEnum):
@@ -178,9 +180,11 @@ def declared_nbytes(dtype: WireDType | int, shape: tuple[int, ...] | list[int]) 
     return math.prod(dims) * itemsize
 
 
-#: Torch dtypes numpy can view directly (bfloat16 cannot: it goes through a uint8 view).
-_NUMPY_DTYPES = frozenset({torch.float32, torch.float16, torch.int64, torch.int32, torch.bool, torch.uint8,
-                           torch.int8})
+#: Torch dtypes numpy can view directly, with numpy's own (bfloat16 has none: its bytes are viewed as int16).
+_NUMPY_OF: dict[torch.dtype, type] = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64,
+                                      torch.int32: np.int32, torch.bool: np.bool_, torch.uint8: np.uint8,
+                                      torch.int8: np.int8}
+_NUMPY_DTYPES = frozenset(_NUMPY_OF)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -190,9 +194,14 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     The view keeps the tensor's memory alive; do not modify the tensor in place
     until the bytes have been sent.
     """
-    if tensor.is_cpu and tensor.dtype in _NUMPY_DTYPES and tensor.dim() and tensor.is_contiguous() \
-            and tensor.numel():
-        return memoryview(tensor.detach().numpy()).cast("B").toreadonly()
+    # Each torch call lets go of the interpreter lock, which the trunk's device thread may then hold a while: the
+    # common case (a contiguous CPU tensor that needs no autograd detached) takes one call, a bfloat16 one two.
+    if tensor.is_cpu and tensor.dim() and tensor.is_contiguous() and tensor.numel():
+        plain = tensor.detach() if tensor.requires_grad else tensor
+        if plain.dtype in _NUMPY_DTYPES:
+            return memoryview(plain.numpy()).cast("B").toreadonly()
+        if plain.dtype is torch.bfloat16:
+            return memoryview(plain.view(torch.int16).numpy()).cast("B").toreadonly()
     t = tensor.detach()
     if t.is_cuda:  # into pinned memory: several times faster than into pageable memory (the copy waits either way)
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -367,6 +376,9 @@ def decode(enc: EncodedTensor, limits: TensorLimits = TensorLimits()) -> torch.T
     if _LITTLE and nbytes < SMALL_BYTES:  # small: numpy checks the bytes in place, one torch call makes the tensor
         if limits.require_finite and tdtype.is_floating_point and not bytes_are_finite(enc.data, tdtype):
             raise not_finite(enc.name)
+        np_dtype = _NUMPY_OF.get(tdtype)
+        if np_dtype is not None:  # shaped by numpy: one torch call (each lets go of the interpreter lock)
+            return torch.from_numpy(np.frombuffer(enc.data, dtype=np_dtype).reshape(enc.shape))
         return torch.frombuffer(enc.data, dtype=tdtype).reshape(enc.shape)
     flat = torch.frombuffer(enc.data, dtype=torch.uint8)
     if sys.byteorder != "little":  # pragma: no cover - no big-endian CI

@@ -30,8 +30,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-#: Counts of copies made here, by kind (``d2h``, ``h2d``, ``cast``): tests read them.
-COPIES: dict[str, int] = {"d2h": 0, "h2d": 0, "cast": 0}
+#: Counts of copies made here, by kind (``d2h``, ``h2d``, ``cast``, ``own``): tests read them.
+COPIES: dict[str, int] = {"d2h": 0, "h2d": 0, "cast": 0, "own": 0}
 _count_lock = threading.Lock()
 
 
