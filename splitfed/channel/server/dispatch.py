@@ -71,12 +71,13 @@ def _detached(task: asyncio.Future[Any]) -> None:
 def _tracked(handler: grpc.RpcMethodHandler, unit: ModelUnit) -> grpc.RpcMethodHandler:
     """``handler`` with the unit's in-flight count kept, refusing calls once the unit is unloading.
 
-    The unit's handler runs in a task of its own that the call awaits shielded: an unload past its drain
-    deadline cancels the call (which then answers UNAVAILABLE), never the work already handed to the device
+    The unit's handler runs in a task of its own that the call awaits shielded (a unary call through
+    :func:`~splitfed.channel.engine.loop.shielded_work`, whose future the work settles itself): an unload past its
+    drain deadline cancels the call (which then answers UNAVAILABLE), never the work already handed to the device
     thread, whose futures must stay uncancelled.
 
-    That task (a stream's: the task of its next reply) holds the exception that ended it, whose traceback holds
-    the call's frame; the frame lets go of the task as it ends. Else the cycle would keep the call's request (a
+    That future (a stream's: the task of its next reply) holds the exception that ended the work, whose traceback
+    holds the call's frame; the frame lets go of it as it ends. Else the cycle would keep the call's request (a
     streamed tensor's whole buffer) until the next garbage collection, which a serving process runs rarely. A
     refused call ends with the handler's ``context.abort``, whose exception gRPC keeps with the call's context: it
     leaves here without the frames it came through (:func:`~splitfed.channel.server.handlers.released`).
