@@ -11,6 +11,7 @@ import socket
 import tempfile
 import threading
 import uuid
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
@@ -127,14 +128,26 @@ async def _echo_server(path: str, limits: FrameLimits, first: FrameLimits | None
     return await frameconn.serve_unix(path, limits, echo, first=first)
 
 
+@contextlib.asynccontextmanager
+async def _echo_link(limit: int) -> AsyncIterator[frameconn.FrameConnection]:
+    """A connection to an echo server on a Unix socket in a scratch folder, both closed afterwards."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "s.sock")
+        server = await _echo_server(path, FrameLimits(limit))
+        conn = await frameconn.open_unix(path, FrameLimits(limit))
+        try:
+            yield conn
+        finally:
+            conn.close()
+            server.close()
+            await server.wait_closed()
+
+
 def test_a_frame_connection_carries_small_frames_together_and_large_ones_into_their_own_buffer() -> None:
     sizes = [0, 1, 4096, 100_000, frameconn.SCRATCH_BYTES - 100, 3 << 20, 7, 1 << 20]
 
     async def scenario() -> None:
-        with tempfile.TemporaryDirectory() as folder:
-            path = os.path.join(folder, "s.sock")
-            server = await _echo_server(path, FrameLimits(8 << 20))
-            conn = await frameconn.open_unix(path, FrameLimits(8 << 20))
+        async with _echo_link(8 << 20) as conn:
             payloads = [os.urandom(n) for n in sizes]
             for i, p in enumerate(payloads):  # all written before any is read: frames share reads
                 await conn.write({"id": i, "pad": "x" * (i * 300)}, [p[: len(p) // 2], p[len(p) // 2:]])
@@ -144,9 +157,6 @@ def test_a_frame_connection_carries_small_frames_together_and_large_ones_into_th
             big_header = {"id": 99, "pad": "y" * (frameconn.SCRATCH_BYTES + 5)}  # grows the scratch buffer
             await conn.write(big_header, [b"z"])
             assert await conn.read() == (big_header, b"z")
-            conn.close()
-            server.close()
-            await server.wait_closed()
 
     asyncio.run(scenario())
 
@@ -186,10 +196,7 @@ def test_a_listening_connection_hands_each_frame_to_its_callback_in_order() -> N
     sizes = [5, frameconn.SCRATCH_BYTES - 100, 0, 3 << 20, 7]
 
     async def scenario() -> None:
-        with tempfile.TemporaryDirectory() as folder:
-            path = os.path.join(folder, "s.sock")
-            server = await _echo_server(path, FrameLimits(8 << 20))
-            conn = await frameconn.open_unix(path, FrameLimits(8 << 20))
+        async with _echo_link(8 << 20) as conn:
             payloads = [os.urandom(n) for n in sizes]
             await conn.write({"id": 0}, [payloads[0]])
             while not conn._frames:  # the first echo arrives before anyone listens
@@ -210,12 +217,10 @@ def test_a_listening_connection_hands_each_frame_to_its_callback_in_order() -> N
             reading = asyncio.ensure_future(conn.read())
             await asyncio.sleep(0.05)
             assert not reading.done()  # no frame is queued for a reader any more
-            server.close()
             conn.close()
             with pytest.raises(LinkClosed):
                 await asyncio.wait_for(reading, 10)
             assert conn._on_frame is None
-            await server.wait_closed()
 
     asyncio.run(scenario())
 
@@ -223,10 +228,7 @@ def test_a_listening_connection_hands_each_frame_to_its_callback_in_order() -> N
 def test_a_listener_that_refuses_a_frame_closes_the_connection() -> None:
     """A :class:`FrameError` raised by the callback (a malformed id) ends the link as a malformed frame does."""
     async def scenario() -> None:
-        with tempfile.TemporaryDirectory() as folder:
-            path = os.path.join(folder, "s.sock")
-            server = await _echo_server(path, FrameLimits(1 << 20))
-            conn = await frameconn.open_unix(path, FrameLimits(1 << 20))
+        async with _echo_link(1 << 20) as conn:
             seen: list = []
 
             def on_frame(frame: tuple) -> None:
@@ -239,8 +241,6 @@ def test_a_listener_that_refuses_a_frame_closes_the_connection() -> None:
                 await asyncio.wait_for(conn.read(), 10)
             assert [h["id"] for h in seen] == [1, "x"]
             await asyncio.wait_for(conn.closed.wait(), 10)
-            server.close()
-            await server.wait_closed()
 
     asyncio.run(scenario())
 
